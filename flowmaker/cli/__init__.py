@@ -1,0 +1,1 @@
+"""The `flowmaker` command line."""

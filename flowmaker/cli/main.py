@@ -1,0 +1,36 @@
+"""Entry point of the `flowmaker` command: one typer app, each area's commands in its own module."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(help="FlowMaker: serve multi-step LLM workflows at least cost within SLOs.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+
+# (module, attribute) of each area's commands; each module exposes `register(app)`.
+_AREAS = (
+    "flowmaker.cli.catalog",  # models list, profiles show
+    "flowmaker.cli.select",  # select
+    "flowmaker.cli.bench",  # bench selector, bench serving
+    "flowmaker.cli.traces",  # traces download / synth
+    "flowmaker.cli.stack",  # up, task ..., instances
+)
+
+for _mod in _AREAS:
+    try:
+        _m = importlib.import_module(_mod)
+    except ModuleNotFoundError as e:  # an area not built yet must not break the others
+        if e.name != _mod:
+            raise
+        continue
+    _m.register(app)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

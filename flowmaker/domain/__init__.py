@@ -1,0 +1,19 @@
+"""Frozen, typed domain objects shared by every part of FlowMaker; imports no gRPC and no etcd."""
+
+from flowmaker.domain.cluster import Cluster, Gpu, GpuType, Instance, Model, ModelArch, Profile, ProfileSource
+from flowmaker.domain.selection import (
+    Infeasibility,
+    NewInstance,
+    SelectionOptions,
+    SelectionRequest,
+    SelectionResult,
+    StageAssignment,
+    Variant,
+)
+from flowmaker.domain.workflow import Slo, Stage, StageKind, TaskSpec, Workflow
+
+__all__ = [
+    "Cluster", "Gpu", "GpuType", "Infeasibility", "Instance", "Model", "ModelArch", "NewInstance",
+    "Profile", "ProfileSource", "SelectionOptions", "SelectionRequest", "SelectionResult", "Slo",
+    "Stage", "StageAssignment", "StageKind", "TaskSpec", "Variant", "Workflow",
+]

@@ -1,0 +1,258 @@
+"""A SelectVariant request compiled into flat arrays that every strategy searches.
+
+Everything here follows spec/selection.md literally; the strategies only differ
+in which assignments they look at. A "choice" for a workflow is, per LLM stage
+in the spec's topological order, either ("R", i) — reuse running instance i —
+or ("N", j) — the j-th new instance of this variant, opened (with its profile)
+by the first stage that uses it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flowmaker.domain import (
+    Infeasibility,
+    Instance,
+    NewInstance,
+    Profile,
+    SelectionRequest,
+    SelectionResult,
+    StageAssignment,
+    Variant,
+    Workflow,
+)
+from flowmaker.selection.placement import NodeGpus, free_memory, place_least_loaded
+
+# Relative tolerance for comparing costs and latencies (spec: answers equal within 1e-9).
+REL_TOL = 1e-12
+# Capacity / latency comparisons tolerate float noise from sums.
+EPS = 1e-9
+
+REUSE = "R"
+NEW = "N"
+Choice = tuple[str, int]
+
+
+def leq(a: float, b: float) -> bool:
+    """a <= b up to float noise (absolute + relative)."""
+    return a <= b + EPS * max(1.0, abs(b))
+
+
+@dataclass(slots=True)
+class PWorkflow:
+    """One workflow, compiled: stage arrays indexed by position in `wf.stages`."""
+
+    index: int
+    wf: Workflow
+    topo: tuple[int, ...]  # all stages, spec topological order
+    preds: tuple[tuple[int, ...], ...]
+    succs: tuple[tuple[int, ...], ...]
+    llm: tuple[int, ...]  # LLM stage indices in topo order: the decision points
+    tool_lat: tuple[float, ...]  # latency of TOOL stages (0 for LLM)
+    load: tuple[float, ...]  # output tokens/s a stage puts on its instance
+    lat_new: tuple[tuple[float, ...], ...]  # [stage][profile] stage latency
+    lat_reuse: tuple[tuple[float, ...], ...]  # [stage][reusable instance] stage latency
+
+
+class Problem:
+    """The request, compiled once; strategies share it."""
+
+    def __init__(self, req: SelectionRequest) -> None:
+        self.req = req
+        self.alpha = req.slo.min_accuracy
+        self.lam = req.slo.max_latency_s
+        self.rho = req.slo.arrival_rate_rps
+        self.u = req.options.utilization_cap
+        self.models = {m.id: m for m in req.models}
+        # A (model, tp, pp) is deployable iff it has a profile; profiles of unknown models are unusable.
+        self.profiles: tuple[Profile, ...] = tuple(p for p in req.profiles if p.model_id in self.models)
+        self.prof_by_key = {p.key: i for i, p in enumerate(self.profiles)}
+        self.p_acc = tuple(self.models[p.model_id].accuracy for p in self.profiles)
+        self.p_mem = tuple(p.total_memory_gb for p in self.profiles)
+        self.p_cap = tuple(self.u * p.max_output_tokens_per_s for p in self.profiles)
+        self.p_k = tuple(p.tp * p.pp for p in self.profiles)
+        self.p_ok = tuple(a >= self.alpha for a in self.p_acc)
+        # Reuse candidates: running instances whose (model, tp, pp) has a profile and model is known.
+        self.reusable: tuple[Instance, ...] = ()
+        if req.options.allow_reuse:
+            self.reusable = tuple(i for i in req.cluster.instances if i.key in self.prof_by_key)
+        self.r_prof = tuple(self.prof_by_key[i.key] for i in self.reusable)
+        self.r_load0 = tuple(i.load_output_tokens_per_s for i in self.reusable)
+        self.layout = NodeGpus.of(req.cluster.gpus)
+        self.free0 = free_memory(req.cluster.gpus)
+        self.workflows = tuple(self._compile(i, w) for i, w in enumerate(req.workflows))
+
+    def _compile(self, index: int, wf: Workflow) -> PWorkflow:
+        pos = {s.id: i for i, s in enumerate(wf.stages)}
+        preds = tuple(tuple(pos[d] for d in s.depends_on) for s in wf.stages)
+        succ: list[list[int]] = [[] for _ in wf.stages]
+        for i, ps in enumerate(preds):
+            for p in ps:
+                succ[p].append(i)
+        topo = wf.topo_order()
+        llm = tuple(i for i in topo if wf.stages[i].is_llm)
+        tool_lat = tuple(0.0 if s.is_llm else s.latency_s for s in wf.stages)
+        load = tuple(self.rho * s.calls_per_request * s.output_tokens if s.is_llm else 0.0 for s in wf.stages)
+        lat_new = tuple(
+            tuple(s.calls_per_request * p.call_latency_s(s.input_tokens, s.output_tokens) for p in self.profiles)
+            if s.is_llm else () for s in wf.stages)
+        lat_reuse = tuple(tuple(lat_new[i][rp] for rp in self.r_prof) if s.is_llm else ()
+                          for i, s in enumerate(wf.stages))
+        return PWorkflow(index, wf, topo, preds, tuple(tuple(x) for x in succ), llm, tool_lat, load,
+                         lat_new, lat_reuse)
+
+    # ---- evaluation of one complete choice (the reference used by exhaustive and to build answers) ----
+
+    def stage_latencies(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int]) -> list[float]:
+        lat = list(pw.tool_lat)
+        for s, (kind, ref) in zip(pw.llm, choice, strict=True):
+            lat[s] = pw.lat_reuse[s][ref] if kind == REUSE else pw.lat_new[s][slot_prof[ref]]
+        return lat
+
+    @staticmethod
+    def longest_path(pw: PWorkflow, lat: Sequence[float]) -> float:
+        fin = [0.0] * len(lat)
+        for s in pw.topo:
+            fin[s] = max((fin[p] for p in pw.preds[s]), default=0.0) + lat[s]
+        return max(fin)
+
+    def build_variant(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
+                      placements: Sequence[tuple[str, tuple[str, ...]]]) -> Variant:
+        """Assemble the response object for a feasible choice (placements in slot order)."""
+        lat = self.stage_latencies(pw, choice, slot_prof)
+        L = self.longest_path(pw, lat)
+        slot_load = [0.0] * len(slot_prof)
+        reuse_load: dict[int, float] = {}
+        assigns: list[StageAssignment] = []
+        accs: list[float] = []
+        for s, (kind, ref) in zip(pw.llm, choice, strict=True):
+            st = pw.wf.stages[s]
+            if kind == REUSE:
+                inst = self.reusable[ref]
+                reuse_load[ref] = reuse_load.get(ref, 0.0) + pw.load[s]
+                accs.append(self.models[inst.model_id].accuracy)
+                assigns.append(StageAssignment(st.id, inst.model_id, inst.tp, inst.pp, True, instance_id=inst.id,
+                                               gpu_ids=inst.gpu_ids, latency_s=lat[s],
+                                               load_output_tokens_per_s=pw.load[s]))
+            else:
+                p = self.profiles[slot_prof[ref]]
+                slot_load[ref] += pw.load[s]
+                accs.append(self.p_acc[slot_prof[ref]])
+                assigns.append(StageAssignment(st.id, p.model_id, p.tp, p.pp, False, new_key=f"new-{ref}",
+                                               gpu_ids=placements[ref][1], latency_s=lat[s],
+                                               load_output_tokens_per_s=pw.load[s]))
+        news = tuple(
+            NewInstance(f"new-{j}", self.profiles[pi].model_id, self.profiles[pi].tp, self.profiles[pi].pp,
+                        placements[j][0], placements[j][1], self.profiles[pi].memory_gb_per_gpu, slot_load[j])
+            for j, pi in enumerate(slot_prof))
+        mem = sum(self.p_mem[pi] for pi in slot_prof)
+        return Variant(
+            workflow_id=pw.wf.id, assignments=tuple(assigns), new_instances=news,
+            reuse=tuple((self.reusable[i].id, ld) for i, ld in sorted(reuse_load.items())),
+            latency_s=L, accuracy=min(accs), cost=mem * L, new_memory_gb=mem,
+            new_gpus=sum(self.p_k[pi] for pi in slot_prof))
+
+    def check(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int]
+              ) -> tuple[int, list[tuple[str, tuple[str, ...]]]]:
+        """Check one complete choice from scratch, constraints in the spec's order.
+
+        Returns (first failed constraint: 1 accuracy, 2 latency, 3 capacity,
+        4 placement; 5 = feasible) and the placements of the new instances.
+        """
+        for kind, ref in choice:
+            pi = self.r_prof[ref] if kind == REUSE else slot_prof[ref]
+            if not self.p_ok[pi]:
+                return 1, []
+        lat = self.stage_latencies(pw, choice, slot_prof)
+        if not leq(self.longest_path(pw, lat), self.lam):
+            return 2, []
+        slot_load = [0.0] * len(slot_prof)
+        r_load: dict[int, float] = {}
+        for s, (kind, ref) in zip(pw.llm, choice, strict=True):
+            if kind == REUSE:
+                r_load[ref] = r_load.get(ref, self.r_load0[ref]) + pw.load[s]
+            else:
+                slot_load[ref] += pw.load[s]
+        for j, pi in enumerate(slot_prof):
+            if not leq(slot_load[j], self.p_cap[pi]):
+                return 3, []
+        for i, ld in r_load.items():  # every reused instance, even when this variant adds no load
+            if not leq(ld, self.p_cap[self.r_prof[i]]):
+                return 3, []
+        free = dict(self.free0)
+        places: list[tuple[str, tuple[str, ...]]] = []
+        for pi in slot_prof:
+            pl = place_least_loaded(self.layout, free, self.p_k[pi], self.profiles[pi].memory_gb_per_gpu)
+            if pl is None:
+                return 4, []
+            for g in pl[1]:
+                free[g] -= self.profiles[pi].memory_gb_per_gpu
+            places.append(pl)
+        return 5, places
+
+    # ---- search-space size (the spec's space, accuracy ignored) ----
+
+    def space_size(self, pw: PWorkflow, start: int = 0, open_slots: int = 0) -> int:
+        """Number of variants of this workflow from LLM decision `start` on, with `open_slots`
+        new instances already opened: each stage reuses (R ways), joins an open new instance,
+        or opens a new one of any profile (P ways)."""
+        R, P = len(self.reusable), len(self.profiles)
+        counts = {open_slots: 1}
+        for _ in range(start, len(pw.llm)):
+            nxt: dict[int, int] = {}
+            for k, c in counts.items():
+                nxt[k] = nxt.get(k, 0) + c * (R + k)
+                if P:
+                    nxt[k + 1] = nxt.get(k + 1, 0) + c * P
+            counts = nxt
+        return sum(counts.values())
+
+    def total_space(self) -> int:
+        return sum(self.space_size(pw) for pw in self.workflows)
+
+
+_REASON = {1: Infeasibility.NO_MODEL_MEETS_ACCURACY, 2: Infeasibility.NO_LATENCY,
+           3: Infeasibility.NO_CAPACITY, 4: Infeasibility.NO_GPU_MEMORY}
+
+_DETAIL = {
+    1: "no LLM stage of any approved workflow can be served by a model with accuracy >= {alpha}",
+    2: "no variant whose models meet accuracy >= {alpha} finishes within {lam} s",
+    3: "every variant meeting accuracy and latency overloads an instance at {rho} req/s "
+       "(utilization cap {u})",
+    4: "every variant meeting accuracy, latency and capacity needs more GPU memory than is free",
+}
+
+
+def infeasible_result(problem: Problem, strategy: str, level: int, started: float, evaluated: int,
+                      timed_out: bool = False) -> SelectionResult:
+    """The answer when no feasible variant was found; `level` is the tightest failed constraint."""
+    level = max(1, min(level, 4))
+    detail = _DETAIL[level].format(alpha=problem.alpha, lam=problem.lam, rho=problem.rho, u=problem.u)
+    return SelectionResult(strategy=strategy, variant=None, reason=_REASON[level], reason_detail=detail,
+                           variants_evaluated=evaluated, search_space_size=problem.total_space(),
+                           elapsed_s=time.perf_counter() - started, timed_out=timed_out)
+
+
+def better(cost: float, lat: float, gpus: int, best: tuple[float, float, int] | None) -> bool:
+    """Lexicographic (cost, latency, new GPUs) with float tolerance: the spec's tie-breaks."""
+    if best is None:
+        return True
+    bc, bl, bg = best
+    tol_c = REL_TOL * max(abs(bc), 1e-300)
+    if cost < bc - tol_c:
+        return True
+    if cost > bc + tol_c:
+        return False
+    tol_l = REL_TOL * max(abs(bl), 1e-300)
+    if lat < bl - tol_l:
+        return True
+    if lat > bl + tol_l:
+        return False
+    return gpus < bg
+
+
+INF = math.inf

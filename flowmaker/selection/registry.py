@@ -1,0 +1,41 @@
+"""Registry of selection strategies: `select(request, strategy)` is the one entry point."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flowmaker.domain import SelectionRequest, SelectionResult
+from flowmaker.errors import NotFound
+
+Strategy = Callable[[SelectionRequest], SelectionResult]
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register(name: str) -> Callable[[Strategy], Strategy]:
+    def deco(fn: Strategy) -> Strategy:
+        STRATEGIES[name] = fn
+        return fn
+    return deco
+
+
+def get_strategy(name: str) -> Strategy:
+    _load()
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise NotFound(f"unknown selection strategy {name!r}; known: {sorted(STRATEGIES)}",
+                       field="strategy", reason="UNKNOWN_STRATEGY") from None
+
+
+def select(request: SelectionRequest, strategy: str = "exact") -> SelectionResult:
+    """Validate the request and run the named strategy on it."""
+    fn = get_strategy(strategy)
+    request.validate()
+    return fn(request)
+
+
+def _load() -> None:
+    # Import the strategy modules for their @register side effect (kept lazy so
+    # that importing the registry never pulls optional extras such as skopt).
+    from flowmaker.selection import bayesopt, exact, exhaustive, heuristic  # noqa: F401
