@@ -1,0 +1,398 @@
+"""Property tests: `exact` == `exhaustive` == an independent brute force written from spec/selection.md.
+
+The brute force and the feasibility re-check below share no code with
+flowmaker.selection: they re-implement the spec's rules (longest path,
+capacity with the utilization cap, LeastLoaded placement, cost) from scratch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flowmaker.domain import (
+    Cluster,
+    Gpu,
+    Infeasibility,
+    Instance,
+    Model,
+    Profile,
+    SelectionOptions,
+    SelectionRequest,
+    Slo,
+    Stage,
+    StageKind,
+    Variant,
+    Workflow,
+)
+from flowmaker.selection import select
+
+REL = 1e-9
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= REL * max(1.0, abs(a), abs(b))
+
+
+# ---------------------------------------------------------------- random requests
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> SelectionRequest:
+    n_nodes = draw(st.integers(1, 3))
+    gpus = []
+    for n in range(n_nodes):
+        for g in range(draw(st.sampled_from([1, 2, 4]))):
+            total = 48.0
+            used = draw(st.sampled_from([0.0, 0.0, 8.0, 20.0, 40.0]))
+            gpus.append(Gpu(f"n{n}-g{g}", f"n{n}", total, used))
+    models = [Model(f"m{i}", draw(st.sampled_from([0.1, 0.2, 0.3, 0.4])), 1.0 + i, 1.0 + i)
+              for i in range(draw(st.integers(1, 3)))]
+    profiles = []
+    for m in models:
+        for tp, pp in draw(st.lists(st.sampled_from([(1, 1), (2, 1), (1, 2), (4, 1)]), min_size=0, max_size=2,
+                                    unique=True)):
+            profiles.append(Profile(
+                m.id, tp, pp,
+                memory_gb_per_gpu=draw(st.sampled_from([4.0, 10.0, 20.0, 30.0, 45.0])),
+                fixed_s=draw(st.sampled_from([0.0, 0.01, 0.05])),
+                prefill_s_per_token=draw(st.sampled_from([1e-5, 1e-4, 5e-4])),
+                decode_s_per_token=draw(st.sampled_from([0.005, 0.01, 0.03])),
+                max_output_tokens_per_s=draw(st.sampled_from([40.0, 200.0, 1000.0]))))
+    instances = []
+    for i in range(draw(st.integers(0, 2))):
+        if not profiles:
+            break
+        p = draw(st.sampled_from(profiles))
+        k = p.tp * p.pp
+        node_gpus = [g for g in gpus if g.node == gpus[0].node][:k]
+        if len(node_gpus) < k:
+            continue
+        instances.append(Instance(f"inst{i}", p.model_id, p.tp, p.pp, tuple(g.id for g in node_gpus),
+                                  draw(st.sampled_from([0.0, 20.0, 150.0]))))
+    workflows = []
+    for w in range(draw(st.integers(1, 2))):
+        stages: list[Stage] = []
+        for k in range(draw(st.integers(1, 3))):
+            deps = tuple(s.id for s in stages if draw(st.booleans()))
+            if draw(st.integers(0, 4)) == 0:
+                stages.append(Stage(f"s{k}", StageKind.TOOL, deps, latency_s=draw(st.sampled_from([0.0, 0.2, 1.0]))))
+            else:
+                stages.append(Stage(f"s{k}", StageKind.LLM, deps, draw(st.sampled_from([50, 500, 2000])),
+                                    draw(st.sampled_from([10, 100, 300])), draw(st.sampled_from([1, 1, 2]))))
+        if not any(s.is_llm for s in stages):
+            stages.append(Stage("last", StageKind.LLM, (stages[-1].id,), 100, 50))
+        workflows.append(Workflow(f"w{w}", tuple(stages)))
+    slo = Slo(draw(st.sampled_from([0.0, 0.15, 0.25, 0.35, 0.5])), draw(st.sampled_from([0.5, 2.0, 5.0, 20.0])),
+              draw(st.sampled_from([0.0, 0.1, 0.5, 2.0])))
+    opts = SelectionOptions(utilization_cap=draw(st.sampled_from([1.0, 0.7])), allow_reuse=draw(st.booleans()))
+    return SelectionRequest(slo, tuple(workflows), tuple(models), tuple(profiles), Cluster(tuple(gpus),
+                            tuple(instances)), opts)
+
+
+# ---------------------------------------------------------------- independent spec implementation
+
+
+def topo(wf: Workflow) -> list[Stage]:
+    taken: list[Stage] = []
+    left = list(wf.stages)
+    while left:
+        nxt = next(s for s in left if all(d in {t.id for t in taken} for d in s.depends_on))
+        taken.append(nxt)
+        left.remove(nxt)
+    return taken
+
+
+def stage_latency(stage: Stage, prof: Profile) -> float:
+    return stage.calls_per_request * (prof.fixed_s + prof.prefill_s_per_token * stage.input_tokens
+                                      + prof.decode_s_per_token * stage.output_tokens)
+
+
+def longest(wf: Workflow, lat: dict[str, float]) -> float:
+    fin: dict[str, float] = {}
+    for s in topo(wf):
+        fin[s.id] = max((fin[d] for d in s.depends_on), default=0.0) + lat[s.id]
+    return max(fin.values())
+
+
+def spec_place(gpus: list[Gpu], free: dict[str, float], k: int, mem: float) -> tuple[str, list[str]] | None:
+    cands = []
+    for node in sorted({g.node for g in gpus}):
+        ids = sorted((g.id for g in gpus if g.node == node), key=lambda i: (-free[i], i))[:k]
+        if len(ids) == k and all(free[i] >= mem - 1e-9 for i in ids):
+            cands.append((-free[ids[-1]], node, ids))
+    if not cands:
+        return None
+    cands.sort()
+    return cands[0][1], cands[0][2]
+
+
+def brute_force(req: SelectionRequest) -> tuple[tuple[float, float] | None, int]:
+    """Return ((cost, L) of the optimum or None, tightest failed constraint 1..4 / 5 feasible)."""
+    prof = {(p.model_id, p.tp, p.pp): p for p in req.profiles if p.model_id in {m.id for m in req.models}}
+    acc = {m.id: m.accuracy for m in req.models}
+    reuse = [i for i in req.cluster.instances if (i.model_id, i.tp, i.pp) in prof] if req.options.allow_reuse else []
+    best: tuple[float, float] | None = None
+    level = 1
+    for wf in req.workflows:
+        llm = [s for s in topo(wf) if s.is_llm]
+
+        def gen(j: int, acc_choice: list, nslots: int):  # restricted growth over new instances
+            if j == len(llm):
+                yield list(acc_choice)
+                return
+            opts = [("R", r) for r in range(len(reuse))] + [("J", k) for k in range(nslots)] + \
+                   [("O", p) for p in prof.values()]
+            for o in opts:
+                acc_choice.append(o)
+                yield from gen(j + 1, acc_choice, nslots + (o[0] == "O"))
+                acc_choice.pop()
+
+        for ch in gen(0, [], 0):
+            slots: list[Profile] = []
+            inst_of: list[tuple[str, int]] = []
+            for kind, ref in ch:
+                if kind == "O":
+                    slots.append(ref)
+                    inst_of.append(("N", len(slots) - 1))
+                elif kind == "J":
+                    inst_of.append(("N", ref))
+                else:
+                    inst_of.append(("R", ref))
+            prof_of = [reuse[r].model_id if k == "R" else slots[r].model_id for k, r in inst_of]
+            if any(acc[m] < req.slo.min_accuracy for m in prof_of):
+                continue
+            level = max(level, 2)
+            lat = {s.id: s.latency_s for s in wf.stages if not s.is_llm}
+            loads: dict[tuple[str, int], float] = {}
+            for s, (k, r) in zip(llm, inst_of, strict=True):
+                p = prof[(reuse[r].model_id, reuse[r].tp, reuse[r].pp)] if k == "R" else slots[r]
+                lat[s.id] = stage_latency(s, p)
+                loads[(k, r)] = loads.get((k, r), 0.0) + req.slo.arrival_rate_rps * s.calls_per_request * \
+                    s.output_tokens
+            L = longest(wf, lat)
+            if L > req.slo.max_latency_s * (1 + 1e-9):
+                continue
+            level = max(level, 3)
+            cap_ok = True
+            for (k, r), ld in loads.items():
+                if k == "R":
+                    i = reuse[r]
+                    tot, p = ld + i.load_output_tokens_per_s, prof[(i.model_id, i.tp, i.pp)]
+                else:
+                    tot, p = ld, slots[r]
+                if tot > req.options.utilization_cap * p.max_output_tokens_per_s * (1 + 1e-9) + 1e-9:
+                    cap_ok = False
+            if not cap_ok:
+                continue
+            level = max(level, 4)
+            free = {g.id: g.memory_total_gb - g.memory_used_gb for g in req.cluster.gpus}
+            placed = True
+            for p in slots:
+                pl = spec_place(list(req.cluster.gpus), free, p.tp * p.pp, p.memory_gb_per_gpu)
+                if pl is None:
+                    placed = False
+                    break
+                for g in pl[1]:
+                    free[g] -= p.memory_gb_per_gpu
+            if not placed:
+                continue
+            level = 5
+            cost = sum(p.memory_gb_per_gpu * p.tp * p.pp for p in slots) * L
+            if best is None or cost < best[0] - REL * max(1, cost) or (close(cost, best[0]) and L < best[1]):
+                best = (cost, L)
+    return best, level
+
+
+def recheck(req: SelectionRequest, v: Variant) -> None:
+    """Independent feasibility re-check of a returned variant."""
+    wf = next(w for w in req.workflows if w.id == v.workflow_id)
+    prof = {(p.model_id, p.tp, p.pp): p for p in req.profiles}
+    acc = {m.id: m.accuracy for m in req.models}
+    insts = {i.id: i for i in req.cluster.instances}
+    by_stage = {a.stage_id: a for a in v.assignments}
+    assert sorted(by_stage) == sorted(s.id for s in wf.stages if s.is_llm)
+    lat = {s.id: s.latency_s for s in wf.stages if not s.is_llm}
+    loads: dict[str, float] = {}
+    for s in wf.stages:
+        if not s.is_llm:
+            continue
+        a = by_stage[s.id]
+        assert acc[a.model_id] >= req.slo.min_accuracy
+        lat[s.id] = stage_latency(s, prof[(a.model_id, a.tp, a.pp)])
+        key = a.instance_id if a.reused else a.new_key
+        if a.reused:
+            assert req.options.allow_reuse
+            i = insts[a.instance_id]
+            assert (i.model_id, i.tp, i.pp) == (a.model_id, a.tp, a.pp)
+        loads[key] = loads.get(key, 0.0) + req.slo.arrival_rate_rps * s.calls_per_request * s.output_tokens
+    L = longest(wf, lat)
+    assert close(L, v.latency_s)
+    assert L <= req.slo.max_latency_s * (1 + 1e-9)
+    news = {n.key: n for n in v.new_instances}
+    for key, ld in loads.items():
+        if key in insts:
+            i = insts[key]
+            cap = prof[(i.model_id, i.tp, i.pp)].max_output_tokens_per_s
+            ld += i.load_output_tokens_per_s
+        else:
+            n = news[key]
+            cap = prof[(n.model_id, n.tp, n.pp)].max_output_tokens_per_s
+        assert ld <= req.options.utilization_cap * cap * (1 + 1e-9) + 1e-9
+    # Placement: replay LeastLoaded in the spec's order (order of first use in topological order).
+    order: list[str] = []
+    for s in topo(wf):
+        if s.is_llm and not by_stage[s.id].reused and by_stage[s.id].new_key not in order:
+            order.append(by_stage[s.id].new_key)
+    assert order == [n.key for n in v.new_instances]
+    free = {g.id: g.memory_total_gb - g.memory_used_gb for g in req.cluster.gpus}
+    mem = 0.0
+    for key in order:
+        n = news[key]
+        pl = spec_place(list(req.cluster.gpus), free, n.tp * n.pp, n.memory_gb_per_gpu)
+        assert pl is not None and (pl[0], tuple(pl[1])) == (n.node, n.gpu_ids)
+        for g in pl[1]:
+            free[g] -= n.memory_gb_per_gpu
+            assert free[g] >= -1e-9
+        mem += n.memory_gb_per_gpu * n.tp * n.pp
+    assert close(mem, v.new_memory_gb)
+    assert close(mem * L, v.cost)
+
+
+LEVEL = {1: Infeasibility.NO_MODEL_MEETS_ACCURACY, 2: Infeasibility.NO_LATENCY, 3: Infeasibility.NO_CAPACITY,
+         4: Infeasibility.NO_GPU_MEMORY}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests())
+def test_exact_equals_exhaustive_equals_brute_force(req: SelectionRequest) -> None:
+    want, level = brute_force(req)
+    ex = select(req, "exact")
+    eh = select(req, "exhaustive")
+    for res in (ex, eh):
+        if want is None:
+            assert res.variant is None
+            assert res.reason == LEVEL[level], (res.strategy, res.reason, level)
+        else:
+            assert res.variant is not None, res.strategy
+            assert close(res.variant.cost, want[0]), (res.strategy, res.variant.cost, want)
+            assert close(res.variant.latency_s, want[1]), (res.strategy, res.variant.latency_s, want)
+            recheck(req, res.variant)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests())
+def test_heuristic_answers_are_feasible_and_never_beat_exact(req: SelectionRequest) -> None:
+    ex = select(req, "exact")
+    h = select(req, "heuristic")
+    if h.variant is not None:
+        recheck(req, h.variant)
+        assert ex.variant is not None
+        assert h.variant.cost >= ex.variant.cost * (1 - 1e-9) - 1e-12
+
+
+def _chain_request(rate: float = 0.0, allow_reuse: bool = True, instances: tuple[Instance, ...] = ()
+                   ) -> SelectionRequest:
+    wf = Workflow("chain", (Stage("a", input_tokens=100, output_tokens=100),
+                            Stage("b", depends_on=("a",), input_tokens=100, output_tokens=100)))
+    models = (Model("small", 0.3, 1.0, 1.0), Model("big", 0.45, 10.0, 10.0))
+    profiles = (Profile("small", 1, 1, 10.0, 0.0, 0.0, 0.01, 1000.0),
+                Profile("big", 1, 1, 30.0, 0.0, 0.0, 0.02, 1000.0))
+    gpus = tuple(Gpu(f"g{i}", "n0", 48.0) for i in range(2))
+    return SelectionRequest(Slo(0.25, 10.0, rate), (wf,), models, profiles, Cluster(gpus, instances),
+                            SelectionOptions(allow_reuse=allow_reuse))
+
+
+def test_in_variant_sharing_is_chosen_when_capacity_allows() -> None:
+    res = select(_chain_request(rate=1.0), "exact")
+    assert res.variant is not None
+    assert len(res.variant.new_instances) == 1  # both stages on one new "small" instance
+    assert res.variant.new_instances[0].model_id == "small"
+    assert close(res.variant.cost, 10.0 * 2.0)  # 10 GB * (1 s + 1 s)
+
+
+def test_sharing_stops_at_the_utilization_cap() -> None:
+    # 6 req/s * 100 tokens = 600 tok/s per stage; two stages = 1200 > 1000: two instances needed.
+    res = select(_chain_request(rate=6.0), "exact")
+    assert res.variant is not None and len(res.variant.new_instances) == 2
+
+
+def test_reuse_costs_nothing_and_respects_allow_reuse() -> None:
+    inst = (Instance("running-small", "small", 1, 1, ("g0",), 0.0),)
+    res = select(_chain_request(instances=inst), "exact")
+    assert res.variant is not None and res.variant.cost == 0.0
+    assert {a.instance_id for a in res.variant.assignments} == {"running-small"}
+    res2 = select(_chain_request(instances=inst, allow_reuse=False), "exact")
+    assert res2.variant is not None and res2.variant.cost > 0
+
+
+def test_unknown_strategy_is_a_clear_error() -> None:
+    from flowmaker.errors import NotFound
+    with pytest.raises(NotFound, match="unknown selection strategy"):
+        select(_chain_request(), "nope")
+
+
+def test_invalid_request_names_the_field() -> None:
+    from flowmaker.errors import InvalidSpec
+    bad = dataclasses.replace(_chain_request(), slo=Slo(45.0, 10.0, 0.0))
+    with pytest.raises(InvalidSpec) as e:
+        select(bad, "exact")
+    assert e.value.field == "slo.min_accuracy"
+
+
+def test_infeasible_reasons_tightest_first() -> None:
+    base = _chain_request()
+    r = dataclasses.replace(base, slo=Slo(0.9, 10.0, 0.0))
+    assert select(r, "exact").reason is Infeasibility.NO_MODEL_MEETS_ACCURACY
+    r = dataclasses.replace(base, slo=Slo(0.25, 0.5, 0.0))
+    assert select(r, "exact").reason is Infeasibility.NO_LATENCY
+    r = dataclasses.replace(base, slo=Slo(0.25, 10.0, 50.0))
+    assert select(r, "exact").reason is Infeasibility.NO_CAPACITY
+    full = Cluster(tuple(Gpu(f"g{i}", "n0", 48.0, 45.0) for i in range(2)))
+    r = dataclasses.replace(base, cluster=full)
+    assert select(r, "exact").reason is Infeasibility.NO_GPU_MEMORY
+
+
+def test_search_space_matches_the_published_count_without_reuse_or_sharing() -> None:
+    """The published example: 3 workflows of 1, 2, 2 LLM stages, 11 models x 10 configs: 110 + 2*110^2
+    variants without sharing; with in-variant sharing each 2-stage workflow adds 110 more."""
+    from flowmaker.selection.problem import Problem
+    models = tuple(Model(f"m{i}", 0.5, 1.0, 1.0) for i in range(11))
+    profiles = tuple(Profile(m.id, tp, pp, 1.0, 0.0, 0.0, 0.01, 100.0) for m in models
+                     for tp, pp in [(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)])
+    one = Workflow("w1", (Stage("a", input_tokens=1, output_tokens=1),))
+    two = Workflow("w2", (Stage("a", input_tokens=1, output_tokens=1),
+                          Stage("b", depends_on=("a",), input_tokens=1, output_tokens=1)))
+    two_b = dataclasses.replace(two, id="w3")
+    req = SelectionRequest(Slo(0.1, 1.0, 0.0), (one, two, two_b), models, profiles, Cluster())
+    assert Problem(req).total_space() == 110 + 2 * (110 ** 2 + 110)
+    assert 110 + 2 * 110 ** 2 == 24_310
+    assert math.isfinite(float(Problem(req).total_space()))
+
+
+def test_bayesopt_returns_a_feasible_variant_no_better_than_exact() -> None:
+    pytest.importorskip("skopt")
+    req = dataclasses.replace(_chain_request(rate=1.0), options=SelectionOptions(max_trials=25, seed=1))
+    bo = select(req, "bayesopt")
+    ex = select(req, "exact")
+    assert bo.variant is not None and ex.variant is not None
+    recheck(req, bo.variant)
+    assert bo.variant.cost >= ex.variant.cost * (1 - 1e-9)
+    assert bo.variants_evaluated == 25
+
+
+def test_exhaustive_reports_timeout() -> None:
+    req = dataclasses.replace(_chain_request(), options=SelectionOptions(time_budget_s=1e-9))
+    big = dataclasses.replace(req, workflows=tuple(
+        Workflow(f"w{i}", tuple(Stage(f"s{k}", input_tokens=10, output_tokens=10,
+                                      depends_on=(f"s{k-1}",) if k else ()) for k in range(6)))
+        for i in range(3)))
+    res = select(big, "exhaustive")
+    assert res.timed_out
+
+
+
