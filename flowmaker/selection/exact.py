@@ -52,6 +52,10 @@ class _Static:
     tail: list[float]  # [stage] least time after the stage ends
     front: list[list[tuple[float, float]]]  # [stage] (memory, latency) Pareto front, memory ascending
     reuse_min: list[float]  # [stage] fastest reuse option
+    w_rem: list[float]  # [decision j] load of decisions j.. (output tokens/s)
+    heavy: list[bool]  # [stage] its load exceeds half of every option's capacity: it never shares a new instance
+    heavy_mem: list[float]  # [stage] least memory of a new instance that can carry it alone
+    ratio: list[float]  # [decision j] least memory per unit of capacity among their new-instance options
     after: list[list[int]]  # [decision j] TOOL stages that follow decision j in topo order (before j+1)
     before: list[int]  # TOOL stages before the first decision
     feasible: bool  # every LLM stage has at least one usable option
@@ -100,7 +104,31 @@ def _static(pb: Problem, pw: PWorkflow, check_cap: bool) -> _Static:
             before.append(s)
         else:
             after[j].append(s)
-    return _Static(new_opts, reuse_opts, lat_lb, tail, front, reuse_min, after, before, feasible)
+    nd = len(pw.llm)
+    w_rem = [0.0] * (nd + 1)
+    ratio = [INF] * (nd + 1)
+    for j in range(nd - 1, -1, -1):
+        s = pw.llm[j]
+        w_rem[j] = w_rem[j + 1] + pw.load[s]
+        ratio[j] = min([ratio[j + 1]] + [pb.p_mem[pi] / pb.p_cap[pi] for pi in new_opts[s]])
+    heavy = [False] * n
+    heavy_mem = [0.0] * n
+    if check_cap:
+        for s in pw.llm:
+            ld = pw.load[s]
+            if new_opts[s] and ld > 0:
+                cap_max = max(pb.p_cap[pi] for pi in new_opts[s])
+                heavy[s] = ld * 2 > cap_max * (1 + 1e-9)
+                heavy_mem[s] = min(pb.p_mem[pi] for pi in new_opts[s])
+        if any(heavy):
+            # Two heavy stages share an instance only if their loads fit together; require that no pair can.
+            hl = sorted(pw.load[s] for s in pw.llm if heavy[s])
+            caps = [pb.p_cap[pi] for s in pw.llm for pi in new_opts[s]]
+            if len(hl) >= 2 and leq(hl[0] + hl[1], max(caps)):
+                heavy = [False] * n
+    return _Static(new_opts=new_opts, reuse_opts=reuse_opts, lat_lb=lat_lb, tail=tail, front=front,
+                   reuse_min=reuse_min, w_rem=w_rem, heavy=heavy, heavy_mem=heavy_mem, ratio=ratio,
+                   after=after, before=before, feasible=feasible)
 
 
 class _Search:
@@ -175,6 +203,9 @@ class _Search:
         check_cap, check_place, use_bound = self.check_cap, self.check_place, self.use_bound
         mem_now = [0.0]
         gpus_now = [0]
+        depth = [0]
+        # Running instances some stage could reuse: their spare capacity counts in the capacity bound.
+        reuse_any = sorted({r for s in llm for r in st.reuse_opts[s]})
 
         def bound() -> tuple[float, float]:
             """Lower bounds (cost, latency) of any completion; cost INF when none can be feasible."""
@@ -200,6 +231,37 @@ class _Search:
             lb = M * Lb
             if not use_bound:
                 return lb, Lb
+            # Capacity: load still to place beyond the spare capacity of instances already in play
+            # needs new instances, at best at the least memory per unit of capacity (fractional relaxation).
+            dm = 0.0
+            if check_cap:
+                j0 = depth[0]
+                need = st.w_rem[j0]
+                if need > 0.0:
+                    for k, pi in enumerate(slots):
+                        need -= max(0.0, p_cap[pi] - slot_load[k])
+                    for r in reuse_any:
+                        need -= max(0.0, p_cap[r_prof[r]] - r_load0[r] - r_add[r])
+                    if need > EPS * max(1.0, st.w_rem[j0]):
+                        if st.ratio[j0] == INF:
+                            return INF, Lb
+                        dm = need * st.ratio[j0]
+                    # Integrality: stages too heavy to share any new instance with another heavy
+                    # stage, and that fit no spare capacity in play, each need an instance of their own.
+                    big = 0.0
+                    for jj in range(j0, nd):
+                        s = llm[jj]
+                        if not st.heavy[s]:
+                            continue
+                        ld = load[s]
+                        if any(leq(slot_load[k] + ld, p_cap[pi]) for k, pi in enumerate(slots)):
+                            continue
+                        if any(leq(r_load0[r] + r_add[r] + ld, p_cap[r_prof[r]]) for r in st.reuse_opts[s]):
+                            continue
+                        big += st.heavy_mem[s]
+                    if big > dm:
+                        dm = big
+                    lb = (M + dm) * Lb
             for s in llm:
                 if assigned[s]:
                     continue
@@ -211,17 +273,17 @@ class _Search:
                         lz = lv
                 b = INF
                 if lz < INF and leq(h + lz + t, lam):
-                    b = M * max(Lb, h + lz + t)
+                    b = (M + dm) * max(Lb, h + lz + t)
                 for m, lv in front[s]:
                     e = h + lv + t
                     if not leq(e, lam):
                         continue
                     if e <= Lb:  # later points only add memory
-                        v = (M + m) * Lb
+                        v = (M + max(m, dm)) * Lb
                         if v < b:
                             b = v
                         break
-                    v = (M + m) * e
+                    v = (M + max(m, dm)) * e
                     if v < b:
                         b = v
                 if b == INF:
@@ -288,6 +350,7 @@ class _Search:
             if j == nd:
                 leaf()
                 return
+            depth[0] = j
             if prune(*bound()):
                 return
             s = llm[j]

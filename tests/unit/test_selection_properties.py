@@ -8,6 +8,7 @@ capacity with the utilization cap, LeastLoaded placement, cost) from scratch.
 from __future__ import annotations
 
 import dataclasses
+import os
 import math
 
 import pytest
@@ -267,7 +268,7 @@ LEVEL = {1: Infeasibility.NO_MODEL_MEETS_ACCURACY, 2: Infeasibility.NO_LATENCY, 
          4: Infeasibility.NO_GPU_MEMORY}
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests())
 def test_exact_equals_exhaustive_equals_brute_force(req: SelectionRequest) -> None:
     want, level = brute_force(req)
