@@ -16,6 +16,8 @@ _AREAS = (
     "flowmaker.cli.bench",  # bench selector, bench serving
     "flowmaker.cli.traces",  # traces download / synth
     "flowmaker.cli.stack",  # up, task ..., instances
+    "flowmaker.cli.profiles_measure",  # profiles measure
+    "flowmaker.cli.demo",  # demo
 )
 
 for _mod in _AREAS:

@@ -1,0 +1,1 @@
+"""Benchmarks: selector strategies and the serving comparison."""

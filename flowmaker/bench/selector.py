@@ -1,0 +1,382 @@
+"""`flowmaker bench selector`: the selection strategies side by side at paper scale, in depth and in catalog size.
+
+Three experiments, one run, written as JSON + a table + PNG plots:
+1. paper scale — the 7 evaluation tasks x 3 workflows, 11 models x 10 configs,
+   8xA6000, on an empty cluster and on clusters whose running instances carry
+   low / high load;
+2. depth — chains of 1..10 LLM stages with the 11 models;
+3. catalog — 11 / 25 / 50 / 125 models at 3 stages (extra models synthesised).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from flowmaker.catalog import default_models, get_gpu_type, make_cluster, params_from_arch
+from flowmaker.domain import (
+    Cluster,
+    Instance,
+    Model,
+    Profile,
+    SelectionOptions,
+    SelectionRequest,
+    SelectionResult,
+    Slo,
+    Stage,
+    Variant,
+    Workflow,
+)
+from flowmaker.eval.tasks import EVAL_TASKS
+from flowmaker.profiling.analytic import profiles_for
+from flowmaker.selection import select
+
+STRATEGIES = ("exact", "heuristic", "exhaustive", "bayesopt")
+Progress = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    repeats: int = 5  # exact/heuristic are timed this many times per case (median reported)
+    exhaustive_budget_s: float = 20.0
+    bayesopt_budget_s: float = 15.0
+    bayesopt_trials: int = 200
+    bayesopt_states: tuple[str, ...] = ("empty",)  # BO is slow; run it on these cluster states only
+    depth_max: int = 10
+    depth_rate_rps: float = 1.0
+    depth_budget_s: float = 10.0
+    catalog_sizes: tuple[int, ...] = (11, 25, 50, 125)
+    seed: int = 0
+
+
+# ------------------------------------------------------------------ cluster states
+
+
+def _running_cluster(models: Sequence[Model], profiles: Sequence[Profile], load_frac: float) -> Cluster:
+    """Deploy every evaluation task once (exact, reuse on) into an empty 8xA6000 node, then set each
+    running instance's load to `load_frac` of its capacity: the 'low'/'high' load states."""
+    cluster = make_cluster("A6000", nodes=1, gpus_per_node=8)
+    prof = {p.key: p for p in profiles}
+    instances: list[Instance] = []
+    used = {g.id: g.memory_used_gb for g in cluster.gpus}
+    for t in EVAL_TASKS:
+        req = SelectionRequest(t.slo(), t.nominal_workflows(), tuple(models), tuple(profiles),
+                               Cluster(tuple(dataclasses.replace(g, memory_used_gb=used[g.id]) for g in cluster.gpus),
+                                       tuple(instances)))
+        res = select(req, "exact")
+        if res.variant is None:
+            continue
+        for n in res.variant.new_instances:
+            for g in n.gpu_ids:
+                used[g] += n.memory_gb_per_gpu
+            instances.append(Instance(f"{t.name}-{n.key}", n.model_id, n.tp, n.pp, n.gpu_ids, 0.0))
+    loaded = tuple(dataclasses.replace(i, load_output_tokens_per_s=load_frac * prof[i.key].max_output_tokens_per_s)
+                   for i in instances)
+    gpus = tuple(dataclasses.replace(g, memory_used_gb=min(used[g.id], g.memory_total_gb)) for g in cluster.gpus)
+    return Cluster(gpus, loaded)
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def _signature(v: Variant | None) -> Any:
+    if v is None:
+        return None
+    return (v.workflow_id, tuple(sorted((a.stage_id, a.model_id, a.tp, a.pp, a.reused, a.instance_id)
+                                        for a in v.assignments)))
+
+
+def _run(req: SelectionRequest, strategy: str, repeats: int) -> tuple[SelectionResult, list[float]]:
+    times = []
+    res = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = select(req, strategy)
+        times.append(time.perf_counter() - t0)
+    assert res is not None
+    return res, times
+
+
+def _gap(res: SelectionResult, ref: SelectionResult) -> float | None:
+    """Relative objective gap vs the reference (exhaustive); inf when it missed a feasible optimum."""
+    if ref.variant is None or ref.timed_out:
+        return None
+    if res.variant is None:
+        return math.inf
+    base = ref.variant.cost
+    if base == 0:
+        return 0.0 if res.variant.cost == 0 else math.inf
+    return (res.variant.cost - base) / base
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+# ------------------------------------------------------------------ experiments
+
+
+def paper_scale(cfg: BenchConfig, progress: Progress) -> dict[str, Any]:
+    models = default_models()
+    gpu = get_gpu_type("A6000")
+    profiles = profiles_for(models, gpu, max_gpus=8)
+    states = {"empty": make_cluster("A6000", nodes=1, gpus_per_node=8),
+              "low": _running_cluster(models, profiles, 0.25),
+              "high": _running_cluster(models, profiles, 0.85)}
+    rows: list[dict[str, Any]] = []
+    for state, cluster in states.items():
+        for t in EVAL_TASKS:
+            strategies = [s for s in STRATEGIES if s != "bayesopt" or state in cfg.bayesopt_states]
+            opts = SelectionOptions(time_budget_s=cfg.exhaustive_budget_s)
+            req = SelectionRequest(t.slo(), t.nominal_workflows(), models, profiles, cluster, opts)
+            results: dict[str, tuple[SelectionResult, list[float]]] = {}
+            for s in strategies:
+                progress(f"paper {state:5s} {t.name:12s} {s}")
+                if s == "bayesopt":
+                    r = dataclasses.replace(req, options=SelectionOptions(
+                        time_budget_s=cfg.bayesopt_budget_s, max_trials=cfg.bayesopt_trials, seed=cfg.seed))
+                    results[s] = _run(r, s, 1)
+                elif s == "exhaustive":
+                    results[s] = _run(req, s, 1)
+                else:
+                    results[s] = _run(req, s, cfg.repeats)
+            ref = results["exhaustive"][0]
+            for s, (res, times) in results.items():
+                rows.append({
+                    "state": state, "task": t.name, "strategy": s,
+                    "time_s": statistics.median(times), "variants_evaluated": res.variants_evaluated,
+                    "search_space": res.search_space_size, "timed_out": res.timed_out,
+                    "feasible": res.variant is not None,
+                    "reason": res.reason.value if res.reason else None,
+                    "cost": res.variant.cost if res.variant else None,
+                    "latency_s": res.variant.latency_s if res.variant else None,
+                    "gap": _gap(res, ref),
+                    "same_variant": (_signature(res.variant) == _signature(ref.variant)) if not ref.timed_out
+                    else None,
+                    "new_instances": [(n.model_id, n.tp, n.pp) for n in res.variant.new_instances]
+                    if res.variant else [],
+                    "reused": [i for i, _ in res.variant.reuse] if res.variant else [],
+                })
+    summary = {}
+    for s in STRATEGIES:
+        rs = [r for r in rows if r["strategy"] == s]
+        if not rs:
+            continue
+        gaps = [r["gap"] for r in rs if r["gap"] is not None]
+        same = [r["same_variant"] for r in rs if r["same_variant"] is not None]
+        summary[s] = {
+            "runs": len(rs), "median_ms": 1e3 * statistics.median(r["time_s"] for r in rs),
+            "p95_ms": 1e3 * _pct([r["time_s"] for r in rs], 0.95),
+            "median_variants": statistics.median(r["variants_evaluated"] for r in rs),
+            "max_gap": max((g for g in gaps if math.isfinite(g)), default=None),
+            "no_answer": sum(1 for g in gaps if not math.isfinite(g)),
+            "mean_gap": (sum(g for g in gaps if math.isfinite(g)) / max(1, sum(1 for g in gaps if math.isfinite(g))))
+            if gaps else None,
+            "missed_optimum": sum(1 for g in gaps if g > 1e-9),  # includes no answer
+            "same_variant_rate": (sum(same) / len(same)) if same else None,
+            "timed_out": sum(1 for r in rs if r["timed_out"]),
+        }
+    return {"rows": rows, "summary": summary,
+            "space": {t.name: next(r["search_space"] for r in rows if r["task"] == t.name) for t in EVAL_TASKS},
+            "running_instances": {k: len(v.instances) for k, v in states.items()}}
+
+
+def _chain(n: int) -> Workflow:
+    return Workflow(f"chain{n}", tuple(
+        Stage(f"s{i}", input_tokens=800 + 100 * i, output_tokens=150 + 20 * i,
+              depends_on=(f"s{i - 1}",) if i else ()) for i in range(n)))
+
+
+def depth(cfg: BenchConfig, progress: Progress) -> list[dict[str, Any]]:
+    models = default_models()
+    profiles = profiles_for(models, get_gpu_type("A6000"), max_gpus=8)
+    cluster = make_cluster("A6000", nodes=1, gpus_per_node=8)
+    rows = []
+    for n in range(1, cfg.depth_max + 1):
+        slo = Slo(0.2, 3.0 * n, cfg.depth_rate_rps)
+        base = SelectionRequest(slo, (_chain(n),), models, profiles, cluster)
+        out: dict[str, Any] = {"stages": n}
+        for s in STRATEGIES:
+            progress(f"depth {n:2d} {s}")
+            opts = SelectionOptions(time_budget_s=cfg.depth_budget_s, max_trials=cfg.bayesopt_trials,
+                                    seed=cfg.seed)
+            req = dataclasses.replace(base, options=opts)
+            res, times = _run(req, s, cfg.repeats if s in ("exact", "heuristic") else 1)
+            out[s] = {"time_s": statistics.median(times), "timed_out": res.timed_out,
+                      "cost": res.variant.cost if res.variant else None,
+                      "variants_evaluated": res.variants_evaluated}
+            out["search_space"] = res.search_space_size
+        ex = out["exhaustive"]
+        out["exact_vs_exhaustive"] = ex["time_s"] / out["exact"]["time_s"]
+        out["exact_vs_bayesopt"] = out["bayesopt"]["time_s"] / out["exact"]["time_s"]
+        rows.append(out)
+    return rows
+
+
+def synth_models(n: int, seed: int = 0) -> tuple[Model, ...]:
+    """The 11 catalog models plus n-11 synthetic ones: each copies a catalog architecture with its depth
+    scaled by U(0.75, 1.25) (rounded to a multiple of 8 so pipeline splits stay valid), parameters
+    recomputed from the architecture, and accuracy = the template's x (depth ratio)^0.15 + N(0, 0.015),
+    clipped to the leaderboard's range [0.05, 0.50]."""
+    base = list(default_models())
+    rng = random.Random(seed)
+    out = list(base)
+    i = 0
+    while len(out) < n:
+        t = base[i % len(base)]
+        i += 1
+        assert t.arch is not None
+        layers = max(8, int(round(t.arch.layers * rng.uniform(0.75, 1.25) / 8)) * 8)
+        arch = dataclasses.replace(t.arch, layers=layers)
+        total, active = params_from_arch(arch)
+        acc = t.accuracy * (layers / t.arch.layers) ** 0.15 + rng.gauss(0.0, 0.015)
+        out.append(Model(f"{t.id}-syn{len(out)}", min(0.5, max(0.05, acc)), total / 1e9, active / 1e9, arch,
+                         family=t.family, source="synthetic (flowmaker bench selector)"))
+    return tuple(out[:n])
+
+
+def catalog(cfg: BenchConfig, progress: Progress) -> list[dict[str, Any]]:
+    gpu = get_gpu_type("A6000")
+    cluster = make_cluster("A6000", nodes=1, gpus_per_node=8)
+    rows = []
+    for size in cfg.catalog_sizes:
+        models = synth_models(size, cfg.seed)
+        profiles = profiles_for(models, gpu, max_gpus=8)
+        req = SelectionRequest(Slo(0.2, 9.0, cfg.depth_rate_rps), (_chain(3),), models, profiles, cluster,
+                               SelectionOptions(time_budget_s=cfg.depth_budget_s))
+        out: dict[str, Any] = {"models": size, "profiles": len(profiles)}
+        for s in ("exact", "heuristic", "exhaustive"):
+            progress(f"catalog {size:3d} {s}")
+            res, times = _run(req, s, cfg.repeats if s != "exhaustive" else 1)
+            out[s] = {"time_s": statistics.median(times), "timed_out": res.timed_out,
+                      "cost": res.variant.cost if res.variant else None}
+            out["search_space"] = res.search_space_size
+        rows.append(out)
+    return rows
+
+
+# ------------------------------------------------------------------ output
+
+
+def _plots(result: dict[str, Any], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    d = result["depth"]
+    for s in STRATEGIES:
+        ax.plot([r["stages"] for r in d], [1e3 * r[s]["time_s"] for r in d], marker="o", label=s)
+    ax.set_yscale("log")
+    ax.set_xlabel("LLM stages in the chain")
+    ax.set_ylabel("solver time (ms, log)")
+    ax.set_title("Selection time vs depth (11 models, 8xA6000)")
+    ax.legend()
+    fig.tight_layout()
+    p = out_dir / "selector_depth.png"
+    fig.savefig(p, dpi=110)
+    files.append(str(p))
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    c = result["catalog"]
+    for s in ("exact", "heuristic", "exhaustive"):
+        ax.plot([r["models"] for r in c], [1e3 * r[s]["time_s"] for r in c], marker="o", label=s)
+    ax.set_yscale("log")
+    ax.set_xlabel("models in the catalog")
+    ax.set_ylabel("solver time (ms, log)")
+    ax.set_title("Selection time vs catalog size (3-stage chain)")
+    ax.legend()
+    fig.tight_layout()
+    p = out_dir / "selector_catalog.png"
+    fig.savefig(p, dpi=110)
+    files.append(str(p))
+    plt.close(fig)
+    return files
+
+
+def run_selector_bench(out_dir: str | Path = "out/bench-selector", cfg: BenchConfig | None = None,
+                       progress: Progress | None = None) -> dict[str, Any]:
+    cfg = cfg or BenchConfig()
+    progress = progress or (lambda _m: None)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    result: dict[str, Any] = {"config": dataclasses.asdict(cfg)}
+    result["paper"] = paper_scale(cfg, progress)
+    result["depth"] = depth(cfg, progress)
+    result["catalog"] = catalog(cfg, progress)
+    result["wall_s"] = time.perf_counter() - started
+    result["plots"] = _plots(result, out)
+    (out / "selector.json").write_text(json.dumps(result, indent=1, default=_json_default))
+    return result
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    raise TypeError(type(o))
+
+
+def _fmt_ms(x: float) -> str:
+    ms = 1e3 * x
+    return f"{ms:.2f}" if ms < 10 else f"{ms:.0f}"
+
+
+def render(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    tab = Table(title="Paper scale: 7 tasks x 3 workflows, 11 models x 10 configs, 8xA6000 "
+                      "(empty / low-load / high-load clusters)")
+    for c in ("strategy", "runs", "median ms", "p95 ms", "median variants", "missed optimum", "max gap",
+              "no answer", "same variant", "timed out"):
+        tab.add_column(c, justify="right")
+    for s, v in result["paper"]["summary"].items():
+        tab.add_row(s, str(v["runs"]), f"{v['median_ms']:.2f}", f"{v['p95_ms']:.2f}", f"{v['median_variants']:.0f}",
+                    str(v["missed_optimum"]), "-" if v["max_gap"] is None else f"{v['max_gap']:.1%}",
+                    str(v["no_answer"]),
+                    "-" if v["same_variant_rate"] is None else f"{v['same_variant_rate']:.0%}", str(v["timed_out"]))
+    console.print(tab)
+    sp = Table(title="Search space per task (variants, incl. reuse and in-variant sharing, empty cluster)")
+    sp.add_column("task")
+    sp.add_column("variants", justify="right")
+    for k, v in result["paper"]["space"].items():
+        sp.add_row(k, f"{v:,}")
+    console.print(sp)
+    dt = Table(title="Depth: chains of n LLM stages, 11 models (ms; * = timed out at the budget)")
+    for c in ("stages", "space", "exact", "heuristic", "exhaustive", "bayesopt", "exhaustive/exact",
+              "bayesopt/exact", "exact cost", "BO cost"):
+        dt.add_column(c, justify="right")
+    for r in result["depth"]:
+        def cell(s: str, r: dict[str, Any] = r) -> str:
+            return _fmt_ms(r[s]["time_s"]) + ("*" if r[s]["timed_out"] else "")
+        dt.add_row(str(r["stages"]), f"{r['search_space']:.3g}", cell("exact"), cell("heuristic"),
+                   cell("exhaustive"), cell("bayesopt"), f"{r['exact_vs_exhaustive']:.0f}x",
+                   f"{r['exact_vs_bayesopt']:.0f}x",
+                   "-" if r["exact"]["cost"] is None else f"{r['exact']['cost']:.1f}",
+                   "-" if r["bayesopt"]["cost"] is None else f"{r['bayesopt']['cost']:.1f}")
+    console.print(dt)
+    ct = Table(title="Catalog size: 3-stage chain (ms; * = timed out)")
+    for c in ("models", "profiles", "space", "exact", "heuristic", "exhaustive", "exact cost", "heuristic cost"):
+        ct.add_column(c, justify="right")
+    for r in result["catalog"]:
+        ct.add_row(str(r["models"]), str(r["profiles"]), f"{r['search_space']:.3g}",
+                   _fmt_ms(r["exact"]["time_s"]), _fmt_ms(r["heuristic"]["time_s"]),
+                   _fmt_ms(r["exhaustive"]["time_s"]) + ("*" if r["exhaustive"]["timed_out"] else ""),
+                   "-" if r["exact"]["cost"] is None else f"{r['exact']['cost']:.1f}",
+                   "-" if r["heuristic"]["cost"] is None else f"{r['heuristic']['cost']:.1f}")
+    console.print(ct)
+    console.print(f"wall time {result['wall_s']:.0f} s; plots: {', '.join(result['plots'])}")
+
+

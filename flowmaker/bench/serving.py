@@ -1,0 +1,259 @@
+"""`flowmaker bench serving`: both Azure traces x 4 load levels x every policy on a simulated 8xA6000 cluster.
+
+Every policy plans with the same models, analytic profiles and empty cluster, and the
+same simulator serves the same arrivals with each plan; see docs/evaluation.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from flowmaker.catalog import default_models, get_gpu_type, make_cluster
+from flowmaker.eval.policies import ALL_POLICIES, PolicyContext, get_policy, plan
+from flowmaker.eval.tasks import EVAL_TASKS
+from flowmaker.eval.trace_stats import TRACE_KINDS
+from flowmaker.eval.traces import LOAD_LEVELS, build_workload, find_trace, get_trace, run_duration_s
+from flowmaker.profiling.analytic import profiles_for
+from flowmaker.sim import simulate
+
+GPU_TYPE = "A6000"
+GPUS_PER_NODE = 8
+
+# The published comparison (the seed paper), as (min, max, avg) where it gives them.
+PUBLISHED: dict[str, dict[str, Any]] = {
+    "vs_langchain_goodput": {"min": 1.13, "max": 12.84, "avg": 5.2},
+    "vs_langchain_cost": {"min": 2.2, "max": 4.0, "avg": 2.93},
+    "vs_routellm_max_quality_cost": {"min": 2.06, "max": 3.84, "avg": None},
+    "vs_routellm_max_quality_goodput_drop_pct": {"min": None, "max": None, "avg": 5.8},
+    "vs_murakkab_high_load_goodput": {"min": 1.45, "max": 10.14, "avg": 4.73},
+    "vs_murakkab_high_load_cost": {"min": 1.56, "max": 2.77, "avg": 1.95},
+    "reuse_vs_noreuse_low_load_cost": {"min": 1.47, "max": 1.73, "avg": None},
+}
+HIGH_LOADS = (0.75, 1.0)
+LOW_LOADS = (0.25, 0.5)
+
+
+def _ratio(a: float, b: float) -> float:
+    if b == 0:
+        return math.inf if a > 0 else math.nan
+    return a / b
+
+
+def _summ(vals: Sequence[float]) -> dict[str, Any]:
+    fin = [v for v in vals if math.isfinite(v)]
+    return {"min": min(fin) if fin else None, "max": max(fin) if fin else None,
+            "avg": sum(fin) / len(fin) if fin else None, "n": len(vals), "n_infinite": sum(1 for v in vals
+                                                                                          if math.isinf(v))}
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def compute_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The published comparisons, from our rows: per (trace, load) values and their min/max/avg."""
+    by = {(r["trace"], r["load"], r["policy"]): r for r in rows}
+    cells = sorted({(r["trace"], r["load"]) for r in rows})
+    out: dict[str, Any] = {}
+
+    def series(name: str, base: str, metric: str, loads: Sequence[float] | None = None,
+               ours: str = "flowmaker") -> None:
+        vals, per = [], []
+        for tr, ld in cells:
+            if loads is not None and ld not in loads:
+                continue
+            a, b = by.get((tr, ld, ours)), by.get((tr, ld, base))
+            if a is None or b is None:
+                continue
+            if metric == "goodput":
+                v = _ratio(a["goodput"], b["goodput"])
+            elif metric == "cost":
+                v = _ratio(b["cost_usd"], a["cost_usd"])  # how many times cheaper we are
+            else:  # goodput drop, percent of the baseline's goodput
+                v = 100.0 * (b["goodput"] - a["goodput"]) / b["goodput"] if b["goodput"] else math.nan
+            vals.append(v)
+            per.append({"trace": tr, "load": ld, "value": v})
+        if per:
+            out[name] = {"ours": _summ(vals), "published": PUBLISHED.get(name), "cells": per}
+
+    series("vs_langchain_goodput", "langchain", "goodput")
+    series("vs_langchain_cost", "langchain", "cost")
+    series("vs_routellm_max_quality_cost", "routellm-max-quality", "cost")
+    series("vs_routellm_max_quality_goodput_drop_pct", "routellm-max-quality", "drop")
+    series("vs_murakkab_high_load_goodput", "murakkab", "goodput", HIGH_LOADS)
+    series("vs_murakkab_high_load_cost", "murakkab", "cost", HIGH_LOADS)
+    series("vs_murakkab_maxload_high_load_goodput", "murakkab-maxload", "goodput", HIGH_LOADS)
+    series("vs_murakkab_maxload_high_load_cost", "murakkab-maxload", "cost", HIGH_LOADS)
+    series("reuse_vs_noreuse_low_load_cost", "flowmaker-noreuse", "cost", LOW_LOADS)
+    series("exact_vs_heuristic_goodput", "flowmaker-heuristic", "goodput")
+    series("exact_vs_heuristic_cost", "flowmaker-heuristic", "cost")
+    return out
+
+
+def _plots(rows: Sequence[dict[str, Any]], out_dir: Path, policies: Sequence[str]) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    traces = sorted({r["trace"] for r in rows})
+    for metric, label in (("goodput", "goodput (share of requests meeting both SLOs)"), ("cost_usd", "cost (USD)")):
+        fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.2), squeeze=False)
+        for ax, tr in zip(axes[0], traces, strict=True):
+            for pol in policies:
+                pts = sorted((r["load"], r[metric]) for r in rows if r["trace"] == tr and r["policy"] == pol)
+                if pts:
+                    ax.plot([100 * x for x, _ in pts], [y for _, y in pts], marker="o", label=pol,
+                            linewidth=2.5 if pol == "flowmaker" else 1.2)
+            ax.set_title(f"{tr} trace")
+            ax.set_xlabel("load (% of nominal rate)")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        f = out_dir / f"serving_{'goodput' if metric == 'goodput' else 'cost'}.png"
+        fig.savefig(f, dpi=110)
+        plt.close(fig)
+        files.append(str(f))
+    return files
+
+
+def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None, seed: int = 0,
+                      policies: Sequence[str] | None = None, loads: Sequence[float] | None = None,
+                      traces: Sequence[str] = TRACE_KINDS, console: Console | None = None,
+                      plots: bool = True) -> dict[str, Any]:
+    """Run the matrix, write `serving.json` (+ PNG plots) into `out_dir`, print the table; return the report.
+
+    `traces_dir` holds AzureLLMInferenceTrace_{code,conv}.csv; a missing file is replaced by the
+    synthetic trace of that kind (the report says which was used).
+    """
+    t_start = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pols = list(policies) if policies else list(ALL_POLICIES)
+    for p in pols:
+        get_policy(p)  # unknown name -> NotFound before any work
+    lvls = list(loads) if loads else list(LOAD_LEVELS)
+    con = console or Console(width=150)
+    models = default_models()
+    gpu = get_gpu_type(GPU_TYPE)
+    profiles = profiles_for(models, gpu, max_gpus=GPUS_PER_NODE)
+    cluster = make_cluster(GPU_TYPE, nodes=1, gpus_per_node=GPUS_PER_NODE)
+    by_id = {m.id: m for m in models}
+    rows: list[dict[str, Any]] = []
+    ablation: list[dict[str, Any]] = []
+    sources: dict[str, str] = {}
+    t_plan = t_sim = 0.0
+    for kind in traces:
+        trace = get_trace(kind, traces_dir, seed)
+        sources[kind] = trace.source if find_trace(kind, traces_dir) else f"{trace.source} (no file in {traces_dir})"
+        for load in lvls:
+            rates = [(t.name, t.nominal_rate_rps * load) for t in EVAL_TASKS]
+            arrivals = build_workload(rates, trace, seed=seed)
+            duration = run_duration_s(sum(r for _, r in rates))
+            ctx = PolicyContext(EVAL_TASKS, kind, load, models, profiles, cluster, gpu, seed=seed)
+            for pol in pols:
+                t0 = time.perf_counter()
+                pl = plan(pol, ctx)
+                t1 = time.perf_counter()
+                res = simulate(pl.instances, pl.deployments, arrivals, cluster.gpus, by_id, gpu,
+                               unplaced=dict(pl.unplaced), duration_s=duration)
+                t2 = time.perf_counter()
+                t_plan += t1 - t0
+                t_sim += t2 - t1
+                rows.append({
+                    "trace": kind, "load": load, "policy": pol, **res.summary(),
+                    "unplaced": [list(u) for u in res.unplaced], "planning_s": pl.planning_s, "sim_s": t2 - t1,
+                    "notes": pl.notes,
+                    "instance_list": [{"id": i.id, "model": i.profile.model_id, "tp": i.profile.tp,
+                                       "pp": i.profile.pp, "gpus": list(i.gpu_ids), "gb": i.memory_gb,
+                                       "deployed_by": i.deployed_by} for i in pl.instances],
+                    "per_task": [{"task": m.task, "requests": m.requests, "goodput": m.goodput,
+                                  "met_accuracy": m.met_accuracy, "met_latency": m.met_latency,
+                                  "p99_latency_s": m.p99_latency_s} for m in res.per_task],
+                })
+                ablation.append({"trace": kind, "load": load, "policy": pol,
+                                 "instances_deployed": len(pl.instances),
+                                 "stages_on_reused_instances": sum(1 for d in pl.decisions if d.reused),
+                                 "stages": len(pl.decisions),
+                                 "decisions": [{"task": d.task, "workflow": d.workflow_id, "stage": d.stage_id,
+                                                "instance": d.instance_id, "reused": d.reused}
+                                               for d in pl.decisions]})
+    ratios = compute_ratios(rows)
+    files = _plots(rows, out, pols) if plots else []
+    wall = time.perf_counter() - t_start
+    report = {"setup": {"gpu_type": GPU_TYPE, "gpus": len(cluster.gpus), "models": [m.id for m in models],
+                        "profiles": len(profiles), "tasks": [t.name for t in EVAL_TASKS], "loads": lvls,
+                        "policies": pols, "seed": seed, "trace_sources": sources},
+              "rows": rows, "ratios": ratios, "reuse_ablation": ablation, "plots": files,
+              "timing": {"wall_s": wall, "planning_s": t_plan, "simulation_s": t_sim}}
+    jf = out / "serving.json"
+    jf.write_text(json.dumps(_json_safe(report), indent=1))
+    report["json"] = str(jf)
+    _print(con, rows, ratios, ablation, report)
+    return report
+
+
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf"
+    return format(v, spec)
+
+
+def _print(con: Console, rows: Sequence[dict[str, Any]], ratios: dict[str, Any], ablation: Sequence[dict[str, Any]],
+           report: dict[str, Any]) -> None:
+    t = Table(title="Serving on 8xA6000 (simulated): goodput / cost per trace and load")
+    for c in ("trace", "load", "policy", "requests", "goodput", "cost $", "GB", "inst", "p50 s", "p99 s",
+              "unplaced"):
+        t.add_column(c, justify="right" if c not in ("trace", "policy", "unplaced") else "left")
+    last = None
+    for r in rows:
+        cell = (r["trace"], r["load"])
+        if last is not None and cell != last:
+            t.add_section()
+        last = cell
+        t.add_row(r["trace"], f"{r['load']:.0%}", r["policy"], str(r["requests"]), f"{r['goodput']:.3f}",
+                  f"{r['cost_usd']:.4f}", f"{r['gb_reserved']:.0f}", str(r["instances"]),
+                  _fmt(r["p50_latency_s"]), _fmt(r["p99_latency_s"]), ",".join(u[0] for u in r["unplaced"]))
+    con.print(t)
+    rt = Table(title="FlowMaker vs baselines: ours (min-max, avg) beside the published numbers")
+    rt.add_column("comparison (x = times better; drop % < 0 = we are higher)", no_wrap=True)
+    for c in ("ours min", "ours max", "ours avg", "published"):
+        rt.add_column(c)
+    for name, d in ratios.items():
+        o, p = d["ours"], d["published"]
+        pub: str = "-" if not p else ("" if p["min"] is None else f"{p['min']}-{p['max']}") + \
+            ("" if p["avg"] is None else f" avg {p['avg']}")
+        inf = f" (+{o['n_infinite']} inf)" if o["n_infinite"] else ""
+        rt.add_row(name, _fmt(o["min"]), _fmt(o["max"]), _fmt(o["avg"]) + inf, pub)
+    con.print(rt)
+    at = Table(title="Reuse ablation: instances deployed / LLM stages on an instance another task deployed")
+    lv = sorted({a["load"] for a in ablation})
+    at.add_column("trace")
+    at.add_column("policy", no_wrap=True)
+    for x in lv:
+        at.add_column(f"{x:.0%}")
+    cells = {(a["trace"], a["policy"], a["load"]): a for a in ablation}
+    for tr, pol in dict.fromkeys((a["trace"], a["policy"]) for a in ablation):
+        at.add_row(tr, pol, *(f"{cl['instances_deployed']} inst {cl['stages_on_reused_instances']}/{cl['stages']}"
+                              if (cl := cells.get((tr, pol, x))) else "-" for x in lv))
+    con.print(at)
+    tm = report["timing"]
+    con.print(f"wall {tm['wall_s']:.1f}s (planning {tm['planning_s']:.1f}s, simulation {tm['simulation_s']:.1f}s); "
+              f"JSON {report['json']}; plots {', '.join(report['plots']) or '-'}")

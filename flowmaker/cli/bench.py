@@ -1,0 +1,60 @@
+"""`flowmaker bench selector|serving`: benchmarks that print a table and write JSON + PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+bench = typer.Typer(help="Benchmarks (JSON + table + PNG plots).", no_args_is_help=True)
+
+
+@bench.command("selector")
+def selector(out: Path = typer.Option(Path("out/bench-selector"), help="Output folder for JSON and PNG."),
+             repeats: int = typer.Option(5, help="Timing repeats for exact/heuristic."),
+             exhaustive_budget: float = typer.Option(20.0, help="Time budget (s) per exhaustive run."),
+             bayesopt_budget: float = typer.Option(15.0, help="Time budget (s) per bayesopt run."),
+             bayesopt_trials: int = typer.Option(200, help="Bayesian-optimisation trials."),
+             depth_budget: float = typer.Option(10.0, help="Budget (s) for exhaustive/bayesopt in depth/catalog."),
+             quick: bool = typer.Option(False, help="Small run for smoke tests (depth 4, catalogs 11/25)."),
+             json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
+    """Exact vs heuristic vs exhaustive vs Bayesian optimisation: paper scale, depth, catalog size."""
+    from flowmaker.bench.selector import BenchConfig, render, run_selector_bench
+
+    cfg = BenchConfig(repeats=repeats, exhaustive_budget_s=exhaustive_budget, bayesopt_budget_s=bayesopt_budget,
+                      bayesopt_trials=bayesopt_trials, depth_budget_s=depth_budget)
+    if quick:
+        cfg = BenchConfig(repeats=1, exhaustive_budget_s=2.0, bayesopt_budget_s=2.0, bayesopt_trials=15,
+                          depth_max=4, depth_budget_s=1.0, catalog_sizes=(11, 25))
+    console = Console(stderr=json_out, width=max(150, Console().width))
+    with console.status("benchmarking selection strategies") as status:
+        result = run_selector_bench(out, cfg, progress=lambda m: status.update(m))
+    if json_out:
+        typer.echo((out / "selector.json").read_text())
+    else:
+        render(result, console)
+        console.print(f"JSON: {out / 'selector.json'}")
+
+
+@bench.command("serving")
+def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output folder for JSON and PNG."),
+            traces: Path | None = typer.Option(None, help="Folder with the Azure 2023 trace CSVs; synthetic when "
+                                                          "absent (falls back to ../shared/reference/traces)."),
+            seed: int = typer.Option(0, help="Random seed (the run is deterministic under it)."),
+            json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
+    """Trace-driven simulation of every policy on 8xA6000: goodput and cost vs the published ratios."""
+    from flowmaker.bench.serving import run_serving_bench
+
+    if traces is None:
+        guess = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "traces"
+        traces = guess if guess.is_dir() else None
+    result = run_serving_bench(out, traces_dir=traces, seed=seed)
+    if json_out:
+        import json
+
+        typer.echo(json.dumps(result, indent=1, default=str))
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench, name="bench")

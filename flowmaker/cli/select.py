@@ -1,0 +1,56 @@
+"""`flowmaker select`: run a selection strategy on a SelectVariant request file (proto3 JSON)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from flowmaker.errors import FlowMakerError
+
+
+def select_cmd(request: Path = typer.Option(..., "--request", "-r", help="SelectVariant request, proto3 JSON."),
+               strategy: str | None = typer.Option(None, help="exact (default) | heuristic | exhaustive | bayesopt; "
+                                                              "overrides the file's `strategy`."),
+               json_out: bool = typer.Option(False, "--json", help="Print the SelectVariant response JSON.")) -> None:
+    """Pick the least-cost feasible workflow variant (see spec/selection.md and examples/README.md)."""
+    from flowmaker.convert import select_variant_request_from_json, selection_result_to_json
+    from flowmaker.selection import select
+
+    err = Console(stderr=True)
+    try:
+        text = request.read_text()
+    except OSError as e:
+        err.print(f"[red]error[/]: --request: cannot read {request}: {e.strerror}")
+        raise typer.Exit(2) from None
+    try:
+        req, file_strategy = select_variant_request_from_json(text)
+        res = select(req, strategy or file_strategy or "exact")
+    except FlowMakerError as e:
+        err.print(f"[red]error[/] {e.reason}: {e}")
+        raise typer.Exit(2) from None
+    if json_out:
+        typer.echo(selection_result_to_json(res))
+        return
+    con = Console()
+    if res.variant is None:
+        con.print(f"[yellow]no feasible variant[/]: {res.reason.value if res.reason else '?'} — {res.reason_detail}")
+    else:
+        v = res.variant
+        con.print(f"workflow [bold]{v.workflow_id}[/]  latency {v.latency_s:.3f} s  accuracy {v.accuracy:.3f}  "
+                  f"cost {v.cost:.2f} GB·s  new memory {v.new_memory_gb:.1f} GB on {v.new_gpus} GPUs")
+        t = Table("stage", "instance", "model", "tp", "pp", "GPUs", "latency s")
+        for a in v.assignments:
+            t.add_row(a.stage_id, a.instance_id if a.reused else f"{a.new_key} (new)", a.model_id, str(a.tp),
+                      str(a.pp), ",".join(a.gpu_ids), f"{a.latency_s:.3f}")
+        con.print(t)
+    con.print(f"strategy {res.strategy}: {res.variants_evaluated:,} variants evaluated of {res.search_space_size:,} "
+              f"in {res.elapsed_s * 1e3:.2f} ms" + (" (timed out)" if res.timed_out else ""))
+    if res.variant is None:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("select")(select_cmd)

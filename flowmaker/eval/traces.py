@@ -1,0 +1,330 @@
+"""Azure LLM inference traces: CSV loader, deterministic synthetic generator, and load-level workloads.
+
+Format (AzurePublicDataset, `AzureLLMInferenceTrace_{code,conv}.csv`): a header
+`TIMESTAMP,ContextTokens,GeneratedTokens`, then one request per row, e.g.
+`2023-11-16 18:17:03.9799600,4808,10`.
+
+Load levels. A run serves all evaluation tasks at once; task i arrives at
+`load * nominal_rate_rps_i` (25/50/75/100%). Each task's requests are a window
+of consecutive trace requests (at a seeded offset, a different one per task)
+whose timestamps are *time-scaled* so that the window's mean rate equals the
+task's target rate: burstiness (inter-arrival CV) and the (context, generated)
+token pairs are kept, only the clock is stretched. The run lasts
+`max(base_duration_s, min_requests / total_rate)` seconds (30 s, 200
+requests by default), so with the default tasks (16.4 req/s at 100%) a run has
+about 200 / 245 / 370 / 490 requests at 25 / 50 / 75 / 100% -- the published runs
+had 212-484. No thinning: thinning would change the burstiness of the code trace.
+
+Synthetic traces (machines without the files) match each trace's mean rate and
+inter-arrival CV with lognormal gaps (conv: CV 1.09, median gap 0.12 s as in
+the real trace; code: CV 13.2, whose median gap comes out at 0.03 s instead of
+0.06 s -- a two-parameter fit cannot match mean, CV and median at once), and
+draw tokens from the trace's quantile function (min, p10, p25, p50, p75, p90,
+p95, p99, max; log-linear between them). Context and generated tokens are
+drawn independently (the real traces show little correlation).
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import NamedTuple
+
+from flowmaker.errors import InvalidSpec, NotFound
+from flowmaker.eval.trace_stats import TRACE_KINDS, TRACE_STATS, TokenStats
+
+HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+LOAD_LEVELS: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+TRACE_FILES = {k: f"AzureLLMInferenceTrace_{k}.csv" for k in TRACE_KINDS}
+TRACE_URL = "https://raw.githubusercontent.com/Azure/AzurePublicDataset/master/data/AzureLLMInferenceTrace_{kind}.csv"
+DEFAULT_BASE_DURATION_S = 30.0
+DEFAULT_MIN_REQUESTS = 200
+_EPOCH = datetime(2023, 11, 16, 18, 0, 0)  # synthetic traces start where the real ones do
+
+
+class TraceRequest(NamedTuple):
+    """One trace row: arrival (s since the trace's first request) and its token counts."""
+
+    arrival_s: float
+    context_tokens: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    kind: str  # "code", "conv", or "custom"
+    requests: tuple[TraceRequest, ...]
+    source: str  # file path, or "synthetic(seed=..)"
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Arrival(NamedTuple):
+    """One request of a run: when it arrives, for which task, and its trace tokens."""
+
+    time_s: float
+    task: str
+    req_id: str
+    context_tokens: int
+    generated_tokens: int
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+def _kind_of(path: Path) -> str:
+    name = path.name.lower()
+    for k in TRACE_KINDS:
+        if f"_{k}" in name or name.startswith(k):
+            return k
+    return "custom"
+
+
+def load_trace(path: str | Path, kind: str | None = None) -> Trace:
+    """Read an Azure LLM inference trace CSV. Raises NotFound (no file) or InvalidSpec naming line and column.
+
+    Rows are sorted by timestamp (stable) in case a file was concatenated out of order.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise NotFound(f"trace file {str(p)!r} does not exist (run `flowmaker traces download` or "
+                       f"`flowmaker traces synth`)", field="path")
+    rows: list[tuple[datetime, int, int]] = []
+    with p.open(newline="") as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise InvalidSpec(f"{p}: empty file; expected the header {','.join(HEADER)}", field="path") from None
+        cols = [h.strip() for h in header]
+        missing = [h for h in HEADER if h not in cols]
+        if missing:
+            raise InvalidSpec(f"{p}: header {cols} lacks column(s) {missing}; expected {','.join(HEADER)}",
+                              field="path")
+        it, ic, ig = (cols.index(h) for h in HEADER)
+        for lineno, row in enumerate(reader, start=2):
+            if not row or all(not c.strip() for c in row):
+                continue
+            if len(row) < len(cols):
+                raise InvalidSpec(f"{p}:{lineno}: expected {len(cols)} columns, got {len(row)}", field="path")
+            try:
+                ts = datetime.fromisoformat(row[it].strip())
+            except ValueError:
+                raise InvalidSpec(f"{p}:{lineno}: TIMESTAMP {row[it]!r} is not a date-time "
+                                  f"(e.g. 2023-11-16 18:17:03.9799600)", field="TIMESTAMP") from None
+            vals = []
+            for idx, name in ((ic, "ContextTokens"), (ig, "GeneratedTokens")):
+                try:
+                    v = int(row[idx].strip())
+                except ValueError:
+                    raise InvalidSpec(f"{p}:{lineno}: {name} {row[idx]!r} is not an integer",
+                                      field=name) from None
+                if v < 0:
+                    raise InvalidSpec(f"{p}:{lineno}: {name} must be >= 0, got {v}", field=name)
+                vals.append(v)
+            rows.append((ts, vals[0], vals[1]))
+    if not rows:
+        raise InvalidSpec(f"{p}: no requests after the header", field="path")
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    reqs = tuple(TraceRequest((ts - t0).total_seconds(), c, g) for ts, c, g in rows)
+    return Trace(kind or _kind_of(p), reqs, str(p))
+
+
+def write_trace(trace: Trace, path: str | Path) -> Path:
+    """Write a trace in the Azure CSV format (timestamps from 2023-11-16 18:00:00)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(HEADER)
+        for r in trace.requests:
+            ts = _EPOCH + timedelta(seconds=r.arrival_s)
+            w.writerow([ts.strftime("%Y-%m-%d %H:%M:%S.%f") + "0", r.context_tokens, r.generated_tokens])
+    return p
+
+
+def find_trace(kind: str, traces_dir: str | Path | None) -> Path | None:
+    """The CSV of `kind` inside `traces_dir`, or None when there is none."""
+    if traces_dir is None:
+        return None
+    p = Path(traces_dir) / TRACE_FILES[_check_kind(kind)]
+    return p if p.is_file() else None
+
+
+def get_trace(kind: str, traces_dir: str | Path | None = None, seed: int = 0) -> Trace:
+    """The real trace from `traces_dir` when its file is there, else a synthetic one of the same kind."""
+    p = find_trace(kind, traces_dir)
+    return load_trace(p, kind) if p is not None else synthesize(kind, seed=seed)
+
+
+def _check_kind(kind: str) -> str:
+    if kind not in TRACE_STATS:
+        raise InvalidSpec(f"unknown trace kind {kind!r}; known: {list(TRACE_KINDS)}", field="kind")
+    return kind
+
+
+# ---- statistics ------------------------------------------------------------------------------
+
+
+def _quantile(sorted_vals: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default) of an ascending sequence."""
+    if not sorted_vals:
+        return math.nan
+    pos = q * (len(sorted_vals) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
+def _token_stats(vals: Iterable[int]) -> TokenStats:
+    v = sorted(vals)
+    n = len(v)
+    mean = sum(v) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in v) / n)
+    q = [_quantile(v, x) for x in (0.10, 0.25, 0.5, 0.75, 0.90, 0.95, 0.99)]
+    return TokenStats(v[0], q[0], q[1], q[2], mean, q[3], q[4], q[5], q[6], v[-1], std)
+
+
+def trace_stats(trace: Trace) -> dict[str, object]:
+    """Rate, burstiness and token distributions of a trace (same fields as trace_summary_stats.csv)."""
+    reqs = trace.requests
+    n = len(reqs)
+    dur = reqs[-1].arrival_s - reqs[0].arrival_s if n else 0.0
+    gaps = sorted(reqs[i + 1].arrival_s - reqs[i].arrival_s for i in range(n - 1))
+    gmean = sum(gaps) / len(gaps) if gaps else math.nan
+    gstd = math.sqrt(sum((g - gmean) ** 2 for g in gaps) / len(gaps)) if gaps else math.nan
+    return {
+        "kind": trace.kind, "source": trace.source, "n_requests": n, "duration_s": dur,
+        "mean_rate_rps": (n / dur) if dur > 0 else math.nan,
+        "interarrival_mean_s": gmean, "interarrival_median_s": _quantile(gaps, 0.5),
+        "interarrival_cv": (gstd / gmean) if gaps and gmean > 0 else math.nan,
+        "context": _asdict(_token_stats(r.context_tokens for r in reqs)),
+        "generated": _asdict(_token_stats(r.generated_tokens for r in reqs)),
+    }
+
+
+def _asdict(ts: TokenStats) -> dict[str, float]:
+    return {f: float(getattr(ts, f)) for f in TokenStats.__dataclass_fields__}
+
+
+# ---- synthesis -------------------------------------------------------------------------------
+
+_QS = (0.0, 0.10, 0.25, 0.5, 0.75, 0.90, 0.95, 0.99, 1.0)
+
+
+def _quantile_points(ts: TokenStats) -> tuple[tuple[float, float], ...]:
+    vals = (ts.minimum, ts.p10, ts.p25, ts.median, ts.p75, ts.p90, ts.p95, ts.p99, ts.maximum)
+    return tuple(zip(_QS, (math.log(max(v, 1.0)) for v in vals), strict=True))
+
+
+def _draw_tokens(rng: random.Random, pts: tuple[tuple[float, float], ...]) -> int:
+    u = rng.random()
+    for (q0, v0), (q1, v1) in itertools.pairwise(pts):
+        if u <= q1:
+            f = (u - q0) / (q1 - q0) if q1 > q0 else 0.0
+            return max(1, round(math.exp(v0 + f * (v1 - v0))))
+    return max(1, round(math.exp(pts[-1][1])))
+
+
+def synthesize(kind: str, n_requests: int | None = None, seed: int = 0) -> Trace:
+    """A synthetic trace with the rate, burstiness and token distributions of the real `kind` trace.
+
+    Deterministic: the same (kind, n_requests, seed) gives the same trace on every machine.
+    """
+    st = TRACE_STATS[_check_kind(kind)]
+    n = st.n_requests if n_requests is None else n_requests
+    if n < 1:
+        raise InvalidSpec(f"must be >= 1, got {n}", field="n_requests")
+    rng = random.Random(f"flowmaker-trace/{kind}/{seed}")
+    # Lognormal gaps with the trace's mean and CV: sigma^2 = ln(1 + CV^2), mu = ln(mean) - sigma^2 / 2.
+    s2 = math.log(1.0 + st.interarrival_cv ** 2)
+    mu, sigma = math.log(st.interarrival_mean_s) - s2 / 2, math.sqrt(s2)
+    ctx_pts, gen_pts = _quantile_points(st.context), _quantile_points(st.generated)
+    t = 0.0
+    reqs = []
+    for i in range(n):
+        if i:
+            t += rng.lognormvariate(mu, sigma)
+        reqs.append(TraceRequest(t, _draw_tokens(rng, ctx_pts), _draw_tokens(rng, gen_pts)))
+    return Trace(kind, tuple(reqs), f"synthetic(kind={kind}, seed={seed})")
+
+
+# ---- workloads -------------------------------------------------------------------------------
+
+
+def scaled_window(trace: Trace, n: int, rate_rps: float, offset: int) -> list[TraceRequest]:
+    """`n` consecutive requests from `offset` (wrapping around), time-scaled to a mean rate of `rate_rps`.
+
+    The window's own mean gap is measured over n+1 requests (the next arrival
+    closes the last gap) and every gap is multiplied by (1/rate) / that mean.
+    """
+    if n <= 0:
+        return []
+    if not rate_rps > 0:
+        raise InvalidSpec(f"must be > 0, got {rate_rps}", field="rate_rps")
+    reqs = trace.requests
+    m = len(reqs)
+    span = (reqs[-1].arrival_s - reqs[0].arrival_s) if m > 1 else 0.0
+    wrap_gap = span / (m - 1) if m > 1 else 1.0  # gap inserted when the window wraps around
+    times: list[float] = []
+    picked: list[TraceRequest] = []
+    base = 0.0
+    for j in range(n + 1):
+        k, lap = (offset + j) % m, (offset + j) // m
+        t = reqs[k].arrival_s + lap * (span + wrap_gap)
+        if j == 0:
+            base = t
+        times.append(t - base)
+        if j < n:
+            picked.append(reqs[k])
+    total = times[-1]
+    target = n / rate_rps
+    if total > 0:
+        scale = target / total
+        out_t = [x * scale for x in times[:n]]
+    else:  # every request at the same instant: spread them evenly instead
+        out_t = [j / rate_rps for j in range(n)]
+    return [TraceRequest(t, q.context_tokens, q.generated_tokens) for t, q in zip(out_t, picked, strict=True)]
+
+
+def run_duration_s(total_rate_rps: float, base_duration_s: float = DEFAULT_BASE_DURATION_S,
+                   min_requests: int = DEFAULT_MIN_REQUESTS) -> float:
+    """How long a run lasts: `base_duration_s`, stretched so that it has at least `min_requests` requests."""
+    if not total_rate_rps > 0:
+        raise InvalidSpec(f"must be > 0, got {total_rate_rps}", field="rate")
+    return max(base_duration_s, min_requests / total_rate_rps)
+
+
+def build_workload(task_rates: Sequence[tuple[str, float]], trace: Trace, seed: int = 0,
+                   base_duration_s: float = DEFAULT_BASE_DURATION_S,
+                   min_requests: int = DEFAULT_MIN_REQUESTS) -> list[Arrival]:
+    """Arrivals of every task (name, rate req/s) over one run, sorted by time; see the module doc.
+
+    Each task gets its own window of the trace, at an offset drawn from `seed` and the task's name.
+    """
+    if not trace.requests:
+        raise InvalidSpec("trace has no requests", field="trace")
+    for name, r in task_rates:
+        if not r >= 0:
+            raise InvalidSpec(f"task {name!r}: rate must be >= 0, got {r}", field="rate")
+    total = sum(r for _, r in task_rates)
+    dur = run_duration_s(total, base_duration_s, min_requests)
+    out: list[Arrival] = []
+    for name, rate in task_rates:
+        n = round(rate * dur)
+        if n == 0:
+            continue
+        rng = random.Random(f"flowmaker-workload/{trace.kind}/{name}/{seed}")
+        offset = rng.randrange(len(trace.requests))
+        for i, q in enumerate(scaled_window(trace, n, rate, offset)):
+            out.append(Arrival(q.arrival_s, name, f"{name}-{i:05d}", q.context_tokens, q.generated_tokens))
+    out.sort(key=lambda a: (a.time_s, a.task, a.req_id))
+    return out

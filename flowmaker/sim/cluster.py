@@ -1,0 +1,352 @@
+"""Discrete-event simulator of a GPU cluster serving multi-step LLM workflows from a request trace.
+
+What it models (and what it does not):
+
+* Each deployed instance is a `flowmaker.engine.EngineModel` (iteration-level continuous
+  batching, the SAME model the emulated engine uses), parameterised by the instance's
+  profile, with the KV budget and batch limit the analytic profiles reserve memory for.
+* Instances hold their GPU memory for the whole run (deployed at t=0, released when the
+  last request finishes or the run window ends, whichever is later). Several tasks may
+  send requests to the same instance (reuse).
+* A request follows its workflow's DAG: a stage starts when all the stages it depends on
+  have finished; a TOOL stage takes its `latency_s`; an LLM stage makes `calls_per_request`
+  calls one after another (the selection spec's latency model multiplies the per-call
+  latency, so calls are sequential here too).
+* A request's accuracy is the least accuracy of the models that served its LLM stages (the
+  spec's variant accuracy). It counts toward goodput when it completes within its task's
+  latency SLO and that accuracy meets the task's accuracy SLO.
+* Cost = sum over instances of GB reserved x residence time x the GPU's price per GB-second.
+
+There is no randomness inside: the same inputs give the same result. (Randomness, e.g. a
+router's, lives in the inputs and is seeded by the caller.)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from flowmaker.domain import Gpu, GpuType, Model, Profile, Workflow
+from flowmaker.engine import EngineModel
+from flowmaker.errors import InvalidSpec
+from flowmaker.eval.tasks import EvalTask
+from flowmaker.eval.traces import Arrival
+from flowmaker.selection.placement import EPS_GB
+
+# KV budget and batch limit of one instance: what the analytic profiles reserve memory for
+# (flowmaker.profiling.analytic.KV_RESERVED_TOKENS / MAX_BATCH; repeated here so the
+# simulator does not depend on how profiles were obtained).
+DEFAULT_KV_TOKENS = 32768
+DEFAULT_MAX_BATCH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SimInstance:
+    """A deployed instance: which profile, on which GPUs, deployed by which task (for the reuse ablation)."""
+
+    id: str
+    profile: Profile
+    gpu_ids: tuple[str, ...]
+    deployed_by: str = ""  # task whose selection created it
+
+    @property
+    def memory_gb(self) -> float:
+        return self.profile.total_memory_gb
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One way to serve a task's request: a candidate workflow and, per LLM stage, an instance id."""
+
+    workflow_id: str
+    stage_instances: tuple[tuple[str, str], ...]  # (LLM stage id, instance id)
+
+    def instance_for(self, stage_id: str) -> str:
+        for s, i in self.stage_instances:
+            if s == stage_id:
+                return i
+        raise KeyError(stage_id)
+
+
+Router = Callable[[Arrival, int], int]  # (request, its index within the task) -> index into routes
+
+
+@dataclass(frozen=True, slots=True)
+class TaskDeployment:
+    """How a policy serves one task: its routes, and how a request picks one (default: the first)."""
+
+    task: EvalTask
+    routes: tuple[Route, ...]
+    router: Router | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskMetrics:
+    task: str
+    requests: int
+    completed: int
+    rejected: int  # the task had no deployment
+    good: int
+    met_accuracy: int
+    met_latency: int
+    goodput: float
+    mean_latency_s: float
+    p50_latency_s: float
+    p99_latency_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    requests: int
+    completed: int
+    rejected: int
+    good: int
+    goodput: float  # good / requests (rejected requests count as not good)
+    mean_latency_s: float  # over completed requests
+    p50_latency_s: float
+    p99_latency_s: float
+    cost_usd: float
+    instances: int
+    gb_reserved: float
+    gpus_used: int
+    residence_s: float
+    per_task: tuple[TaskMetrics, ...]
+    unplaced: tuple[tuple[str, str], ...]  # (task, why)
+    peak_gpu_memory_gb: tuple[tuple[str, float, float], ...]  # (gpu id, reserved, total)
+    tokens_asked: int  # output tokens the requests' LLM calls asked for
+    tokens_emitted: int  # output tokens the engines produced
+    prompt_tokens_asked: int
+    prompt_tokens_processed: int
+    engine_calls: int
+    latencies: tuple[tuple[str, float, bool], ...] = field(default=(), repr=False)  # (req id, latency, good)
+
+    def summary(self) -> dict[str, object]:
+        return {k: getattr(self, k) for k in (
+            "requests", "completed", "rejected", "good", "goodput", "mean_latency_s", "p50_latency_s",
+            "p99_latency_s", "cost_usd", "instances", "gb_reserved", "gpus_used", "residence_s")}
+
+
+def _pct(sorted_vals: Sequence[float], q: float) -> float:
+    if not sorted_vals:
+        return math.nan
+    pos = q * (len(sorted_vals) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
+@dataclass(slots=True)
+class _Req:
+    arrival: Arrival
+    task: EvalTask
+    wf: Workflow
+    route: Route
+    accuracy: float
+    pending: dict[str, int]  # stage id -> unfinished dependencies
+    left: int  # stages not finished
+    finish: float = math.nan
+
+
+def check_memory(instances: Sequence[SimInstance], gpus: Sequence[Gpu]) -> dict[str, float]:
+    """GB reserved per GPU; InvalidSpec when an instance is on an unknown GPU or a GPU is over-committed."""
+    total = {g.id: g.memory_total_gb for g in gpus}
+    used = {g.id: 0.0 for g in gpus}
+    for inst in instances:
+        if len(inst.gpu_ids) != inst.profile.gpus or len(set(inst.gpu_ids)) != len(inst.gpu_ids):
+            raise InvalidSpec(f"instance {inst.id!r}: needs {inst.profile.gpus} distinct GPUs, got {inst.gpu_ids}",
+                              field="instances.gpu_ids")
+        for gid in inst.gpu_ids:
+            if gid not in used:
+                raise InvalidSpec(f"instance {inst.id!r} is on unknown GPU {gid!r}", field="instances.gpu_ids")
+            used[gid] += inst.profile.memory_gb_per_gpu
+    for gid, u in used.items():
+        if u > total[gid] + EPS_GB:
+            raise InvalidSpec(f"GPU {gid!r} over-committed: {u:.2f} GB reserved of {total[gid]:.2f} GB",
+                              field="instances")
+    return used
+
+
+def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeployment], arrivals: Sequence[Arrival],
+             gpus: Sequence[Gpu], models: Mapping[str, Model], gpu_type: GpuType, *,
+             unplaced: Mapping[str, str] | None = None, duration_s: float = 0.0,
+             kv_capacity_tokens: int | None = DEFAULT_KV_TOKENS, max_batch: int = DEFAULT_MAX_BATCH,
+             keep_latencies: bool = False) -> SimResult:
+    """Serve `arrivals` on `instances` as `deployments` say; see the module doc for the model.
+
+    Requests of a task with no deployment are rejected (counted, not lost); `unplaced` says why.
+    """
+    used = check_memory(instances, gpus)
+    unplaced = dict(unplaced or {})
+    inst_by_id = {i.id: i for i in instances}
+    if len(inst_by_id) != len(instances):
+        raise InvalidSpec("duplicate instance id", field="instances.id")
+    engines = {i.id: EngineModel(i.profile, max_batch=max_batch, kv_capacity_tokens=kv_capacity_tokens)
+               for i in instances}
+    order = [i.id for i in instances]  # fixed processing order, for determinism
+    deps = {d.task.name: d for d in deployments}
+    for d in deployments:
+        if not d.routes:
+            raise InvalidSpec(f"task {d.task.name!r}: a deployment needs at least one route", field="deployments")
+        for r in d.routes:
+            wf = d.task.candidate(r.workflow_id)
+            for s in wf.stages:
+                if s.kind.value == "LLM":
+                    iid = dict(r.stage_instances).get(s.id)
+                    if iid not in inst_by_id:
+                        raise InvalidSpec(f"task {d.task.name!r} workflow {r.workflow_id!r}: stage {s.id!r} is "
+                                          f"mapped to unknown instance {iid!r}", field="deployments.routes")
+            for _, iid in r.stage_instances:
+                if inst_by_id[iid].profile.model_id not in models:
+                    raise InvalidSpec(f"instance {iid!r} serves unknown model", field="models")
+
+    reqs: dict[str, _Req] = {}
+    wf_cache: dict[tuple[str, str, int, int], Workflow] = {}
+    per_task_idx: dict[str, int] = {}
+    tool_heap: list[tuple[float, int, str, str]] = []  # (time, seq, req id, stage id)
+    seq = 0
+    next_ev: dict[str, float | None] = {i: None for i in order}
+    dirty: set[str] = set()
+    asked_out = asked_in = calls = 0
+    rejected: list[Arrival] = []
+    done: list[_Req] = []
+
+    def submit_call(r: _Req, stage_id: str, call: int, t: float) -> None:
+        nonlocal asked_out, asked_in, calls
+        st = r.wf.stage(stage_id)
+        iid = r.route.instance_for(stage_id)
+        engines[iid].submit(f"{r.arrival.req_id}|{stage_id}|{call}", st.input_tokens, st.output_tokens, t)
+        dirty.add(iid)
+        asked_out += st.output_tokens
+        asked_in += st.input_tokens
+        calls += 1
+
+    def start_stage(r: _Req, stage_id: str, t: float) -> None:
+        nonlocal seq
+        st = r.wf.stage(stage_id)
+        if st.is_llm:
+            submit_call(r, stage_id, 0, t)
+        else:
+            seq += 1
+            heapq.heappush(tool_heap, (t + st.latency_s, seq, r.arrival.req_id, stage_id))
+
+    def stage_done(r: _Req, stage_id: str, t: float) -> None:
+        r.left -= 1
+        if r.left == 0:
+            r.finish = t
+            done.append(r)
+            return
+        for s in r.wf.stages:
+            if stage_id in s.depends_on:
+                r.pending[s.id] -= 1
+                if r.pending[s.id] == 0:
+                    start_stage(r, s.id, t)
+
+    def arrive(a: Arrival) -> None:
+        d = deps.get(a.task)
+        if d is None:
+            rejected.append(a)
+            return
+        k = per_task_idx.get(a.task, 0)
+        per_task_idx[a.task] = k + 1
+        ri = d.router(a, k) if d.router is not None else 0
+        route = d.routes[ri]
+        key = (a.task, route.workflow_id, a.context_tokens, a.generated_tokens)
+        wf = wf_cache.get(key)
+        if wf is None:
+            wf = wf_cache[key] = d.task.workflow_for_request(route.workflow_id, a.context_tokens,
+                                                             a.generated_tokens)
+        acc = min(models[inst_by_id[route.instance_for(s.id)].profile.model_id].accuracy for s in wf.llm_stages)
+        r = _Req(a, d.task, wf, route, acc, {s.id: len(s.depends_on) for s in wf.stages}, len(wf.stages))
+        if a.req_id in reqs:
+            raise InvalidSpec(f"duplicate request id {a.req_id!r}", field="arrivals")
+        reqs[a.req_id] = r
+        for s in wf.stages:
+            if not s.depends_on:
+                start_stage(r, s.id, a.time_s)
+
+    arr = sorted(arrivals, key=lambda a: (a.time_s, a.task, a.req_id))
+    ai = 0
+    while True:
+        for iid in dirty:
+            next_ev[iid] = engines[iid].next_event_time()
+        dirty.clear()
+        t = math.inf
+        if ai < len(arr):
+            t = arr[ai].time_s
+        if tool_heap and tool_heap[0][0] < t:
+            t = tool_heap[0][0]
+        for iid in order:
+            e = next_ev[iid]
+            if e is not None and e < t:
+                t = e
+        if t == math.inf:
+            break
+        # 1) engines whose batch changes by t (completions free stages downstream)
+        for iid in order:
+            e = next_ev[iid]
+            if e is not None and e <= t:
+                comps = engines[iid].advance(t)
+                dirty.add(iid)
+                for c in comps:
+                    rid, sid, call = c.req_id.rsplit("|", 2)
+                    rq = reqs[rid]
+                    if int(call) + 1 < rq.wf.stage(sid).calls_per_request:
+                        submit_call(rq, sid, int(call) + 1, c.finish_time)
+                    else:
+                        stage_done(rq, sid, c.finish_time)
+        # 2) tool stages ending at t
+        while tool_heap and tool_heap[0][0] <= t:
+            tt, _, rid, sid = heapq.heappop(tool_heap)
+            stage_done(reqs[rid], sid, tt)
+        # 3) arrivals at t
+        while ai < len(arr) and arr[ai].time_s <= t:
+            arrive(arr[ai])
+            ai += 1
+
+    # ---- metrics -----------------------------------------------------------------------
+    lost = [rid for rid, r in reqs.items() if math.isnan(r.finish)]
+    if lost:  # pragma: no cover - an invariant; tests assert it never happens
+        raise RuntimeError(f"{len(lost)} requests never completed, e.g. {lost[:3]}")
+    last = max((r.finish for r in done), default=0.0)
+    residence = max(duration_s, last)
+    price = gpu_type.price_per_gb_second
+    cost = sum(i.memory_gb for i in instances) * residence * price
+
+    def good(r: _Req) -> tuple[bool, bool]:
+        lat = r.finish - r.arrival.time_s
+        return (r.accuracy >= r.task.min_accuracy - 1e-12, lat <= r.task.max_latency_s + 1e-9)
+
+    task_names = list(dict.fromkeys([a.task for a in arr]))
+    per_task = []
+    for name in task_names:
+        rs = [r for r in done if r.task.name == name]
+        rej = sum(1 for a in rejected if a.task == name)
+        flags = [good(r) for r in rs]
+        lats = sorted(r.finish - r.arrival.time_s for r in rs)
+        n = len(rs) + rej
+        g = sum(1 for a, lt in flags if a and lt)
+        per_task.append(TaskMetrics(
+            name, n, len(rs), rej, g, sum(1 for a, _ in flags if a), sum(1 for _, lt in flags if lt),
+            g / n if n else math.nan, sum(lats) / len(lats) if lats else math.nan, _pct(lats, 0.5),
+            _pct(lats, 0.99)))
+    lats = sorted(r.finish - r.arrival.time_s for r in done)
+    n_good = sum(t.good for t in per_task)
+    n_all = len(done) + len(rejected)
+    total_mem = {g.id: g.memory_total_gb for g in gpus}
+    return SimResult(
+        requests=n_all, completed=len(done), rejected=len(rejected), good=n_good,
+        goodput=n_good / n_all if n_all else math.nan,
+        mean_latency_s=sum(lats) / len(lats) if lats else math.nan, p50_latency_s=_pct(lats, 0.5),
+        p99_latency_s=_pct(lats, 0.99), cost_usd=cost, instances=len(instances),
+        gb_reserved=sum(i.memory_gb for i in instances), gpus_used=sum(1 for u in used.values() if u > 0),
+        residence_s=residence, per_task=tuple(per_task), unplaced=tuple(sorted(unplaced.items())),
+        peak_gpu_memory_gb=tuple((gid, used[gid], total_mem[gid]) for gid in sorted(used)),
+        tokens_asked=asked_out, tokens_emitted=sum(e.tokens_emitted for e in engines.values()),
+        prompt_tokens_asked=asked_in,
+        prompt_tokens_processed=sum(e.prompt_tokens_processed for e in engines.values()),
+        engine_calls=calls,
+        latencies=tuple((r.arrival.req_id, r.finish - r.arrival.time_s, all(good(r))) for r in done)
+        if keep_latencies else (),
+    )

@@ -1,0 +1,318 @@
+"""Engine backends: how to launch one engine process (command + env) and the lifecycle of that process.
+
+A backend is pure: `build_command(spec)` / `build_env(spec)` only compute what to run. `EngineProcess`
+does the I/O: start the process in its own process group (engines such as vLLM fork workers, and a
+stop must reach them all), wait for `/health`, stop (SIGTERM to the group, then SIGKILL), notice an
+unexpected exit, and scrape `/metrics` into a few numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from flowmaker.domain import Profile
+from flowmaker.errors import InvalidSpec, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """Everything a backend needs to launch one instance. `gpu_indices` are the node-local
+    CUDA indices of the placement (tp*pp of them); `port` 0 is allowed only for backends that
+    announce their port (`EngineBackend.announces_port`)."""
+
+    instance_id: str
+    model_id: str
+    hf_id: str
+    tp: int
+    pp: int
+    gpu_indices: tuple[int, ...]
+    host: str
+    port: int
+    profile: Profile
+    extra_args: tuple[str, ...] = ()
+
+    def validate(self) -> EngineSpec:
+        if not self.instance_id:
+            raise InvalidSpec("must not be empty", field="spec.instance_id")
+        if not self.model_id:
+            raise InvalidSpec("must not be empty", field="spec.model_id")
+        if self.tp < 1 or self.pp < 1:
+            raise InvalidSpec(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}", field="spec.tp")
+        if len(self.gpu_indices) != self.tp * self.pp:
+            raise InvalidSpec(f"needs tp*pp = {self.tp * self.pp} GPU indices, got {list(self.gpu_indices)}",
+                              field="spec.gpu_indices")
+        if len(set(self.gpu_indices)) != len(self.gpu_indices) or any(i < 0 for i in self.gpu_indices):
+            raise InvalidSpec(f"GPU indices must be distinct and >= 0, got {list(self.gpu_indices)}",
+                              field="spec.gpu_indices")
+        if not 0 <= self.port <= 65535:
+            raise InvalidSpec(f"must be within [0, 65535], got {self.port}", field="spec.port")
+        return self
+
+
+class EngineStartError(Unavailable):
+    """The engine exited or never answered /health while starting."""
+
+    reason = "ENGINE_START_FAILED"
+
+
+class EngineBackend(ABC):
+    """How to run one kind of engine. Subclasses set `name` and implement `build_command`."""
+
+    name: ClassVar[str]
+    # True when the engine prints `LISTENING <port>` once bound, so `spec.port` may be 0.
+    announces_port: ClassVar[bool] = False
+    health_path: ClassVar[str] = "/health"
+    metrics_path: ClassVar[str] = "/metrics"
+
+    @abstractmethod
+    def build_command(self, spec: EngineSpec) -> list[str]:
+        """argv of the engine process."""
+
+    def build_env(self, spec: EngineSpec) -> dict[str, str]:
+        """Variables added to the inherited environment: the placement's GPUs."""
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in spec.gpu_indices)}
+
+    def served_model_name(self, spec: EngineSpec) -> str:
+        """The `model` field clients must send in OpenAI requests to this engine."""
+        return spec.model_id
+
+    def parse_metrics(self, content_type: str, body: str) -> dict[str, float]:
+        """Turn the engine's /metrics into {running, waiting, kv_usage, generation_tokens_total,
+        prompt_tokens_total, requests_finished_total, e2e_latency_mean_s} (keys present when known)."""
+        return parse_vllm_prometheus(body)
+
+
+_PROM_KEYS = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",  # vLLM < 0.10 name
+    "vllm:generation_tokens_total": "generation_tokens_total",
+    "vllm:prompt_tokens_total": "prompt_tokens_total",
+    "vllm:request_success_total": "requests_finished_total",
+}
+
+
+def parse_vllm_prometheus(text: str) -> dict[str, float]:
+    """Sum each known sample over its labels (e.g. several `finished_reason`s)."""
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
+    out: dict[str, float] = {}
+    for sample, key in _PROM_KEYS.items():
+        if sample in sums:
+            out[key] = sums[sample]
+    n = sums.get("vllm:e2e_request_latency_seconds_count", 0.0)
+    if n > 0:
+        out["e2e_latency_mean_s"] = sums["vllm:e2e_request_latency_seconds_sum"] / n
+    return out
+
+
+ExitCallback = Callable[["EngineProcess", int], Awaitable[None] | None]
+
+
+class EngineProcess:
+    """One running engine. `on_exit(proc, returncode)` is called when the process ends without
+    `stop()` having been asked for: a crash (also during start)."""
+
+    def __init__(self, backend: EngineBackend, spec: EngineSpec, *, env: Mapping[str, str] | None = None,
+                 on_exit: ExitCallback | None = None, log_path: str | None = None, keep_lines: int = 200) -> None:
+        spec.validate()
+        if spec.port == 0 and not backend.announces_port:
+            raise InvalidSpec(f"backend {backend.name!r} needs a concrete port", field="spec.port")
+        self.backend = backend
+        self.spec = spec
+        self.port = spec.port
+        self._env = dict(env or {})
+        self._on_exit = on_exit
+        self._log_path = log_path
+        self._lines: deque[str] = deque(maxlen=keep_lines)
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._port_known = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.exited = asyncio.Event()
+        if self.port:
+            self._port_known.set()
+
+    # ---- state -------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc else None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    @property
+    def base_url(self) -> str:
+        host = self.spec.host if self.spec.host not in ("0.0.0.0", "") else "127.0.0.1"
+        return f"http://{host}:{self.port}"
+
+    def last_output(self, lines: int = 20) -> str:
+        return "\n".join(list(self._lines)[-lines:])
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._proc is not None:
+            raise RuntimeError("already started")
+        argv = self.backend.build_command(self.spec)
+        env = {**os.environ, **self.backend.build_env(self.spec), **self._env}
+        log.info("starting %s engine %s: %s", self.backend.name, self.spec.instance_id, " ".join(argv))
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        except (FileNotFoundError, PermissionError) as e:
+            raise EngineStartError(f"cannot run {argv[0]!r} for {self.backend.name} engine "
+                                   f"{self.spec.instance_id}: {e}", field="backend") from None
+        self._tasks = [asyncio.create_task(self._read_output()), asyncio.create_task(self._watch())]
+
+    async def _read_output(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        logf = open(self._log_path, "a") if self._log_path else None
+        try:
+            async for raw in self._proc.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                self._lines.append(line)
+                if logf:
+                    logf.write(line + "\n")
+                    logf.flush()
+                if not self._port_known.is_set() and line.startswith("LISTENING "):
+                    with contextlib.suppress(ValueError):
+                        self.port = int(line.split()[1])
+                        self._port_known.set()
+        finally:
+            if logf:
+                logf.close()
+
+    async def _watch(self) -> None:
+        assert self._proc is not None
+        rc = await self._proc.wait()
+        self.exited.set()
+        if self._stopping:
+            return
+        log.warning("%s engine %s exited unexpectedly with code %s", self.backend.name, self.spec.instance_id, rc)
+        # The leader is gone; take any workers it left behind with it.
+        self._kill_group(signal.SIGKILL)
+        if self._on_exit is not None:
+            res = self._on_exit(self, rc)
+            if asyncio.iscoroutine(res):
+                await res
+
+    async def wait_healthy(self, timeout_s: float = 120.0, interval_s: float = 0.1) -> None:
+        """Return once GET /health answers 200. If the process exits first, or the timeout
+        passes, the process group is stopped and EngineStartError says why."""
+        if self._proc is None:
+            raise RuntimeError("not started")
+        deadline = time.monotonic() + timeout_s
+        what = f"{self.backend.name} engine {self.spec.instance_id}"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+            while True:
+                if self.exited.is_set() or self._proc.returncode is not None:
+                    await self._drain_output()
+                    raise EngineStartError(f"{what} exited with code {self._proc.returncode} before becoming "
+                                           f"healthy; last output:\n{self.last_output()}")
+                if self._port_known.is_set():
+                    try:
+                        async with http.get(self.base_url + self.backend.health_path) as r:
+                            if r.status == 200:
+                                return
+                    except (aiohttp.ClientError, TimeoutError):
+                        pass  # not listening yet
+                if time.monotonic() >= deadline:
+                    await self.stop(grace_s=2.0)
+                    raise EngineStartError(f"{what} did not become healthy within {timeout_s:g}s "
+                                           f"(GET {self.backend.health_path} on port {self.port}); stopped it; "
+                                           f"last output:\n{self.last_output()}", reason="ENGINE_START_TIMEOUT")
+                await asyncio.sleep(interval_s)
+
+    async def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after `grace_s`; return the exit code."""
+        if self._proc is None:
+            return None
+        self._stopping = True
+        if self._proc.returncode is None:
+            self._kill_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self._proc.wait(), grace_s)
+            except TimeoutError:
+                log.warning("%s engine %s ignored SIGTERM for %ss; killing", self.backend.name,
+                            self.spec.instance_id, grace_s)
+        self._kill_group(signal.SIGKILL)  # stragglers (workers) even when the leader is gone
+        await self._proc.wait()
+        await self._drain_output()
+        for t in self._tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        return self._proc.returncode
+
+    async def _drain_output(self) -> None:
+        if self._tasks and not self._tasks[0].done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), 1.0)
+
+    def _kill_group(self, sig: signal.Signals) -> None:
+        assert self._proc is not None
+        # start_new_session=True made the child a group leader: its pgid is its pid.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+
+    # ---- observation -------------------------------------------------------------------
+
+    async def scrape_metrics(self, timeout_s: float = 5.0) -> dict[str, float]:
+        """GET /metrics and parse it with the backend's parser."""
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+                async with http.get(self.base_url + self.backend.metrics_path) as r:
+                    body = await r.text()
+                    if r.status != 200:
+                        raise Unavailable(f"{self.backend.name} engine {self.spec.instance_id}: /metrics "
+                                          f"answered {r.status}")
+                    return self.backend.parse_metrics(r.content_type, body)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise Unavailable(f"{self.backend.name} engine {self.spec.instance_id}: /metrics failed: {e}") from None
+
+
+def parse_trtllm_iteration_stats(body: str) -> dict[str, float]:
+    """trtllm-serve's /metrics is a JSON list of per-iteration stats; the last one is the newest."""
+    try:
+        stats = json.loads(body)
+    except json.JSONDecodeError:
+        return parse_vllm_prometheus(body)  # some builds expose Prometheus text instead
+    if not isinstance(stats, list) or not stats:
+        return {}
+    last = stats[-1]
+    out: dict[str, float] = {}
+    if "numActiveRequests" in last:
+        out["running"] = float(last["numActiveRequests"])
+    if "numQueuedRequests" in last:
+        out["waiting"] = float(last["numQueuedRequests"])
+    kv = last.get("kvCacheStats") or {}
+    if kv.get("maxNumBlocks"):
+        out["kv_usage"] = float(kv.get("usedNumBlocks", 0)) / float(kv["maxNumBlocks"])
+    return out

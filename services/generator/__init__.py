@@ -1,0 +1,1 @@
+"""The generator service: GenerateWorkflows over gRPC, backed by flowmaker.generator."""

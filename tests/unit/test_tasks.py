@@ -1,0 +1,87 @@
+"""The 7 evaluation tasks: valid candidate workflows, the token-shape rule, and the shapes the issue asks for."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowmaker.domain import StageKind
+from flowmaker.errors import InvalidSpec, NotFound
+from flowmaker.eval.tasks import EVAL_TASKS, MAX_INPUT_TOKENS, get_task, nominal_workflows
+
+
+def test_seven_tasks_three_valid_candidates_each() -> None:
+    assert len(EVAL_TASKS) == 7
+    assert len({t.name for t in EVAL_TASKS}) == 7
+    for t in EVAL_TASKS:
+        assert len(t.candidates) == 3, t.name
+        assert len({c.id for c in t.candidates}) == 3
+        t.slo().validate()
+        for trace in ("code", "conv"):
+            for w in t.nominal_workflows(trace):
+                w.validate()
+                assert 1 <= len(w.llm_stages) <= 3, (t.name, w.id)
+                assert all(s.role and s.prompt_template for s in w.stages)
+
+
+def test_alphas_spread_so_tasks_need_different_model_sizes() -> None:
+    alphas = sorted(t.min_accuracy for t in EVAL_TASKS)
+    assert alphas[0] <= 0.16 and alphas[-1] >= 0.44
+    assert len(set(alphas)) == 7
+
+
+def test_mix_of_shapes_tool_dag_and_multi_call() -> None:
+    ws = [w for t in EVAL_TASKS for w in t.nominal_workflows()]
+    assert any(any(s.kind is StageKind.TOOL for s in w.stages) for w in ws)
+    assert any(any(s.calls_per_request > 1 for s in w.stages) for w in ws)
+    # a parallel branch: two stages with the same dependencies
+    assert any(len({s.depends_on for s in w.stages}) < len(w.stages) for w in ws)
+
+
+def test_prompt_templates_only_name_input_and_upstream_stages() -> None:
+    for t in EVAL_TASKS:
+        for w in t.nominal_workflows():
+            for s in w.stages:
+                names = {"input", *s.depends_on}
+                s.prompt_template.format(**{n: "x" for n in names})
+
+
+def test_token_rule_follows_the_request_and_adds_upstream_outputs() -> None:
+    t = get_task("summarize")
+    small = t.workflow_for_request("sum-extract-abstract", 100, 10)
+    big = t.workflow_for_request("sum-extract-abstract", 3000, 400)
+    assert small.stage("extract").input_tokens == 100 + 40
+    assert big.stage("extract").input_tokens == 3000 + 40
+    assert big.stage("extract").output_tokens == round(0.4 * 400 + 40)
+    # the abstract stage reads the extract's output
+    assert big.stage("abstract").input_tokens == 40 + big.stage("extract").output_tokens
+
+
+def test_token_rule_clamps_to_the_context_window() -> None:
+    w = get_task("chat").workflow_for_request("chat-direct", 14050, 1000)
+    assert w.stage("respond").input_tokens == MAX_INPUT_TOKENS
+    w0 = get_task("chat").workflow_for_request("chat-direct", 0, 0)
+    assert w0.stage("respond").output_tokens >= 1
+    with pytest.raises(InvalidSpec):
+        get_task("chat").workflow_for_request("chat-direct", -1, 3)
+
+
+def test_nominal_uses_trace_medians() -> None:
+    t = get_task("chat")
+    assert t.nominal_tokens("conv") == (1020, 129)
+    assert t.nominal_tokens("code") == (1469, 13)
+    assert nominal_workflows("chat", "conv")[0].stage("respond").output_tokens == 129
+    with pytest.raises(InvalidSpec, match="trace"):
+        t.nominal_tokens("bogus")
+
+
+def test_unknown_names_are_clear_errors() -> None:
+    with pytest.raises(NotFound, match="known"):
+        get_task("nope")
+    with pytest.raises(NotFound, match="no workflow"):
+        get_task("chat").workflow_for_request("nope", 1, 1)
+
+
+def test_slo_scales_rate_with_load() -> None:
+    t = get_task("code")
+    assert t.slo(0.5).arrival_rate_rps == pytest.approx(t.nominal_rate_rps * 0.5)
+    assert t.task_spec("code", 0.25).slo.arrival_rate_rps == pytest.approx(t.nominal_rate_rps * 0.25)
