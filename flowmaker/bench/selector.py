@@ -236,7 +236,7 @@ def synth_models(n: int, seed: int = 0) -> tuple[Model, ...]:
         t = base[i % len(base)]
         i += 1
         assert t.arch is not None
-        layers = max(8, int(round(t.arch.layers * rng.uniform(0.75, 1.25) / 8)) * 8)
+        layers = max(8, round(t.arch.layers * rng.uniform(0.75, 1.25) / 8) * 8)
         arch = dataclasses.replace(t.arch, layers=layers)
         total, active = params_from_arch(arch)
         acc = t.accuracy * (layers / t.arch.layers) ** 0.15 + rng.gauss(0.0, 0.015)

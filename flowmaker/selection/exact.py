@@ -209,7 +209,7 @@ class _Search:
 
         def bound() -> tuple[float, float]:
             """Lower bounds (cost, latency) of any completion; cost INF when none can be feasible."""
-            start = {}
+            start: dict[int, float] = {}
             Lb = 0.0
             for s in topo:
                 if assigned[s]:

@@ -8,8 +8,8 @@ capacity with the utilization cap, LeastLoaded placement, cost) from scratch.
 from __future__ import annotations
 
 import dataclasses
-import os
 import math
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -142,7 +142,7 @@ def brute_force(req: SelectionRequest) -> tuple[tuple[float, float] | None, int]
     for wf in req.workflows:
         llm = [s for s in topo(wf) if s.is_llm]
 
-        def gen(j: int, acc_choice: list, nslots: int):  # restricted growth over new instances
+        def gen(j: int, acc_choice: list, nslots: int, llm: list[Stage] = llm):  # restricted growth
             if j == len(llm):
                 yield list(acc_choice)
                 return
