@@ -158,17 +158,20 @@ class _Search:
                 break
             self._workflow(st, pw)
 
-    def _root_bound(self, st: _Static, pw: PWorkflow) -> float:
+    @staticmethod
+    def _root_bound(st: _Static, pw: PWorkflow) -> float:
+        """The bound at the root (nothing decided, no memory yet): orders workflows best-first."""
+        start = [0.0] * len(pw.wf.stages)
+        for s in pw.topo:
+            start[s] = max((start[p] + st.lat_lb[p] for p in pw.preds[s]), default=0.0)
+        Lb = max(start[s] + st.lat_lb[s] for s in pw.topo)
         lb = 0.0
-        Lb = max(st.lat_lb[s] + st.tail[s] for s in pw.topo if not pw.preds[s])
         for s in pw.llm:
-            h = Lb - st.lat_lb[s] - st.tail[s]  # any path through s is at most Lb; h >= 0 is a valid start
-            h = max(h, 0.0)
             b = 0.0 if st.reuse_min[s] < INF else INF
             for m, lat in st.front[s]:
-                b = min(b, m * max(Lb, lat))
+                b = min(b, m * max(Lb, start[s] + lat + st.tail[s]))
             lb = max(lb, b)
-        return lb * Lb if lb == 0.0 else lb
+        return lb
 
     def _workflow(self, st: _Static, pw: PWorkflow) -> None:
         pb = self.pb
