@@ -1,0 +1,58 @@
+"""Typed settings shared by every service: a pydantic-settings base class read from FLOWMAKER_<SVC>_* variables.
+
+Each service subclasses `ServiceSettings` with its own env prefix (the only place a service
+reads the environment) and adds its own fields; `log_effective()` logs the result once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger(__name__)
+
+# Default ports when a service is run on its own; tests and `flowmaker up` may use 0 (any free port).
+DEFAULT_PORTS = {"generator": 50051, "profiler": 50052, "selector": 50053, "deployer": 50054, "orchestrator": 50055}
+
+
+class ServiceSettings(BaseSettings):
+    """Settings every service has. Subclass with `model_config = settings_config("deployer")`."""
+
+    model_config = SettingsConfigDict(env_prefix="FLOWMAKER_", extra="ignore")
+
+    host: str = Field(default="127.0.0.1", description="Address to bind the gRPC server to.")
+    port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 = any free port (the bound one is logged).")
+    etcd_endpoints: str = Field(default="127.0.0.1:2379", description="Comma-separated etcd client endpoints (host:port).")
+    etcd_namespace: str = Field(default="", description="Prefix prepended to every etcd key (isolates stacks sharing one etcd).")
+    etcd_timeout_s: float = Field(default=5.0, gt=0, description="Deadline of each etcd call; past it etcd counts as unavailable.")
+    grace_s: float = Field(default=5.0, ge=0, description="On SIGTERM, how long in-flight RPCs may finish before they are cancelled.")
+    call_timeout_s: float = Field(default=30.0, gt=0, description="Default deadline of outgoing gRPC calls.")
+    log_level: str = Field(default="INFO", description="Python logging level.")
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.upper()
+        if v not in logging.getLevelNamesMapping():
+            raise ValueError(f"unknown log level {v!r}")
+        return v
+
+    @property
+    def etcd_endpoint_list(self) -> list[str]:
+        return [e.strip() for e in self.etcd_endpoints.split(",") if e.strip()]
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def log_effective(self, service: str) -> None:
+        """One line with every effective setting (they hold no secrets)."""
+        log.info("%s settings %s", service, json.dumps(self.model_dump(mode="json"), sort_keys=True))
+
+
+def settings_config(service: str) -> SettingsConfigDict:
+    """The model_config of a service's settings class: prefix FLOWMAKER_<SVC>_, unknown variables ignored."""
+    return SettingsConfigDict(env_prefix=f"FLOWMAKER_{service.upper()}_", extra="ignore")

@@ -1,0 +1,294 @@
+"""StateStore on a real etcd v3 cluster through `aetcd` (asyncio); the only etcd client in the process.
+
+Why aetcd: it is asyncio-native and works with protobuf 7 / grpcio 1.85 (etcd3 0.12 does
+not import). Two etcd client libraries in one process clash on their bundled kv.proto,
+so nothing else in FlowMaker may import another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, NoReturn
+
+import aetcd
+import aetcd.exceptions as aerr
+import grpc
+from aetcd import rpc as arpc
+from aetcd import transactions as atx
+from aetcd import utils as autils
+
+from flowmaker.errors import AlreadyExists, Conflict, InvalidSpec, NotFound, Unavailable
+from flowmaker.state.store import (
+    Compare,
+    EventKind,
+    Json,
+    KeyValue,
+    Listing,
+    Op,
+    Put,
+    Target,
+    TxnResult,
+    WatchEvent,
+    check_txn_keys,
+)
+
+log = logging.getLogger(__name__)
+
+
+def encode(value: Json) -> bytes:
+    # Sorted keys and no spaces: equal values give equal bytes (etcd VALUE compares, diffs).
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode(raw: bytes) -> Json:
+    try:
+        return json.loads(raw)
+    except ValueError:  # written by something else than FlowMaker; hand it over as text
+        return raw.decode(errors="replace")
+
+
+def parse_endpoint(ep: str) -> tuple[str, int]:
+    """'http://127.0.0.1:2379', '127.0.0.1:2379' or '[::1]:2379' -> (host, port)."""
+    s = ep.strip()
+    for scheme in ("http://", "https://"):
+        if s.startswith(scheme):
+            s = s[len(scheme):]
+    s = s.rstrip("/")
+    host, sep, port = s.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise InvalidSpec(f"etcd endpoint must look like host:port, got {ep!r}", field="etcd_endpoints")
+    return host.strip("[]"), int(port)
+
+
+def _raise_mapped(e: BaseException, what: str) -> NoReturn:
+    """aetcd / gRPC failures -> FlowMaker errors. Connection trouble is Unavailable (retryable)."""
+    if isinstance(e, aerr.RevisionCompactedError):
+        raise Conflict(f"{what}: revision compacted below {e.compacted_revision}; re-list and watch again",
+                       reason="REVISION_COMPACTED") from e
+    if isinstance(e, grpc.aio.AioRpcError):
+        detail = e.details() or e.code().name
+        code = e.code()
+    else:
+        detail = str(e) or type(e).__name__
+        code = None
+    if "lease not found" in detail:
+        raise NotFound(f"{what}: {detail}", reason="LEASE_NOT_FOUND") from e
+    if code == grpc.StatusCode.INVALID_ARGUMENT or isinstance(e, aerr.InvalidArgumentError):
+        raise InvalidSpec(f"{what}: etcd rejected the request: {detail}") from e
+    raise Unavailable(f"etcd {what} failed: {detail}", reason="ETCD_UNAVAILABLE") from e
+
+
+_ETCD_ERRORS = (aerr.ClientError, grpc.aio.AioRpcError, OSError, TimeoutError)
+
+
+class EtcdStore:
+    """StateStore on etcd. Every key is prefixed with `namespace` (tests and parallel stacks
+    get disjoint key spaces; `keys.*` stays absolute), and it is stripped again on reads."""
+
+    def __init__(self, endpoints: Sequence[str] | str = "127.0.0.1:2379", *, namespace: str = "",
+                 timeout_s: float = 5.0) -> None:
+        eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        eps = [e for part in eps for e in part.split(",") if e.strip()]
+        if not eps:
+            raise InvalidSpec("at least one etcd endpoint is required", field="etcd_endpoints")
+        self._endpoints = [parse_endpoint(e) for e in eps]
+        self._ep_index = 0
+        self.namespace = namespace.rstrip("/")
+        self.timeout_s = timeout_s
+        self._client: aetcd.Client | None = None
+        self._lock = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"EtcdStore({self.endpoint!r}, namespace={self.namespace!r})"
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self._endpoints[self._ep_index]
+        return f"{host}:{port}"
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _k(self, key: str) -> bytes:
+        return (self.namespace + key).encode()
+
+    def _unk(self, raw: bytes) -> str:
+        return raw.decode()[len(self.namespace):]
+
+    def _kv(self, kv: Any) -> KeyValue:
+        return KeyValue(self._unk(kv.key), decode(kv.value), kv.mod_revision, kv.create_revision, kv.lease)
+
+    async def _c(self) -> aetcd.Client:
+        async with self._lock:
+            if self._client is None:
+                host, port = self._endpoints[self._ep_index]
+                # `timeout` bounds every unary call: a hung etcd (e.g. SIGSTOPped) becomes
+                # DEADLINE_EXCEEDED -> Unavailable instead of blocking the caller forever.
+                self._client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)  # type: ignore[arg-type]
+                await self._client.connect()
+            return self._client
+
+    async def _failed(self, e: BaseException, what: str) -> NoReturn:
+        # Move to the next endpoint for the next call; a later call reconnects lazily.
+        if len(self._endpoints) > 1 and not isinstance(e, aerr.RevisionCompactedError):
+            async with self._lock:
+                client, self._client = self._client, None
+                self._ep_index = (self._ep_index + 1) % len(self._endpoints)
+            if client is not None:
+                try:
+                    await client.close()
+                except Exception:  # closing a broken channel may fail; nothing to do about it
+                    log.debug("closing etcd client failed", exc_info=True)
+        _raise_mapped(e, what)
+
+    async def close(self) -> None:
+        async with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+    async def ping(self) -> int:
+        """Read the current revision (a cheap linearizable round trip); Unavailable when down."""
+        return (await self.get_prefix("/__ping__/")).revision
+
+    # -- reads --------------------------------------------------------------------------------
+
+    async def get(self, key: str) -> KeyValue | None:
+        try:
+            r = await (await self._c()).get(self._k(key))
+        except _ETCD_ERRORS as e:
+            await self._failed(e, f"get {key}")
+        return None if r is None else self._kv(r)
+
+    async def get_prefix(self, prefix: str) -> Listing:
+        try:
+            r = await (await self._c()).get_prefix(self._k(prefix))
+        except _ETCD_ERRORS as e:
+            await self._failed(e, f"get_prefix {prefix}")
+        return Listing(tuple(self._kv(kv) for kv in r.kvs), r.header.revision)
+
+    # -- writes -------------------------------------------------------------------------------
+
+    async def put(self, key: str, value: Json, *, lease: int = 0) -> int:
+        try:
+            r = await (await self._c()).put(self._k(key), encode(value), lease=lease or None)
+        except _ETCD_ERRORS as e:
+            await self._failed(e, f"put {key}")
+        return int(r.header.revision)
+
+    async def create(self, key: str, value: Json, *, lease: int = 0) -> int:
+        res = await self.txn([Compare.absent(key)], [Put(key, value, lease)])
+        if not res.succeeded:
+            raise AlreadyExists(f"{key} already exists", field="key", metadata={"key": key})
+        return res.revision
+
+    async def cas(self, key: str, value: Json, *, etag: int, lease: int = 0) -> int:
+        res = await self.txn([Compare.unchanged(key, etag)], [Put(key, value, lease)])
+        if not res.succeeded:
+            if etag and await self.get(key) is None:
+                raise NotFound(f"{key} no longer exists", metadata={"key": key})
+            raise Conflict(f"{key} changed since it was read (etag {etag}); re-read and retry",
+                           metadata={"key": key, "etag": str(etag)})
+        return res.revision
+
+    async def delete(self, key: str, *, etag: int | None = None) -> bool:
+        if etag is not None:
+            res = await self.txn([Compare.unchanged(key, etag)], deletes=[key])
+            if not res.succeeded:
+                raise Conflict(f"{key} changed since it was read (etag {etag}); re-read and retry",
+                               metadata={"key": key, "etag": str(etag)})
+            return True
+        try:
+            r = await (await self._c()).delete(self._k(key))
+        except _ETCD_ERRORS as e:
+            await self._failed(e, f"delete {key}")
+        return r is not None
+
+    async def delete_prefix(self, prefix: str) -> int:
+        try:
+            r = await (await self._c()).delete_prefix(self._k(prefix))
+        except _ETCD_ERRORS as e:
+            await self._failed(e, f"delete_prefix {prefix}")
+        return int(r.deleted)
+
+    def _compare(self, c: Compare) -> Any:
+        cmp: atx.BaseCompare = atx.Mod(self._k(c.key)) if c.target is Target.MOD else atx.Create(self._k(c.key))
+        cmp.value = c.value
+        cmp.op = {Op.EQ: arpc.Compare.EQUAL, Op.NE: arpc.Compare.NOT_EQUAL,
+                  Op.LT: arpc.Compare.LESS, Op.GT: arpc.Compare.GREATER}[c.op]
+        return cmp.build_message()
+
+    async def txn(self, compares: Sequence[Compare], puts: Sequence[Put] = (),
+                  deletes: Sequence[str] = ()) -> TxnResult:
+        check_txn_keys(puts, deletes)
+        # Built on the raw KV stub (not aetcd's transaction()) to keep the response header's
+        # revision, which callers use as the new etag / the revision to watch from.
+        success = [arpc.RequestOp(request_put=arpc.PutRequest(key=self._k(p.key), value=encode(p.value),
+                                                               lease=p.lease)) for p in puts]
+        success += [arpc.RequestOp(request_delete_range=arpc.DeleteRangeRequest(key=self._k(k))) for k in deletes]
+        # On failure read back every compared key, so the caller learns which ones moved.
+        compared = list(dict.fromkeys(c.key for c in compares))
+        failure = [arpc.RequestOp(request_range=arpc.RangeRequest(key=self._k(k))) for k in compared]
+        req = arpc.TxnRequest(compare=[self._compare(c) for c in compares], success=success, failure=failure)
+        try:
+            client = await self._c()
+            resp = await client.kvstub.Txn(req, timeout=self.timeout_s, metadata=client.metadata)
+        except _ETCD_ERRORS as e:
+            await self._failed(e, "txn")
+        if resp.succeeded:
+            return TxnResult(True, int(resp.header.revision))
+        current: dict[str, KeyValue] = {}
+        for op in resp.responses:
+            for kv in op.response_range.kvs:
+                v = self._kv(kv)
+                current[v.key] = v
+        failed = tuple(dict.fromkeys(c.key for c in compares if not c.holds(current.get(c.key))))
+        return TxnResult(False, int(resp.header.revision), failed)
+
+    # -- leases -------------------------------------------------------------------------------
+
+    async def grant_lease(self, ttl_s: int) -> int:
+        try:
+            lease = await (await self._c()).lease(int(ttl_s))
+        except _ETCD_ERRORS as e:
+            await self._failed(e, "lease grant")
+        return int(lease.id)
+
+    async def refresh_lease(self, lease_id: int) -> int:
+        try:
+            reply = await (await self._c()).refresh_lease(lease_id)
+        except _ETCD_ERRORS as e:
+            await self._failed(e, f"lease keepalive {lease_id:x}")
+        # etcd answers an expired/unknown lease with TTL 0 (not an error).
+        return 0 if reply is None else int(reply.TTL)
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        try:
+            await (await self._c()).revoke_lease(lease_id)
+        except _ETCD_ERRORS as e:
+            await self._failed(e, f"lease revoke {lease_id:x}")
+
+    # -- watch --------------------------------------------------------------------------------
+
+    async def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
+        try:
+            client = await self._c()
+            w = await client.watch(self._k(prefix), range_end=autils.prefix_range_end(self._k(prefix)),
+                                   start_revision=start_revision)
+        except _ETCD_ERRORS as e:
+            await self._failed(e, f"watch {prefix}")
+        try:
+            async for ev in w:
+                if ev.kind == EventKind.PUT.value:
+                    yield WatchEvent(EventKind.PUT, self._unk(ev.kv.key), decode(ev.kv.value), ev.kv.mod_revision)
+                else:
+                    yield WatchEvent(EventKind.DELETE, self._unk(ev.kv.key), None, ev.kv.mod_revision)
+        except _ETCD_ERRORS as e:
+            _raise_mapped(e, f"watch {prefix}")
+        finally:
+            try:
+                await asyncio.wait_for(w.cancel(), timeout=self.timeout_s)
+            except Exception:  # the stream may already be gone; nothing left to cancel
+                log.debug("watch cancel failed", exc_info=True)

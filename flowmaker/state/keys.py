@@ -1,0 +1,109 @@
+"""Every etcd key FlowMaker reads or writes is built here, and only here (layout: docs/state.md).
+
+Each variable component is percent-encoded, so ids may hold any character
+(a "/" in a model id cannot split the hierarchy) and `parse_*` inverts them.
+Prefix builders end with "/" so `nodes/a` never matches `nodes/ab`.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import quote, unquote
+
+from flowmaker.errors import InvalidSpec
+
+ROOT = "/flowmaker/v1/"
+
+NODES = ROOT + "nodes/"
+GPUS = ROOT + "gpus/"
+INSTANCES = ROOT + "instances/"
+TASKS = ROOT + "tasks/"
+REUSE = ROOT + "reuse/"
+PROFILES = ROOT + "profiles/"
+
+
+def _c(value: str, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidSpec(f"{what} must be a non-empty string, got {value!r}", field=what)
+    return quote(value, safe="")
+
+
+def node(node_id: str) -> str:
+    """Liveness + description of one deployer node; bound to the node's lease."""
+    return NODES + _c(node_id, "node")
+
+
+def gpu(node_id: str, gpu_id: str) -> str:
+    """One GPU's inventory and memory accounting."""
+    return GPUS + _c(node_id, "node") + "/" + _c(gpu_id, "gpu_id")
+
+
+def gpus_of_node(node_id: str) -> str:
+    return GPUS + _c(node_id, "node") + "/"
+
+
+def instance(instance_id: str) -> str:
+    """A model instance: model, tp, pp, node, gpu ids, endpoint, state, load."""
+    return INSTANCES + _c(instance_id, "instance_id")
+
+
+def task(task_id: str) -> str:
+    """A task: spec, candidates, approved ids, chosen variant, state."""
+    return TASKS + _c(task_id, "task_id")
+
+
+def reuse(instance_id: str, task_id: str) -> str:
+    """The load one task puts on one instance; the instance is in use while any such key exists."""
+    return REUSE + _c(instance_id, "instance_id") + "/" + _c(task_id, "task_id")
+
+
+def reuse_of_instance(instance_id: str) -> str:
+    return REUSE + _c(instance_id, "instance_id") + "/"
+
+
+def profile(gpu_type: str, model_id: str, tp: int, pp: int, source: str) -> str:
+    """A latency/memory profile of one deployable (model, tp, pp) on one GPU type, by source."""
+    if tp < 1 or pp < 1:
+        raise InvalidSpec(f"tp and pp must be >= 1, got tp={tp} pp={pp}", field="tp")
+    return (PROFILES + _c(gpu_type, "gpu_type") + "/" + _c(model_id, "model_id") + f"/{tp}x{pp}/"
+            + _c(source, "source"))
+
+
+def profiles_of_gpu_type(gpu_type: str) -> str:
+    return PROFILES + _c(gpu_type, "gpu_type") + "/"
+
+
+def _tail(key: str, prefix: str, parts: int) -> list[str]:
+    if not key.startswith(prefix):
+        raise InvalidSpec(f"key {key!r} is not under {prefix!r}", field="key")
+    rest = key[len(prefix):].split("/")
+    if len(rest) != parts or not all(rest):
+        raise InvalidSpec(f"key {key!r} does not have {parts} component(s) under {prefix!r}", field="key")
+    return [unquote(p) for p in rest]
+
+
+def parse_node(key: str) -> str:
+    return _tail(key, NODES, 1)[0]
+
+
+def parse_gpu(key: str) -> tuple[str, str]:
+    n, g = _tail(key, GPUS, 2)
+    return n, g
+
+
+def parse_instance(key: str) -> str:
+    return _tail(key, INSTANCES, 1)[0]
+
+
+def parse_task(key: str) -> str:
+    return _tail(key, TASKS, 1)[0]
+
+
+def parse_reuse(key: str) -> tuple[str, str]:
+    i, t = _tail(key, REUSE, 2)
+    return i, t
+
+
+def parse_profile(key: str) -> tuple[str, str, int, int, str]:
+    gpu_type, model_id, shape, source = _tail(key, PROFILES, 4)
+    tp, _, pp = shape.partition("x")
+    return gpu_type, model_id, int(tp), int(pp), source

@@ -1,0 +1,171 @@
+"""The JSON records stored under the node, GPU and instance keys, and the live cluster view built from them.
+
+The deployer writes these; the selector and orchestrator read them. Field names are
+the domain's (snake_case), so a record maps 1:1 onto `flowmaker.domain` objects.
+Unknown fields are ignored on read, so adding one (with a default) is compatible.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from flowmaker.domain import Cluster, Gpu, Instance
+from flowmaker.state import keys
+from flowmaker.state.store import StateStore
+
+
+class InstanceState(enum.Enum):
+    """Mirrors flowmaker.common.v1.Instance.State."""
+
+    PENDING = "PENDING"  # memory reserved (e.g. by a selection commit); engine not started yet
+    STARTING = "STARTING"  # engine process launching / not yet healthy
+    READY = "READY"  # engine answers /health; endpoint is usable
+    DRAINING = "DRAINING"  # release in progress: no new work, engine being stopped
+    FAILED = "FAILED"  # could not start or exited; `reason` says why; its memory is already freed
+
+
+# States whose GPU memory counts as used and which a selection may reuse (DRAINING: neither).
+LIVE_STATES = (InstanceState.PENDING, InstanceState.STARTING, InstanceState.READY)
+MEMORY_DIGITS = 6  # GB amounts are rounded to 1 kB, so add-then-subtract returns to exactly 0
+
+
+def _from(cls: Any, data: dict[str, Any]) -> Any:
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    """Under keys.node(); bound to the node's lease: present = the node is alive."""
+
+    node: str
+    gpu_type: str
+    gpu_count: int
+    endpoint: str = ""  # the node's deployer gRPC address (host:port)
+    backend: str = ""  # engine backend name
+    started_at: float = 0.0  # unix time the agent registered
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> NodeRecord:
+        return _from(NodeRecord, data)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRecord:
+    """Under keys.gpu(node, id). `memory_used_gb` is the sum over instances holding memory on it;
+    every change to it goes through a transaction comparing this key's mod_revision."""
+
+    id: str
+    node: str
+    gpu_type: str
+    memory_total_gb: float
+    memory_used_gb: float = 0.0
+    index: int = 0  # device index on the node (CUDA_VISIBLE_DEVICES)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> GpuRecord:
+        return _from(GpuRecord, data)  # type: ignore[no-any-return]
+
+    def to_domain(self) -> Gpu:
+        return Gpu(self.id, self.node, self.memory_total_gb, self.memory_used_gb, self.gpu_type)
+
+    @property
+    def memory_free_gb(self) -> float:
+        return self.memory_total_gb - self.memory_used_gb
+
+    def with_used(self, delta_gb: float) -> GpuRecord:
+        """This GPU with `delta_gb` more (or, negative, less) memory used; never below 0."""
+        return replace(self, memory_used_gb=round(max(0.0, self.memory_used_gb + delta_gb), MEMORY_DIGITS))
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRecord:
+    """Under keys.instance(id)."""
+
+    id: str
+    model_id: str
+    tp: int
+    pp: int
+    node: str
+    gpu_ids: tuple[str, ...]
+    memory_gb_per_gpu: float
+    state: InstanceState = InstanceState.STARTING
+    endpoint: str = ""  # base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:41234
+    reason: str = ""  # why FAILED (human-readable)
+    failure_reason: str = ""  # why FAILED (stable UPPER_SNAKE, e.g. ENGINE_EXITED, ENGINE_START_FAILED)
+    load_output_tokens_per_s: float = 0.0  # sum of the reuse loads of the tasks using it
+    engine: str = ""  # backend name ("emulated", "vllm", "trtllm")
+    memory_reserved: bool = True  # False once its GPU memory has been given back (FAILED / released)
+    created_at: float = 0.0  # unix time
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["state"] = self.state.value
+        d["gpu_ids"] = list(self.gpu_ids)
+        return d
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> InstanceRecord:
+        d = dict(data)
+        d["state"] = InstanceState(d.get("state", "STARTING"))
+        d["gpu_ids"] = tuple(d.get("gpu_ids", ()))
+        return _from(InstanceRecord, d)  # type: ignore[no-any-return]
+
+    def to_domain(self) -> Instance:
+        return Instance(self.id, self.model_id, self.tp, self.pp, self.gpu_ids, self.load_output_tokens_per_s,
+                        self.endpoint)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """The live cluster as the selector sees it, plus what a commit must re-check.
+
+    `etags` maps every GPU and instance key read to its mod_revision at `revision`:
+    a selection commit adds `Compare.unchanged(key, etags[key])` for each GPU it places
+    on and each instance it reuses, so a concurrent change aborts the commit.
+    """
+
+    cluster: Cluster
+    revision: int
+    etags: dict[str, int] = field(default_factory=dict)
+    gpus: dict[str, GpuRecord] = field(default_factory=dict)  # by GPU id
+    instances: dict[str, InstanceRecord] = field(default_factory=dict)  # by instance id (alive only)
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+
+
+async def read_cluster(store: StateStore) -> ClusterView:
+    """Alive nodes' GPUs and their PENDING/STARTING/READY instances. Three prefix reads; the GPU and
+    instance etags are what matters for commits (a node dying between reads only makes the
+    view conservative: its GPUs are left out)."""
+    nodes_l = await store.get_prefix(keys.NODES)
+    nodes = {}
+    for kv in nodes_l.items:
+        if isinstance(kv.value, dict):
+            n = NodeRecord.from_json(kv.value)
+            nodes[n.node] = n
+    gpus_l = await store.get_prefix(keys.GPUS)
+    inst_l = await store.get_prefix(keys.INSTANCES)
+    etags: dict[str, int] = {}
+    gpus: dict[str, GpuRecord] = {}
+    for kv in gpus_l.items:
+        g = GpuRecord.from_json(kv.value)
+        if g.node in nodes:
+            gpus[g.id] = g
+            etags[kv.key] = kv.mod_revision
+    instances: dict[str, InstanceRecord] = {}
+    for kv in inst_l.items:
+        i = InstanceRecord.from_json(kv.value)
+        if i.node in nodes and i.state in LIVE_STATES:
+            instances[i.id] = i
+            etags[kv.key] = kv.mod_revision
+    cluster = Cluster(tuple(g.to_domain() for g in sorted(gpus.values(), key=lambda g: g.id)),
+                      tuple(i.to_domain() for i in sorted(instances.values(), key=lambda i: i.id)))
+    return ClusterView(cluster, inst_l.revision, etags, gpus, instances, nodes)

@@ -1,0 +1,1 @@
+"""The deployer: a per-node agent that owns the node's GPUs and runs model instances on them."""

@@ -1,0 +1,572 @@
+"""The node agent: registers this node and its GPUs in etcd under a lease, and owns its instances' lifecycle.
+
+Every state change is an etcd transaction guarded by the mod_revisions it read:
+- Deploy reserves GPU memory (placement: LeaseLoaded on this node, `flowmaker.selection.placement`)
+  and records the instance in ONE txn that re-checks every GPU key it chose, then starts the engine;
+  on any failure the memory is given back and the instance marked FAILED with the reason;
+- an engine exiting on its own -> FAILED, memory given back (crash watcher of the backend);
+- Release drops a task's reference (`keys.reuse`) and, when none is left, DRAINING -> stop the
+  engine -> give the memory back and delete the instance.
+The node key is bound to the lease, so when this agent dies its node (and with it its GPUs and
+instances, for every reader using `read_cluster`) drops out of the live cluster after the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
+from typing import Any
+
+from google.protobuf import json_format
+
+from flowmaker.api.common.v1 import cluster_pb2
+from flowmaker.domain import Profile
+from flowmaker.errors import (
+    AlreadyExists,
+    Conflict,
+    FailedPrecondition,
+    FlowMakerError,
+    InvalidSpec,
+    NoCapacity,
+    NotFound,
+    Unavailable,
+)
+from flowmaker.selection.placement import NodeGpus, place_least_loaded
+from flowmaker.state import keys
+from flowmaker.state.records import MEMORY_DIGITS, GpuRecord, InstanceRecord, InstanceState, NodeRecord
+from flowmaker.state.store import Compare, KeyValue, LeaseKeeper, Put, StateStore
+from services.deployer.backends import EngineBackend, EngineProcess, EngineSpec, get_backend
+from services.deployer.settings import DeployerSettings, GpuInfo, gpu_id, gpu_inventory
+
+log = logging.getLogger(__name__)
+
+# Waiting for a previous agent's node key (same node name) to expire, as a multiple of the TTL.
+_STALE_NODE_WAIT_TTLS = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class DeployParams:
+    """What a Deploy asks for (field names are the DeployRequest's)."""
+
+    model_id: str
+    tp: int = 1
+    pp: int = 1
+    gpu_ids: tuple[str, ...] = ()
+    memory_gb_per_gpu: float = 0.0  # 0 = the profile's
+    task_id: str = ""
+    engine: str = ""  # "" = the node's default backend
+    request_id: str = ""  # idempotency key; becomes the instance id
+    no_wait: bool = False
+
+    def validate(self) -> DeployParams:
+        if not self.model_id.strip():
+            raise InvalidSpec("must not be empty", field="model_id")
+        if self.tp < 1:
+            raise InvalidSpec(f"must be >= 1, got {self.tp}", field="tp")
+        if self.pp < 1:
+            raise InvalidSpec(f"must be >= 1, got {self.pp}", field="pp")
+        if self.gpu_ids and len(self.gpu_ids) != self.tp * self.pp:
+            raise InvalidSpec(f"needs tp*pp = {self.tp * self.pp} GPU ids, got {len(self.gpu_ids)}", field="gpu_ids")
+        if len(set(self.gpu_ids)) != len(self.gpu_ids):
+            raise InvalidSpec(f"GPU ids must be distinct, got {list(self.gpu_ids)}", field="gpu_ids")
+        if not self.memory_gb_per_gpu >= 0:
+            raise InvalidSpec(f"must be >= 0, got {self.memory_gb_per_gpu}", field="memory_gb_per_gpu")
+        return self
+
+
+def new_instance_id(model_id: str) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", model_id.lower()).strip("-")[:40] or "instance"
+    return f"{slug}-{uuid.uuid4().hex[:8]}"
+
+
+class NodeAgent:
+    """One per deployer process. `start()` is the server's on_ready hook, `shutdown()` its on_shutdown."""
+
+    def __init__(self, store: StateStore, settings: DeployerSettings, *, endpoint: str = "",
+                 inventory: list[GpuInfo] | None = None) -> None:
+        self.store = store
+        self.settings = settings
+        self.node = settings.node
+        self.endpoint = endpoint  # this deployer's gRPC address, published in the node record
+        self.inventory = inventory if inventory is not None else gpu_inventory(settings)
+        if not self.inventory:
+            raise InvalidSpec("the node has no GPU", field="gpu_count")
+        n = len(self.inventory)
+        self.gpus: dict[str, GpuInfo] = {gpu_id(self.node, g.index, n): g for g in self.inventory}
+        self.gpu_type = self.inventory[0].gpu_type
+        self.keeper: LeaseKeeper | None = None
+        self.procs: dict[str, EngineProcess] = {}
+        self._starting: dict[str, asyncio.Task[InstanceRecord]] = {}
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closing = False
+
+    # ---- registration -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Claim the node key (under a fresh lease), reconcile leftovers, publish the GPUs."""
+        await self._claim_node()
+        await self._reconcile()
+        log.info("node %s registered: %d x %s, backend %s", self.node, len(self.gpus), self.gpu_type,
+                 self.settings.backend)
+
+    def _node_record(self) -> NodeRecord:
+        return NodeRecord(self.node, self.gpu_type, len(self.gpus), self.endpoint, self.settings.backend, time.time())
+
+    async def _claim_node(self) -> None:
+        keeper = LeaseKeeper(self.store, self.settings.lease_ttl_s, on_lost=self._on_lease_lost)
+        await keeper.start()
+        deadline = time.monotonic() + _STALE_NODE_WAIT_TTLS * self.settings.lease_ttl_s + 2
+        while True:
+            try:
+                await self.store.create(keys.node(self.node), self._node_record().to_json(), lease=keeper.id)
+                break
+            except AlreadyExists:
+                # Another live agent with this node name, or our own previous life whose lease
+                # has not run out yet: wait for it to expire before taking over its GPUs.
+                if time.monotonic() > deadline:
+                    await keeper.stop(revoke=True)
+                    raise AlreadyExists(f"node {self.node!r} is registered by another live deployer",
+                                        field="node") from None
+                await asyncio.sleep(0.5)
+        self.keeper = keeper
+
+    async def _on_lease_lost(self) -> None:
+        """The lease expired (etcd unreachable for a TTL): our node key is gone. Instances and GPU
+        accounting are not lease-bound, so re-claiming the node key is all it takes."""
+        if self._closing:
+            return
+        self._spawn(self._reclaim())
+
+    async def _reclaim(self) -> None:
+        delay = 0.5
+        while not self._closing:
+            try:
+                await self._claim_node()
+                log.warning("node %s re-registered after losing its lease", self.node)
+                return
+            except FlowMakerError as e:
+                log.warning("node %s: re-registration failed (%s); retrying in %.1fs", self.node, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _reconcile(self) -> None:
+        """Instances of this node that no engine of ours backs (a previous life of this agent) are
+        marked FAILED; PENDING ones (reserved, not started) keep their memory. Then every GPU's
+        memory_used is recomputed from the instances holding memory, in one guarded txn."""
+        for _ in range(self.settings.commit_retries):
+            gpus_l = await self.store.get_prefix(keys.gpus_of_node(self.node))
+            inst_l = await self.store.get_prefix(keys.INSTANCES)
+            compares, puts, deletes = [], [], []
+            held: list[InstanceRecord] = []
+            for kv in inst_l.items:
+                rec = InstanceRecord.from_json(kv.value)
+                if rec.node != self.node:
+                    continue
+                if rec.state in (InstanceState.STARTING, InstanceState.READY, InstanceState.DRAINING) \
+                        and rec.id not in self.procs:
+                    rec = replace(rec, state=InstanceState.FAILED, memory_reserved=False, endpoint="",
+                                  reason="the deployer restarted; its engine is gone", failure_reason="NODE_RESTARTED")
+                    compares.append(Compare.unchanged(kv.key, kv.mod_revision))
+                    puts.append(Put(kv.key, rec.to_json()))
+                if rec.memory_reserved:
+                    held.append(rec)
+            existing = {kv.key: kv for kv in gpus_l.items}
+            for gid, info in self.gpus.items():
+                key = keys.gpu(self.node, gid)
+                used = sum(r.memory_gb_per_gpu for r in held if gid in r.gpu_ids)
+                rec_g = GpuRecord(gid, self.node, info.gpu_type, info.memory_total_gb, 0.0, info.index).with_used(used)
+                compares.append(Compare.unchanged(key, existing[key].mod_revision if key in existing else 0))
+                puts.append(Put(key, rec_g.to_json()))
+            for key, kv in existing.items():
+                if keys.parse_gpu(key)[1] not in self.gpus:  # the node lost a GPU since last time
+                    compares.append(Compare.unchanged(key, kv.mod_revision))
+                    deletes.append(key)
+            if (await self.store.txn(compares, puts, deletes)).succeeded:
+                return
+        raise Conflict(f"node {self.node}: could not publish its GPUs (state kept changing)")
+
+    async def shutdown(self) -> None:
+        """Stop every engine (instances -> FAILED, memory given back), then revoke the lease."""
+        self._closing = True
+        ids = set(self.procs) | set(self._starting)
+        starting = list(self._starting.values())
+        for t in starting:
+            t.cancel()
+        await asyncio.gather(*starting, return_exceptions=True)
+        for iid in list(self.procs):
+            await self.procs.pop(iid).stop(grace_s=self.settings.engine_stop_grace_s)
+        for iid in sorted(ids):
+            try:
+                await self._fail(iid, "the deployer shut down", "NODE_SHUTDOWN")
+            except FlowMakerError as e:  # etcd gone: the record stays; a restart reconciles it
+                log.warning("instance %s: could not record the shutdown: %s", iid, e)
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self.keeper is not None:
+            await self.keeper.stop(revoke=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        t = asyncio.create_task(coro)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+        return t
+
+    # ---- deploy -------------------------------------------------------------------------
+
+    async def deploy(self, p: DeployParams) -> InstanceRecord:
+        p.validate()
+        for gid in p.gpu_ids:
+            if gid not in self.gpus:
+                raise InvalidSpec(f"GPU {gid!r} is not on node {self.node} (its GPUs: {', '.join(self.gpus)})",
+                                  field="gpu_ids")
+        engine = p.engine or self.settings.backend
+        try:
+            backend = get_backend(engine)
+        except NotFound as e:
+            raise InvalidSpec(e.message, field="engine") from None
+        iid = p.request_id or new_instance_id(p.model_id)
+        async with self._locks[iid]:
+            kv = await self.store.get(keys.instance(iid))
+            existing = InstanceRecord.from_json(kv.value) if kv else None
+            if existing is not None:
+                self._check_same(existing, p, engine)
+                if p.task_id and existing.state is not InstanceState.DRAINING:
+                    await self._add_reference(iid, p.task_id)
+                if existing.state in (InstanceState.READY, InstanceState.STARTING):
+                    task = self._starting.get(iid)
+                    if task is None or p.no_wait:
+                        return existing  # idempotent retry
+                    starting = task
+                elif existing.state is InstanceState.DRAINING:
+                    raise FailedPrecondition(f"instance {iid} is being released", field="request_id")
+            if existing is None or existing.state in (InstanceState.PENDING, InstanceState.FAILED):
+                profile = await self.profile_for(p.model_id, p.tp, p.pp)
+                mem = round(p.memory_gb_per_gpu or profile.memory_gb_per_gpu, MEMORY_DIGITS)
+                if existing is not None and existing.state is InstanceState.PENDING:
+                    rec = await self._adopt_pending(kv, existing, engine)  # type: ignore[arg-type]
+                else:
+                    rec = await self._reserve(iid, p, engine, mem, kv)
+                starting = asyncio.create_task(self._start_engine(rec, backend, profile))
+                self._starting[iid] = starting
+                starting.add_done_callback(lambda _t, i=iid: self._starting.pop(i, None))  # type: ignore[misc]
+                if p.no_wait:
+                    return rec
+        # Shielded: a client giving up (deadline, disconnect) must not abort a half-started engine;
+        # the start completes (READY or FAILED) and a retry with the same request_id finds it.
+        try:
+            return await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            cur = asyncio.current_task()
+            if cur is not None and cur.cancelling():
+                raise  # this RPC itself was cancelled
+            raise FailedPrecondition(f"instance {iid} was released (or the deployer stopped) while starting",
+                                     reason="RELEASED_WHILE_STARTING") from None
+
+    async def _add_reference(self, iid: str, task_id: str) -> None:
+        with contextlib.suppress(AlreadyExists):
+            await self.store.create(keys.reuse(iid, task_id), _reference(iid, task_id))
+
+    def _check_same(self, rec: InstanceRecord, p: DeployParams, engine: str) -> None:
+        if rec.node != self.node:
+            raise FailedPrecondition(f"instance {rec.id} lives on node {rec.node}, not {self.node}",
+                                     field="request_id")
+        same = (rec.model_id, rec.tp, rec.pp) == (p.model_id, p.tp, p.pp) and (
+            not p.gpu_ids or tuple(p.gpu_ids) == tuple(rec.gpu_ids))
+        if not same:
+            raise AlreadyExists(f"request_id {rec.id!r} is already used by a different instance "
+                                f"({rec.model_id} tp={rec.tp} pp={rec.pp} on {list(rec.gpu_ids)})", field="request_id")
+
+    async def profile_for(self, model_id: str, tp: int, pp: int) -> Profile:
+        """The measured profile from etcd, else the analytic one stored there, else the roofline."""
+        from flowmaker.convert import profile_from_proto
+
+        for source in ("MEASURED", "ANALYTIC"):
+            kv = await self.store.get(keys.profile(self.gpu_type, model_id, tp, pp, source))
+            if kv is not None and isinstance(kv.value, dict):
+                msg = json_format.ParseDict(kv.value, cluster_pb2.Profile(), ignore_unknown_fields=True)
+                return profile_from_proto(msg)
+        from flowmaker.catalog import get_gpu_type, get_model
+        from flowmaker.profiling.analytic import analytic_profile
+
+        try:
+            model = get_model(model_id)
+        except NotFound:
+            raise NotFound(f"no profile and no catalog entry for model {model_id!r}", field="model_id") from None
+        return analytic_profile(model, get_gpu_type(self.gpu_type), tp, pp)
+
+    async def _reserve(self, iid: str, p: DeployParams, engine: str, mem: float, prev: KeyValue | None) -> InstanceRecord:
+        """Place and reserve in one txn that re-checks every GPU key chosen; retried on a lost race."""
+        k = p.tp * p.pp
+        for _ in range(self.settings.commit_retries):
+            listing = await self.store.get_prefix(keys.gpus_of_node(self.node))
+            gpus = {GpuRecord.from_json(kv.value).id: (kv, GpuRecord.from_json(kv.value)) for kv in listing.items}
+            free = {gid: g.memory_free_gb for gid, (_, g) in gpus.items()}
+            if p.gpu_ids:
+                short = [gid for gid in p.gpu_ids if gid not in gpus or free[gid] < mem - 1e-9]
+                if short:
+                    raise NoCapacity(
+                        f"GPU(s) {', '.join(short)} lack {mem:g} GB free "
+                        f"({', '.join(f'{g}: {free.get(g, 0):g} GB' for g in short)})",
+                        field="gpu_ids", metadata={"node": self.node, "memory_gb_per_gpu": f"{mem:g}"})
+                chosen = tuple(p.gpu_ids)
+            else:
+                placed = place_least_loaded(NodeGpus.of(g.to_domain() for _, g in gpus.values()), free, k, mem)
+                if placed is None:
+                    best = sorted(free.values(), reverse=True)[:k]
+                    raise NoCapacity(
+                        f"node {self.node} has no {k} GPU(s) with {mem:g} GB free each "
+                        f"(most free: {', '.join(f'{f:g}' for f in best)} GB)",
+                        metadata={"node": self.node, "gpus_needed": str(k), "memory_gb_per_gpu": f"{mem:g}"})
+                chosen = placed[1]
+            rec = InstanceRecord(iid, p.model_id, p.tp, p.pp, self.node, chosen, mem, InstanceState.STARTING,
+                                 engine=engine, created_at=time.time())
+            ikey = keys.instance(iid)
+            compares = [Compare.unchanged(ikey, prev.mod_revision if prev else 0)]
+            puts = [Put(ikey, rec.to_json())]
+            for gid in chosen:
+                gkv, g = gpus[gid]
+                compares.append(Compare.unchanged(gkv.key, gkv.mod_revision))
+                puts.append(Put(gkv.key, g.with_used(mem).to_json()))
+            if p.task_id:
+                rkey = keys.reuse(iid, p.task_id)
+                if await self.store.get(rkey) is None:
+                    compares.append(Compare.absent(rkey))
+                    puts.append(Put(rkey, _reference(iid, p.task_id)))
+            res = await self.store.txn(compares, puts)
+            if res.succeeded:
+                log.info("reserved %s: %s tp=%d pp=%d on %s (%g GB each)", iid, p.model_id, p.tp, p.pp,
+                         ",".join(chosen), mem)
+                return rec
+            if ikey in res.failed:
+                raise Conflict(f"instance {iid} was changed concurrently; retry", field="request_id")
+        raise Conflict(f"could not reserve GPU memory for {iid}: state kept changing; retry")
+
+    async def _adopt_pending(self, kv: KeyValue, rec: InstanceRecord, engine: str) -> InstanceRecord:
+        """An instance reserved by someone else (a selection commit): memory already counted; start it."""
+        bad = [g for g in rec.gpu_ids if g not in self.gpus]
+        if bad:
+            raise FailedPrecondition(f"instance {rec.id} is reserved on GPUs not of this node: {bad}", field="gpu_ids")
+        new = replace(rec, state=InstanceState.STARTING, engine=rec.engine or engine)
+        await self.store.cas(kv.key, new.to_json(), etag=kv.mod_revision)
+        return new
+
+    async def _start_engine(self, rec: InstanceRecord, backend: EngineBackend, profile: Profile) -> InstanceRecord:
+        from flowmaker.catalog import get_model
+
+        try:
+            hf_id = get_model(rec.model_id).hf_id
+        except NotFound:
+            hf_id = rec.model_id
+        extra: tuple[str, ...] = ()
+        if backend.name == "emulated":
+            extra = ("--time-scale", f"{self.settings.engine_time_scale:g}")
+        port = 0 if backend.announces_port else _free_port(self.settings.engine_host)
+        spec = EngineSpec(rec.id, rec.model_id, hf_id, rec.tp, rec.pp,
+                          tuple(self.gpus[g].index for g in rec.gpu_ids), self.settings.engine_host, port,
+                          replace(profile, memory_gb_per_gpu=rec.memory_gb_per_gpu), extra)
+        log_path = os.path.join(self.settings.engine_log_dir, f"{rec.id}.log") if self.settings.engine_log_dir else None
+        proc = EngineProcess(backend, spec, on_exit=self._on_engine_exit, log_path=log_path)
+        self.procs[rec.id] = proc
+        try:
+            await proc.start()
+            await proc.wait_healthy(timeout_s=self.settings.engine_start_timeout_s)
+        except asyncio.CancelledError:
+            # Cancelled by release() or shutdown(), which hold the instance and settle its record.
+            self.procs.pop(rec.id, None)
+            await proc.stop(grace_s=2.0)
+            raise
+        except Exception as e:
+            self.procs.pop(rec.id, None)
+            with contextlib.suppress(Exception):
+                await proc.stop(grace_s=2.0)
+            reason = e.reason if isinstance(e, FlowMakerError) else "ENGINE_START_FAILED"
+            with contextlib.suppress(FlowMakerError):
+                await self._fail(rec.id, str(e), reason)
+            if isinstance(e, FlowMakerError):
+                raise
+            raise Unavailable(f"engine {rec.id} failed to start: {e}", reason="ENGINE_START_FAILED") from e
+
+        def ready(r: InstanceRecord) -> InstanceRecord | None:
+            return replace(r, state=InstanceState.READY, endpoint=proc.base_url) if r.state is InstanceState.STARTING \
+                else None
+
+        done = await self._update(rec.id, ready)
+        if done is None or done.state is not InstanceState.READY:
+            # Released or failed while starting: this engine must not outlive its record.
+            self.procs.pop(rec.id, None)
+            await proc.stop(grace_s=2.0)
+            raise FailedPrecondition(f"instance {rec.id} was released or failed while starting")
+        log.info("instance %s READY at %s", rec.id, proc.base_url)
+        return done
+
+    async def _on_engine_exit(self, proc: EngineProcess, rc: int) -> None:
+        iid = proc.spec.instance_id
+        if self.procs.get(iid) is proc:
+            del self.procs[iid]
+        await self._fail(iid, f"engine exited with code {rc}; last output:\n{proc.last_output(10)}", "ENGINE_EXITED")
+
+    async def _update(self, iid: str, fn: Callable[[InstanceRecord], InstanceRecord | None]) -> InstanceRecord | None:
+        """CAS loop on one instance record; `fn` returning None leaves it alone."""
+        for _ in range(self.settings.commit_retries):
+            kv = await self.store.get(keys.instance(iid))
+            if kv is None:
+                return None
+            new = fn(InstanceRecord.from_json(kv.value))
+            if new is None:
+                return InstanceRecord.from_json(kv.value)
+            try:
+                await self.store.cas(kv.key, new.to_json(), etag=kv.mod_revision)
+                return new
+            except (Conflict, NotFound):
+                continue
+        raise Conflict(f"instance {iid} kept changing; giving up the update")
+
+    async def _free_txn(self, kv: KeyValue, rec: InstanceRecord, new: InstanceRecord | None) -> bool:
+        """One txn: give back `rec`'s GPU memory (if it holds any) and write `new` (None = delete)."""
+        compares = [Compare.unchanged(kv.key, kv.mod_revision)]
+        puts: list[Put] = []
+        deletes: list[str] = []
+        if rec.memory_reserved:
+            for gid in rec.gpu_ids:
+                gkey = keys.gpu(rec.node, gid)
+                gkv = await self.store.get(gkey)
+                if gkv is None:
+                    continue  # GPU gone from the inventory: nothing to give back
+                compares.append(Compare.unchanged(gkey, gkv.mod_revision))
+                puts.append(Put(gkey, GpuRecord.from_json(gkv.value).with_used(-rec.memory_gb_per_gpu).to_json()))
+        if new is None:
+            deletes.append(kv.key)
+        else:
+            puts.append(Put(kv.key, replace(new, memory_reserved=False).to_json()))
+        return (await self.store.txn(compares, puts, deletes)).succeeded
+
+    async def _fail(self, iid: str, reason: str, failure_reason: str) -> None:
+        """-> FAILED with the reason, memory given back. Idempotent."""
+        async with self._locks[iid]:
+            for _ in range(self.settings.commit_retries):
+                kv = await self.store.get(keys.instance(iid))
+                if kv is None:
+                    return
+                rec = InstanceRecord.from_json(kv.value)
+                if rec.state is InstanceState.FAILED and not rec.memory_reserved:
+                    return
+                new = replace(rec, state=InstanceState.FAILED, reason=reason[-2000:], failure_reason=failure_reason,
+                              endpoint="")
+                if await self._free_txn(kv, rec, new):
+                    log.warning("instance %s FAILED (%s): %s", iid, failure_reason, reason.splitlines()[0] if reason else "")
+                    return
+            raise Conflict(f"instance {iid}: could not record its failure (state kept changing)")
+
+    # ---- release ------------------------------------------------------------------------
+
+    async def release(self, iid: str, task_id: str = "") -> tuple[InstanceRecord | None, bool]:
+        """Drop `task_id`'s reference; stop the instance when no reference is left (or task_id is
+        empty: force). Returns (the instance as left, whether it was stopped). Idempotent."""
+        if not iid:
+            raise InvalidSpec("must not be empty", field="instance_id")
+        async with self._locks[iid]:
+            draining: InstanceRecord | None = None
+            for _ in range(self.settings.commit_retries):
+                kv = await self.store.get(keys.instance(iid))
+                if kv is None:
+                    return None, False
+                rec = InstanceRecord.from_json(kv.value)
+                if rec.node != self.node:
+                    raise FailedPrecondition(f"instance {iid} lives on node {rec.node}; release it there",
+                                             field="instance_id")
+                refs = {keys.parse_reuse(r.key)[1]: r for r in (await self.store.get_prefix(
+                    keys.reuse_of_instance(iid))).items}
+                remaining = {t: r for t, r in refs.items() if t != task_id} if task_id else {}
+                if remaining:
+                    if task_id not in refs:
+                        return rec, False  # this task holds no reference; nothing to drop
+                    mine = refs[task_id]
+                    load = float(mine.value.get("load_output_tokens_per_s", 0.0)) if isinstance(mine.value, dict) else 0.0
+                    new = replace(rec, load_output_tokens_per_s=max(0.0, rec.load_output_tokens_per_s - load))
+                    res = await self.store.txn([Compare.unchanged(kv.key, kv.mod_revision),
+                                                Compare.unchanged(mine.key, mine.mod_revision)],
+                                               [Put(kv.key, new.to_json())], [mine.key])
+                    if res.succeeded:
+                        return new, False
+                    continue
+                # Last reference: DRAINING and drop every reference in one txn; a concurrent commit
+                # reusing the instance compares the instance key, so exactly one of the two wins.
+                new = replace(rec, state=InstanceState.DRAINING, load_output_tokens_per_s=0.0)
+                res = await self.store.txn([Compare.unchanged(kv.key, kv.mod_revision),
+                                            *(Compare.unchanged(r.key, r.mod_revision) for r in refs.values())],
+                                           [Put(kv.key, new.to_json())], [r.key for r in refs.values()])
+                if res.succeeded:
+                    draining = new
+                    break
+            if draining is None:
+                raise Conflict(f"instance {iid} kept changing; retry the release")
+            starting = self._starting.get(iid)
+            if starting is not None:
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+            proc = self.procs.pop(iid, None)
+            if proc is not None:
+                await proc.stop(grace_s=self.settings.engine_stop_grace_s)
+            for _ in range(self.settings.commit_retries):
+                kv = await self.store.get(keys.instance(iid))
+                if kv is None:
+                    break
+                if await self._free_txn(kv, InstanceRecord.from_json(kv.value), None):
+                    break
+            else:
+                raise Conflict(f"instance {iid}: stopped, but its record kept changing; retry the release")
+            log.info("instance %s released and stopped", iid)
+            return draining, True
+
+    # ---- reads --------------------------------------------------------------------------
+
+    async def alive_nodes(self) -> set[str]:
+        return {keys.parse_node(kv.key) for kv in (await self.store.get_prefix(keys.NODES)).items}
+
+    async def list_instances(self, model_id: str = "", task_id: str = "") -> list[tuple[InstanceRecord, list[str], bool]]:
+        """(record, task ids referencing it, node alive) for every instance, sorted by id."""
+        inst = await self.store.get_prefix(keys.INSTANCES)
+        refs = await self.store.get_prefix(keys.REUSE)
+        alive = await self.alive_nodes()
+        tasks: defaultdict[str, list[str]] = defaultdict(list)
+        for kv in refs.items:
+            i, t = keys.parse_reuse(kv.key)
+            tasks[i].append(t)
+        out = []
+        for kv in inst.items:
+            rec = InstanceRecord.from_json(kv.value)
+            if model_id and rec.model_id != model_id:
+                continue
+            if task_id and task_id not in tasks[rec.id]:
+                continue
+            out.append((rec, sorted(tasks[rec.id]), rec.node in alive))
+        return sorted(out, key=lambda x: x[0].id)
+
+    async def list_gpus(self, node: str = "") -> list[GpuRecord]:
+        alive = await self.alive_nodes()
+        gpus = [GpuRecord.from_json(kv.value) for kv in (await self.store.get_prefix(
+            keys.gpus_of_node(node) if node else keys.GPUS)).items]
+        return sorted((g for g in gpus if g.node in alive), key=lambda g: (g.node, g.id))
+
+
+def _reference(iid: str, task_id: str) -> dict[str, Any]:
+    """The value under keys.reuse(): the orchestrator raises the load when it commits a variant."""
+    return {"instance_id": iid, "task_id": task_id, "load_output_tokens_per_s": 0.0}
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

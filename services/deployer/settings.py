@@ -1,0 +1,103 @@
+"""Settings of the deployer node agent (env prefix FLOWMAKER_DEPLOYER_), and its GPU inventory (NVML or settings)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from flowmaker.settings import DEFAULT_PORTS, ServiceSettings, settings_config
+
+log = logging.getLogger(__name__)
+
+
+class DeployerSettings(ServiceSettings):
+    model_config = settings_config("deployer")
+
+    port: int = Field(default=DEFAULT_PORTS["deployer"], ge=0, le=65535, description="gRPC port; 0 = any free port.")
+    node: str = Field(default_factory=socket.gethostname, min_length=1,
+                      description="Node name: the node's etcd key and the prefix of its GPU ids.")
+    advertise_host: str = Field(default="", description="Host other services use to reach this deployer; empty = `host`.")
+    gpu_type: str = Field(default="A6000", description="GPU type when NVML finds no GPU (catalog name).")
+    gpu_count: int = Field(default=8, ge=1, le=64, description="Number of GPUs when NVML finds no GPU.")
+    gpu_memory_gb: float = Field(default=0.0, ge=0, description="Memory per GPU when NVML finds no GPU; 0 = the catalog's.")
+    use_nvml: bool = Field(default=True, description="Take the inventory from NVML (nvidia-ml-py) when GPUs are present.")
+    backend: str = Field(default="emulated", description="Engine backend: emulated, vllm or trtllm.")
+    engine_host: str = Field(default="127.0.0.1", description="Address engines bind to.")
+    engine_time_scale: float = Field(default=1.0, gt=0, description="Emulated engines run their model clock this much faster.")
+    engine_start_timeout_s: float = Field(default=120.0, gt=0, description="How long an engine may take to answer /health.")
+    engine_stop_grace_s: float = Field(default=10.0, ge=0, description="SIGTERM-to-SIGKILL grace when stopping an engine.")
+    engine_log_dir: str = Field(default="", description="Directory for engine stdout logs; empty = not written.")
+    lease_ttl_s: int = Field(default=10, ge=2, description="TTL of the node's etcd lease; refreshed every TTL/3.")
+    commit_retries: int = Field(default=20, ge=1, description="Retries of a GPU-memory transaction that lost a race.")
+
+    @property
+    def advertise_address_host(self) -> str:
+        return self.advertise_host or self.host
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    index: int  # CUDA device index on the node
+    gpu_type: str
+    memory_total_gb: float
+
+
+def gpu_id(node: str, index: int, count: int) -> str:
+    """'node0-gpu3', zero-padded once there are 10+ GPUs so string order is numeric order
+    (placement breaks ties by GPU id), as `flowmaker.catalog.make_cluster` names them."""
+    return f"{node}-gpu{index:0{len(str(count - 1))}d}"
+
+
+def _nvml_inventory() -> list[GpuInfo] | None:
+    """GPUs seen by NVML, or None when there is no NVML library, driver or GPU."""
+    try:
+        import pynvml  # the nvidia-ml-py package; imported lazily: absent on CPU-only hosts
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound / DriverNotLoaded: no usable GPU here
+        log.info("NVML unavailable (%s); using the configured GPU inventory", e)
+        return None
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            out.append(GpuInfo(i, _catalog_name(name), mem.total / 2**30))  # GiB: what datasheets call "GB"
+        return out or None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _catalog_name(nvml_name: str) -> str:
+    """'NVIDIA H200' / 'NVIDIA RTX A6000' -> the catalog's short name when known, else NVML's."""
+    from flowmaker.catalog import get_gpu_type
+    from flowmaker.errors import FlowMakerError
+
+    for candidate in (nvml_name, nvml_name.removeprefix("NVIDIA ").strip()):
+        try:
+            return get_gpu_type(candidate).name
+        except FlowMakerError:
+            continue
+    return nvml_name.removeprefix("NVIDIA ").strip()
+
+
+def gpu_inventory(settings: DeployerSettings) -> list[GpuInfo]:
+    """NVML's GPUs when present (and `use_nvml`), else `gpu_count` x `gpu_type` from settings."""
+    if settings.use_nvml:
+        found = _nvml_inventory()
+        if found:
+            log.info("NVML: %d GPU(s): %s", len(found), ", ".join(f"{g.gpu_type} {g.memory_total_gb:.0f}GB"
+                                                                   for g in found))
+            return found
+    from flowmaker.catalog import get_gpu_type
+
+    gt = get_gpu_type(settings.gpu_type)  # NotFound naming the field for an unknown type
+    mem = settings.gpu_memory_gb or gt.memory_gb
+    return [GpuInfo(i, gt.name, mem) for i in range(settings.gpu_count)]
