@@ -54,6 +54,7 @@ class _Errors:
 
     def __init__(self) -> None:
         self.slow_started = asyncio.Event()
+        self.slow_finished = False
         self.seen_deadline: float | None = None
 
     async def unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -65,6 +66,7 @@ class _Errors:
         if name == "slow":
             self.slow_started.set()
             await asyncio.sleep(0.5)
+            self.slow_finished = True
             return b"finished"
         if name == "deadline-probe":
             self.seen_deadline = deadline_s(100.0)
@@ -229,7 +231,8 @@ async def test_serve_graceful_shutdown_finishes_inflight_then_runs_hooks() -> No
     started: list[str] = []
 
     async def hook() -> None:
-        order.append("hook")
+        # The handler must be done before hooks run (the client may learn of it later than the server).
+        order.append("hook" if servicer.slow_finished else "hook-before-rpc-done")
 
     settings = ServiceSettings(host="127.0.0.1", port=0, grace_s=3.0)
     task = asyncio.create_task(serve("errors", _add(servicer), settings, on_shutdown=[hook], stop_event=stop,
@@ -241,8 +244,7 @@ async def test_serve_graceful_shutdown_finishes_inflight_then_runs_hooks() -> No
         await servicer.slow_started.wait()
         stop.set()  # what SIGTERM does
         assert await slow == b"finished"  # in-flight RPC completes within the grace period
-        order.append("rpc-done")
         await asyncio.wait_for(task, 5)
         with pytest.raises(grpc.aio.AioRpcError):  # new calls are refused
             await _unary(ch, "ok", timeout=0.5)
-    assert order == ["rpc-done", "hook"]
+    assert order == ["hook"]
