@@ -86,12 +86,10 @@ def select_bayesopt(req: SelectionRequest) -> SelectionResult:
         level = max(level, res)
         if res < 5:
             return worst * (1 + (5 - res))
-        lat = pb.longest_path(pw, pb.stage_latencies(pw, choice, slots))
-        mem = sum(pb.p_mem[p] for p in slots)
-        key = (mem * lat, lat, sum(pb.p_k[p] for p in slots))
+        key = pb.score(pw, choice, slots)
         if better(*key, best):
             best, best_at = key, (pw, list(choice), list(slots), places)
-        return mem * lat
+        return key[0]
 
     timed_out = False
 
@@ -115,7 +113,4 @@ def select_bayesopt(req: SelectionRequest) -> SelectionResult:
                     callback=[stop])
     if best_at is None:
         return infeasible_result(pb, "bayesopt", level, started, evaluated, timed_out)
-    pw, choice, slots, places = best_at
-    return SelectionResult(strategy="bayesopt", variant=pb.build_variant(pw, choice, slots, places),
-                           variants_evaluated=evaluated, search_space_size=pb.total_space(),
-                           elapsed_s=time.perf_counter() - started, timed_out=timed_out)
+    return pb.result("bayesopt", best_at, started, evaluated, timed_out)

@@ -474,10 +474,7 @@ def select_exact(req: SelectionRequest) -> SelectionResult:
     search = solve(pb)
     if search.best_at is None:
         return infeasible_result(pb, "exact", tightest_reason(pb), started, search.leaves)
-    pw, choice, slots, places = search.best_at
-    return SelectionResult(strategy="exact", variant=pb.build_variant(pw, choice, slots, places),
-                           variants_evaluated=search.leaves, search_space_size=pb.total_space(),
-                           elapsed_s=time.perf_counter() - started)
+    return pb.result("exact", search.best_at, started, search.leaves)
 
 
 __all__ = ["EPS", "select_exact", "solve", "tightest_reason"]

@@ -76,18 +76,13 @@ def select_exhaustive(req: SelectionRequest) -> SelectionResult:
             level = max(level, res)
             if res < 5:
                 continue
-            lat = problem.longest_path(pw, problem.stage_latencies(pw, choice, slots))
-            mem = sum(problem.p_mem[p] for p in slots)
-            gpus = sum(problem.p_k[p] for p in slots)
-            if better(mem * lat, lat, gpus, best):
-                best = (mem * lat, lat, gpus)
+            key = problem.score(pw, choice, slots)
+            if better(*key, best):
+                best = key
                 best_at = (pw, list(choice), list(slots), places)
         if timed_out:
             break
     evaluated = visited + skipped[0]
     if best_at is None:
         return infeasible_result(problem, "exhaustive", level, started, evaluated, timed_out)
-    pw, choice, slots, places = best_at
-    return SelectionResult(strategy="exhaustive", variant=problem.build_variant(pw, choice, slots, places),
-                           variants_evaluated=evaluated, search_space_size=problem.total_space(),
-                           elapsed_s=time.perf_counter() - started, timed_out=timed_out)
+    return problem.result("exhaustive", best_at, started, evaluated, timed_out)

@@ -80,9 +80,7 @@ def select_heuristic(req: SelectionRequest) -> SelectionResult:
                     level = max(level, res)
                     if res < 5:
                         continue
-                    lat = pb.longest_path(pw, pb.stage_latencies(pw, choice, slots))
-                    mem = sum(pb.p_mem[p] for p in slots)
-                    key = (mem * lat, lat, sum(pb.p_k[p] for p in slots))
+                    key = pb.score(pw, choice, slots)
                     if found is None or better(*key, found[0]):
                         found = (key, (pw, choice, slots, places))
                 if found is not None:
@@ -91,7 +89,4 @@ def select_heuristic(req: SelectionRequest) -> SelectionResult:
                     break
     if best_at is None:
         return infeasible_result(pb, "heuristic", level, started, evaluated)
-    pw, choice, slots, places = best_at
-    return SelectionResult(strategy="heuristic", variant=pb.build_variant(pw, choice, slots, places),
-                           variants_evaluated=evaluated, search_space_size=pb.total_space(),
-                           elapsed_s=time.perf_counter() - started)
+    return pb.result("heuristic", best_at, started, evaluated)

@@ -194,6 +194,20 @@ class Problem:
             places.append(pl)
         return 5, places
 
+    def score(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int]) -> tuple[float, float, int]:
+        """(cost, latency, new GPUs) of a complete choice: the key the spec's tie-breaks order by."""
+        lat = self.longest_path(pw, self.stage_latencies(pw, choice, slot_prof))
+        return sum(self.p_mem[p] for p in slot_prof) * lat, lat, sum(self.p_k[p] for p in slot_prof)
+
+    def result(self, strategy: str, best_at: tuple[PWorkflow, Sequence[Choice], Sequence[int],
+                                                    Sequence[tuple[str, tuple[str, ...]]]],
+               started: float, evaluated: int, timed_out: bool = False) -> SelectionResult:
+        """The answer for a found variant."""
+        pw, choice, slots, places = best_at
+        return SelectionResult(strategy=strategy, variant=self.build_variant(pw, choice, slots, places),
+                               variants_evaluated=evaluated, search_space_size=self.total_space(),
+                               elapsed_s=time.perf_counter() - started, timed_out=timed_out)
+
     # ---- search-space size (the spec's space, accuracy ignored) ----
 
     def space_size(self, pw: PWorkflow, start: int = 0, open_slots: int = 0) -> int:
