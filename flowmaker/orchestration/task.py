@@ -1,0 +1,252 @@
+"""Task records as stored in etcd (under `keys.task(id)`), their JSON form, and the task state machine.
+
+A task moves AWAITING_APPROVAL -> SELECTING -> DEPLOYING -> ACTIVE (or FAILED), and DELETING at the end.
+DEGRADED is never stored: it is derived when the task is read (`derive_state`) from the live state of its
+instances and its observed latency, so it can never go stale.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from flowmaker.domain import NewInstance, Slo, Stage, StageAssignment, StageKind, Variant, Workflow
+from flowmaker.errors import FailedPrecondition, InvalidSpec
+
+
+class TaskState(enum.Enum):
+    """Mirrors flowmaker.common.v1.Task.State (without the prefix)."""
+
+    GENERATING = "GENERATING"  # the generator is producing candidates
+    AWAITING_APPROVAL = "AWAITING_APPROVAL"  # candidates ready; waiting for ApproveWorkflows
+    SELECTING = "SELECTING"  # the selector is choosing a variant
+    DEPLOYING = "DEPLOYING"  # selection committed (memory reserved); new instances starting
+    ACTIVE = "ACTIVE"  # serving
+    DEGRADED = "DEGRADED"  # derived on read only: an instance failed or observed latency exceeds the SLO
+    FAILED = "FAILED"  # cannot serve; `failure` says why; holds no resources
+    DELETING = "DELETING"  # DeleteTask in progress: references being released
+
+
+# Stored transitions the orchestrator may make; anything else is a bug or a race and is refused.
+TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
+    TaskState.GENERATING: frozenset({TaskState.AWAITING_APPROVAL, TaskState.FAILED, TaskState.DELETING}),
+    TaskState.AWAITING_APPROVAL: frozenset({TaskState.SELECTING, TaskState.DELETING}),
+    TaskState.SELECTING: frozenset({TaskState.DEPLOYING, TaskState.FAILED, TaskState.AWAITING_APPROVAL,
+                                    TaskState.DELETING}),
+    TaskState.DEPLOYING: frozenset({TaskState.ACTIVE, TaskState.FAILED, TaskState.DELETING}),
+    TaskState.ACTIVE: frozenset({TaskState.DELETING}),
+    TaskState.FAILED: frozenset({TaskState.DELETING}),
+    TaskState.DELETING: frozenset(),
+    TaskState.DEGRADED: frozenset(),
+}
+
+SERVING_STATES = (TaskState.ACTIVE, TaskState.DEGRADED)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why a task FAILED (or is DEGRADED): `error` names the FlowMakerError class that gives the gRPC
+    code (e.g. "NoCapacity"), `reason` the stable ErrorInfo reason, `message` the human text."""
+
+    error: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeployedInstance:
+    """A new instance the task's commit reserved (PENDING) and asked a deployer to start."""
+
+    instance_id: str
+    new_key: str
+    model_id: str
+    tp: int
+    pp: int
+    node: str
+    gpu_ids: tuple[str, ...]
+    memory_gb_per_gpu: float
+    load_output_tokens_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRecord:
+    id: str
+    description: str
+    slo: Slo
+    name: str = ""
+    candidates: tuple[Workflow, ...] = ()
+    approved_workflow_ids: tuple[str, ...] = ()
+    state: TaskState = TaskState.AWAITING_APPROVAL
+    strategy: str = ""
+    variant: Variant | None = None
+    stage_instances: dict[str, str] = field(default_factory=dict)  # LLM stage id -> instance id
+    new_instances: tuple[DeployedInstance, ...] = ()  # what the commit reserved for this task
+    predicted_latency_s: float = 0.0
+    observed_latencies_s: tuple[float, ...] = ()  # most recent Invoke latencies (bounded window)
+    requests_served: int = 0
+    failure: Failure | None = None
+    create_time: float = 0.0
+    update_time: float = 0.0
+
+    @property
+    def workflow(self) -> Workflow | None:
+        """The chosen workflow (its stages and prompt templates), once a variant is selected."""
+        if self.variant is None:
+            return None
+        for w in self.candidates:
+            if w.id == self.variant.workflow_id:
+                return w
+        return None
+
+    @property
+    def instance_ids(self) -> tuple[str, ...]:
+        """Every instance the task references (reused and new), sorted."""
+        return tuple(sorted(set(self.stage_instances.values())))
+
+    def observed_p(self, q: float) -> float:
+        xs = sorted(self.observed_latencies_s)
+        if not xs:
+            return 0.0
+        if len(xs) == 1:
+            return xs[0]
+        return statistics.quantiles(xs, n=100, method="inclusive")[max(0, min(98, round(q * 100) - 1))]
+
+    def moved(self, state: TaskState, now: float, **changes: Any) -> TaskRecord:
+        """This task in `state` (FailedPrecondition if the state machine does not allow it)."""
+        if state is not self.state and state not in TRANSITIONS[self.state]:
+            raise FailedPrecondition(f"task {self.id} is {self.state.value}; cannot become {state.value}",
+                                     field="task_id", metadata={"state": self.state.value})
+        return replace(self, state=state, update_time=now, **changes)
+
+    def with_observation(self, latency_s: float, now: float, window: int) -> TaskRecord:
+        obs = (*self.observed_latencies_s, latency_s)[-window:]
+        return replace(self, observed_latencies_s=obs, requests_served=self.requests_served + 1, update_time=now)
+
+    # ---- JSON ------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "name": self.name, "description": self.description, "slo": _slo_to(self.slo),
+            "candidates": [workflow_to_json(w) for w in self.candidates],
+            "approved_workflow_ids": list(self.approved_workflow_ids), "state": self.state.value,
+            "strategy": self.strategy, "variant": variant_to_json(self.variant) if self.variant else None,
+            "stage_instances": dict(self.stage_instances),
+            "new_instances": [_deployed_to(d) for d in self.new_instances],
+            "predicted_latency_s": self.predicted_latency_s,
+            "observed_latencies_s": list(self.observed_latencies_s), "requests_served": self.requests_served,
+            "failure": None if self.failure is None else {"error": self.failure.error, "reason": self.failure.reason,
+                                                          "message": self.failure.message},
+            "create_time": self.create_time, "update_time": self.update_time,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> TaskRecord:
+        if not isinstance(d, dict):
+            raise InvalidSpec("task record must be a JSON object", field="task")
+        f = d.get("failure")
+        return TaskRecord(
+            id=d["id"], name=d.get("name", ""), description=d.get("description", ""), slo=_slo_from(d["slo"]),
+            candidates=tuple(workflow_from_json(w) for w in d.get("candidates", ())),
+            approved_workflow_ids=tuple(d.get("approved_workflow_ids", ())),
+            state=TaskState(d.get("state", "AWAITING_APPROVAL")), strategy=d.get("strategy", ""),
+            variant=variant_from_json(d["variant"]) if d.get("variant") else None,
+            stage_instances=dict(d.get("stage_instances", {})),
+            new_instances=tuple(_deployed_from(x) for x in d.get("new_instances", ())),
+            predicted_latency_s=float(d.get("predicted_latency_s", 0.0)),
+            observed_latencies_s=tuple(float(x) for x in d.get("observed_latencies_s", ())),
+            requests_served=int(d.get("requests_served", 0)),
+            failure=Failure(f["error"], f["reason"], f["message"]) if f else None,
+            create_time=float(d.get("create_time", 0.0)), update_time=float(d.get("update_time", 0.0)),
+        )
+
+
+def derive_state(task: TaskRecord, instance_states: dict[str, str | None], *,
+                 min_samples: int = 5) -> tuple[TaskState, Failure | None]:
+    """The state a reader sees. `instance_states` maps each of the task's instance ids to its live state
+    name ("READY", "FAILED", ...), or None when the instance or its node is gone. A stored ACTIVE task is
+    DEGRADED when one of its instances is not READY, or when its median observed latency (over at least
+    `min_samples` requests) exceeds the latency SLO."""
+    if task.state is not TaskState.ACTIVE:
+        return task.state, task.failure
+    bad = sorted((iid, st) for iid, st in instance_states.items() if st != "READY")
+    if bad:
+        what = ", ".join(f"{iid} is {st or 'gone'}" for iid, st in bad)
+        return TaskState.DEGRADED, Failure("Unavailable", "INSTANCE_FAILED", f"instance(s) not serving: {what}")
+    if len(task.observed_latencies_s) >= min_samples and task.observed_p(0.5) > task.slo.max_latency_s:
+        return TaskState.DEGRADED, Failure(
+            "DeadlineExceeded", "LATENCY_SLO_EXCEEDED",
+            f"observed p50 latency {task.observed_p(0.5):.3f}s exceeds the SLO {task.slo.max_latency_s:g}s")
+    return TaskState.ACTIVE, None
+
+
+# ---- JSON codecs of the domain objects a task holds (pure: no protobuf) ------------------------
+
+
+def _slo_to(s: Slo) -> dict[str, Any]:
+    return {"min_accuracy": s.min_accuracy, "max_latency_s": s.max_latency_s, "arrival_rate_rps": s.arrival_rate_rps}
+
+
+def _slo_from(d: dict[str, Any]) -> Slo:
+    return Slo(float(d["min_accuracy"]), float(d["max_latency_s"]), float(d.get("arrival_rate_rps", 0.0)))
+
+
+def workflow_to_json(w: Workflow) -> dict[str, Any]:
+    return {"id": w.id, "description": w.description, "rationale": w.rationale,
+            "stages": [{"id": s.id, "kind": s.kind.value, "depends_on": list(s.depends_on),
+                        "input_tokens": s.input_tokens, "output_tokens": s.output_tokens,
+                        "calls_per_request": s.calls_per_request, "latency_s": s.latency_s, "role": s.role,
+                        "prompt_template": s.prompt_template} for s in w.stages]}
+
+
+def workflow_from_json(d: dict[str, Any]) -> Workflow:
+    return Workflow(d["id"], tuple(Stage(
+        id=s["id"], kind=StageKind(s.get("kind", "LLM")), depends_on=tuple(s.get("depends_on", ())),
+        input_tokens=int(s.get("input_tokens", 0)), output_tokens=int(s.get("output_tokens", 0)),
+        calls_per_request=int(s.get("calls_per_request", 1)), latency_s=float(s.get("latency_s", 0.0)),
+        role=s.get("role", ""), prompt_template=s.get("prompt_template", "")) for s in d["stages"]),
+        description=d.get("description", ""), rationale=d.get("rationale", ""))
+
+
+def variant_to_json(v: Variant) -> dict[str, Any]:
+    return {
+        "workflow_id": v.workflow_id,
+        "assignments": [{"stage_id": a.stage_id, "model_id": a.model_id, "tp": a.tp, "pp": a.pp, "reused": a.reused,
+                         "instance_id": a.instance_id, "new_key": a.new_key, "gpu_ids": list(a.gpu_ids),
+                         "latency_s": a.latency_s, "load_output_tokens_per_s": a.load_output_tokens_per_s}
+                        for a in v.assignments],
+        "new_instances": [{"key": n.key, "model_id": n.model_id, "tp": n.tp, "pp": n.pp, "node": n.node,
+                           "gpu_ids": list(n.gpu_ids), "memory_gb_per_gpu": n.memory_gb_per_gpu,
+                           "load_output_tokens_per_s": n.load_output_tokens_per_s} for n in v.new_instances],
+        "reuse": [[iid, load] for iid, load in v.reuse],
+        "latency_s": v.latency_s, "accuracy": v.accuracy, "cost": v.cost, "new_memory_gb": v.new_memory_gb,
+        "new_gpus": v.new_gpus,
+    }
+
+
+def variant_from_json(d: dict[str, Any]) -> Variant:
+    return Variant(
+        workflow_id=d["workflow_id"],
+        assignments=tuple(StageAssignment(
+            a["stage_id"], a["model_id"], int(a["tp"]), int(a["pp"]), bool(a["reused"]), a.get("instance_id", ""),
+            a.get("new_key", ""), tuple(a.get("gpu_ids", ())), float(a.get("latency_s", 0.0)),
+            float(a.get("load_output_tokens_per_s", 0.0))) for a in d.get("assignments", ())),
+        new_instances=tuple(NewInstance(
+            n["key"], n["model_id"], int(n["tp"]), int(n["pp"]), n["node"], tuple(n["gpu_ids"]),
+            float(n["memory_gb_per_gpu"]), float(n["load_output_tokens_per_s"])) for n in d.get("new_instances", ())),
+        reuse=tuple((str(iid), float(load)) for iid, load in d.get("reuse", ())),
+        latency_s=float(d["latency_s"]), accuracy=float(d["accuracy"]), cost=float(d["cost"]),
+        new_memory_gb=float(d["new_memory_gb"]), new_gpus=int(d["new_gpus"]),
+    )
+
+
+def _deployed_to(x: DeployedInstance) -> dict[str, Any]:
+    return {"instance_id": x.instance_id, "new_key": x.new_key, "model_id": x.model_id, "tp": x.tp, "pp": x.pp,
+            "node": x.node, "gpu_ids": list(x.gpu_ids), "memory_gb_per_gpu": x.memory_gb_per_gpu,
+            "load_output_tokens_per_s": x.load_output_tokens_per_s}
+
+
+def _deployed_from(d: dict[str, Any]) -> DeployedInstance:
+    return DeployedInstance(d["instance_id"], d["new_key"], d["model_id"], int(d["tp"]), int(d["pp"]), d["node"],
+                            tuple(d["gpu_ids"]), float(d["memory_gb_per_gpu"]), float(d["load_output_tokens_per_s"]))

@@ -1,0 +1,39 @@
+"""`python -m services.orchestrator`: run the orchestrator service until SIGTERM."""
+
+from __future__ import annotations
+
+from flowmaker import telemetry
+from flowmaker.rpc.server import RunningServer, run, serve
+from flowmaker.state import connect
+from flowmaker.state.etcd import EtcdStore
+from services.orchestrator.clients import Clients
+from services.orchestrator.orchestrator import Orchestrator
+from services.orchestrator.servicer import add_servicers
+from services.orchestrator.settings import OrchestratorSettings
+
+
+async def main() -> None:
+    settings = OrchestratorSettings()
+    telemetry.configure_logging(settings.log_level)
+    telemetry.setup_tracing("flowmaker-orchestrator")
+    store = connect(settings.etcd_endpoint_list, namespace=settings.etcd_namespace, timeout_s=settings.etcd_timeout_s)
+    clients = Clients(settings.selector_address, settings.generator_address, timeout_s=settings.call_timeout_s)
+    orch = Orchestrator(settings, store, clients)
+
+    async def ready(running: RunningServer) -> None:
+        if isinstance(store, EtcdStore):
+            await store.ping()
+        await orch.resume()
+
+    async def close() -> None:
+        await orch.close()
+        await clients.close()
+        await store.close()
+        telemetry.shutdown_tracing()
+
+    await serve("orchestrator", lambda server: add_servicers(server, orch), settings, on_ready=ready,
+                on_shutdown=[close], interceptors=telemetry.server_interceptors())
+
+
+if __name__ == "__main__":
+    run(main())

@@ -1,0 +1,97 @@
+"""HTTP client of the engines: OpenAI-compatible /v1/chat/completions over one pooled aiohttp session."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from flowmaker.errors import DeadlineExceeded, Unavailable
+
+log = logging.getLogger(__name__)
+
+OnDelta = Callable[[str], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class EngineClient:
+    """One connection pool for every engine (created lazily inside the running loop)."""
+
+    def __init__(self, pool_size: int = 100) -> None:
+        self.pool_size = pool_size
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.pool_size))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def chat(self, endpoint: str, model: str, prompt: str, max_tokens: int, *, timeout_s: float,
+                   instance_id: str = "", on_delta: OnDelta | None = None) -> Completion:
+        """One chat completion. `timeout_s` is what is left of the request's deadline; `on_delta`
+        (streaming) gets each text piece as the engine produces it."""
+        body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                                "max_tokens": max_tokens}
+        if on_delta is not None:
+            body["stream"] = True
+        url = endpoint.rstrip("/") + "/v1/chat/completions"
+        what = f"instance {instance_id or endpoint} ({model})"
+        try:
+            async with self._http().post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status != 200:
+                    detail = (await r.text())[:500]
+                    raise Unavailable(f"{what} answered HTTP {r.status}: {detail}", reason="ENGINE_ERROR",
+                                      metadata={"instance_id": instance_id, "status": str(r.status)})
+                if on_delta is None:
+                    data = await r.json()
+                    text = data["choices"][0]["message"].get("content") or ""
+                    usage = data.get("usage") or {}
+                    return Completion(text, int(usage.get("prompt_tokens", 0)),
+                                      int(usage.get("completion_tokens", len(text.split()))))
+                return await self._read_stream(r, on_delta)
+        except TimeoutError:
+            raise DeadlineExceeded(f"{what} did not answer within {timeout_s:.3g}s (the request's deadline)",
+                                   metadata={"instance_id": instance_id}) from None
+        except aiohttp.ClientError as e:
+            raise Unavailable(f"{what} unreachable at {endpoint}: {e}", reason="ENGINE_UNREACHABLE",
+                              metadata={"instance_id": instance_id}) from None
+
+    @staticmethod
+    async def _read_stream(r: aiohttp.ClientResponse, on_delta: OnDelta) -> Completion:
+        parts: list[str] = []
+        usage: dict[str, Any] = {}
+        async for raw in r.content:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            try:
+                chunk = json.loads(payload)
+            except json.JSONDecodeError:
+                continue
+            usage = chunk.get("usage") or usage
+            for ch in chunk.get("choices") or ():
+                piece = (ch.get("delta") or {}).get("content") or ""
+                if piece:
+                    parts.append(piece)
+                    await on_delta(piece)
+        text = "".join(parts)
+        return Completion(text, int(usage.get("prompt_tokens", 0)),
+                          int(usage.get("completion_tokens", len(text.split()))))

@@ -1,0 +1,111 @@
+"""OrchestratorService servicer: parse the request, call the Orchestrator, convert the task back (thin)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from flowmaker import convert
+from flowmaker.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from flowmaker.orchestration.dag import Execution, StageResult
+from services.orchestrator.orchestrator import Orchestrator, TaskView
+from services.orchestrator.protos import state_from_proto, task_to_proto
+
+SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
+
+
+def _task(v: TaskView) -> Any:
+    return task_to_proto(v.task, etag=v.etag, state=v.state, failure=v.failure)
+
+
+def stage_to_proto(r: StageResult) -> orchestrator_pb2.StageOutput:
+    return orchestrator_pb2.StageOutput(stage_id=r.stage_id, instance_id=r.instance_id, model_id=r.model_id,
+                                        output=r.output, input_tokens=r.input_tokens, output_tokens=r.output_tokens,
+                                        start_s=r.start_s, latency_s=r.latency_s)
+
+
+def execution_to_proto(ex: Execution, request_id: str) -> orchestrator_pb2.InvokeResponse:
+    return orchestrator_pb2.InvokeResponse(output=ex.output, latency_s=ex.latency_s,
+                                           stages=[stage_to_proto(s) for s in ex.stages], request_id=request_id)
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
+    def __init__(self, orch: Orchestrator) -> None:
+        self.orch = orch
+
+    async def DeployTask(self, request: orchestrator_pb2.DeployTaskRequest, context: grpc.aio.ServicerContext
+                         ) -> orchestrator_pb2.DeployTaskResponse:
+        v = await self.orch.deploy_task(
+            request.description, convert.slo_from_proto(request.slo) if request.HasField("slo") else None,
+            name=request.name, max_workflows=request.max_workflows,
+            workflows=[convert.workflow_from_proto(w) for w in request.workflows])
+        return orchestrator_pb2.DeployTaskResponse(task=_task(v))
+
+    async def ApproveWorkflows(self, request: orchestrator_pb2.ApproveWorkflowsRequest,
+                               context: grpc.aio.ServicerContext) -> orchestrator_pb2.ApproveWorkflowsResponse:
+        v = await self.orch.approve(request.task_id, list(request.workflow_ids), strategy=request.strategy,
+                                    options=request.options if request.HasField("options") else None,
+                                    etag=request.etag)
+        return orchestrator_pb2.ApproveWorkflowsResponse(task=_task(v))
+
+    async def GetTask(self, request: orchestrator_pb2.GetTaskRequest, context: grpc.aio.ServicerContext
+                      ) -> orchestrator_pb2.GetTaskResponse:
+        return orchestrator_pb2.GetTaskResponse(task=_task(await self.orch.view(request.task_id)))
+
+    async def ListTasks(self, request: orchestrator_pb2.ListTasksRequest, context: grpc.aio.ServicerContext
+                        ) -> orchestrator_pb2.ListTasksResponse:
+        views = await self.orch.list_tasks(state_from_proto(request.state))
+        return orchestrator_pb2.ListTasksResponse(tasks=[_task(v) for v in views])
+
+    async def DeleteTask(self, request: orchestrator_pb2.DeleteTaskRequest, context: grpc.aio.ServicerContext
+                         ) -> orchestrator_pb2.DeleteTaskResponse:
+        t, stopped = await self.orch.delete(request.task_id)
+        return orchestrator_pb2.DeleteTaskResponse(task=task_to_proto(t), released_instance_ids=stopped)
+
+    async def Invoke(self, request: orchestrator_pb2.InvokeRequest, context: grpc.aio.ServicerContext
+                     ) -> orchestrator_pb2.InvokeResponse:
+        rid = uuid.uuid4().hex
+        ex = await self.orch.invoke(request.task_id, request.input, max_output_tokens=request.max_output_tokens)
+        return execution_to_proto(ex, rid)
+
+    async def InvokeStream(self, request: orchestrator_pb2.InvokeStreamRequest, context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[orchestrator_pb2.InvokeStreamResponse]:
+        rid = uuid.uuid4().hex
+        queue: asyncio.Queue[orchestrator_pb2.InvokeStreamResponse] = asyncio.Queue()
+
+        async def on_event(kind: str, payload: Any) -> None:
+            if kind == "delta":
+                sid, piece = payload
+                await queue.put(orchestrator_pb2.InvokeStreamResponse(delta=piece, stage_id=sid))
+            else:
+                await queue.put(orchestrator_pb2.InvokeStreamResponse(stage_done=stage_to_proto(payload),
+                                                                      stage_id=payload.stage_id))
+
+        run = asyncio.create_task(self.orch.invoke(request.task_id, request.input,
+                                                   max_output_tokens=request.max_output_tokens, on_event=on_event))
+        try:
+            while True:
+                get = asyncio.create_task(queue.get())
+                await asyncio.wait({get, run}, return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    yield get.result()
+                    continue
+                get.cancel()
+                while not queue.empty():
+                    yield queue.get_nowait()
+                ex = run.result()  # raises the invocation's error, which the error map sends as the status
+                yield orchestrator_pb2.InvokeStreamResponse(done=execution_to_proto(ex, rid))
+                return
+        finally:
+            if not run.done():
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+
+
+def add_servicers(server: grpc.aio.Server, orch: Orchestrator) -> list[str]:
+    orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(OrchestratorServicer(orch), server)
+    return [SERVICE_NAME]

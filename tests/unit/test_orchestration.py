@@ -1,0 +1,144 @@
+"""The orchestrator's pure core: prompt filling and the parallel DAG schedule, task records and their state
+machine, and commit planning (one guarded txn; a stale view loses) against the in-memory store."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from flowmaker.domain import NewInstance, Slo, Stage, StageAssignment, StageKind, Variant, Workflow
+from flowmaker.errors import FailedPrecondition, NoCapacity
+from flowmaker.orchestration.cluster import read_live_cluster
+from flowmaker.orchestration.commit import commit_ops, plan_commit, plan_release
+from flowmaker.orchestration.dag import StageResult, execute, fill_prompt, final_stage
+from flowmaker.orchestration.task import TaskRecord, TaskState, derive_state
+from flowmaker.state import keys
+from flowmaker.state.memory import MemoryStore
+from flowmaker.state.records import GpuRecord, InstanceRecord, InstanceState, NodeRecord
+
+WF = Workflow("w", (
+    Stage("a", input_tokens=10, output_tokens=5, prompt_template="A: {input}"),
+    Stage("t", kind=StageKind.TOOL, latency_s=0.05, prompt_template="T: {input}"),
+    Stage("b", depends_on=("a", "t"), input_tokens=10, output_tokens=5, prompt_template="{a} | {t} | {missing}"),
+))
+
+
+def test_fill_prompt_and_final_stage() -> None:
+    assert fill_prompt(WF.stages[2], "q", {"a": "x", "t": "y"}) == "x | y | {missing}"
+    assert fill_prompt(Stage("s", depends_on=("a",), input_tokens=1, output_tokens=1), "q", {"a": "x"}) == "q\n\nx"
+    assert fill_prompt(Stage("s", input_tokens=1, output_tokens=1, prompt_template="{input} {oops"), "q", {}) \
+        == "q {oops"
+    assert final_stage(WF).id == "b"
+
+
+async def test_execute_runs_independent_stages_in_parallel() -> None:
+    running: set[str] = set()
+    overlap: list[set[str]] = []
+
+    async def run(stage: Stage, prompt: str) -> StageResult:
+        running.add(stage.id)
+        overlap.append(set(running))
+        await asyncio.sleep(0.05)
+        running.discard(stage.id)
+        return StageResult(stage.id, f"<{prompt}>")
+
+    t0 = time.monotonic()
+    ex = await execute(WF, "q", run)
+    assert {"a", "t"} in overlap  # both ran at once
+    assert ex.output == "<<A: q> | <T: q> | {missing}>"
+    assert [s.stage_id for s in ex.stages][-1] == "b"
+    assert time.monotonic() - t0 < 0.14  # two levels of 50 ms, not three
+
+
+async def test_execute_failure_propagates_and_cancels() -> None:
+    async def run(stage: Stage, prompt: str) -> StageResult:
+        if stage.id == "a":
+            raise NoCapacity("boom")
+        await asyncio.sleep(1)
+        return StageResult(stage.id, "")
+
+    with pytest.raises(NoCapacity):
+        await asyncio.wait_for(execute(WF, "q", run), 0.5)
+
+
+def _task(state: TaskState = TaskState.ACTIVE) -> TaskRecord:
+    return TaskRecord("t1", "d", Slo(0.1, 1.0, 1.0), candidates=(WF,), state=state,
+                      stage_instances={"a": "i1", "b": "i1"})
+
+
+def test_task_json_roundtrip_and_state_machine() -> None:
+    v = Variant("w", (StageAssignment("a", "m", 1, 1, False, new_key="new-0", gpu_ids=("g0",)),),
+                (NewInstance("new-0", "m", 1, 1, "n0", ("g0",), 5.0, 3.0),), (("i0", 2.0),), 1.0, 0.5, 5.0, 5.0, 1)
+    t = TaskRecord("t1", "d", Slo(0.1, 1.0, 1.0), candidates=(WF,), variant=v, observed_latencies_s=(0.1, 0.2))
+    assert TaskRecord.from_json(t.to_json()) == t
+    assert t.workflow == WF
+    with pytest.raises(FailedPrecondition):
+        _task(TaskState.ACTIVE).moved(TaskState.SELECTING, 0.0)
+    assert _task(TaskState.FAILED).moved(TaskState.DELETING, 0.0).state is TaskState.DELETING
+
+
+def test_derive_state() -> None:
+    assert derive_state(_task(), {"i1": "READY"})[0] is TaskState.ACTIVE
+    st, f = derive_state(_task(), {"i1": "FAILED"})
+    assert st is TaskState.DEGRADED and f is not None and "i1 is FAILED" in f.message
+    assert derive_state(_task(), {"i1": None})[0] is TaskState.DEGRADED
+    slow = _task()
+    for _ in range(5):
+        slow = slow.with_observation(2.0, 0.0, 10)
+    assert derive_state(slow, {"i1": "READY"})[0] is TaskState.DEGRADED
+    assert derive_state(_task(TaskState.FAILED), {"i1": "FAILED"})[0] is TaskState.FAILED
+
+
+async def _seed(store: MemoryStore) -> None:
+    await store.put(keys.node("n0"), NodeRecord("n0", "A6000", 1).to_json())
+    await store.put(keys.gpu("n0", "g0"), GpuRecord("g0", "n0", "A6000", 10.0, 0.0).to_json())
+    await store.put(keys.instance("i0"), InstanceRecord("i0", "m", 1, 1, "n0", ("g0",), 2.0, InstanceState.READY,
+                                                        "http://x").to_json())
+    for tid in ("t1", "t2"):
+        await store.put(keys.task(tid), TaskRecord(tid, "d", Slo(0.1, 1.0, 1.0)).to_json())
+
+
+def _variant(mem: float) -> Variant:
+    return Variant("w", (StageAssignment("a", "m", 1, 1, False, new_key="new-0", gpu_ids=("g0",)),
+                         StageAssignment("b", "m", 1, 1, True, instance_id="i0")),
+                   (NewInstance("new-0", "m", 1, 1, "n0", ("g0",), mem, 3.0),), (("i0", 2.0),), 1.0, 0.5, mem, mem, 1)
+
+
+async def test_commit_one_txn_and_stale_view_loses() -> None:
+    store = MemoryStore()
+    await _seed(store)
+    view = await read_live_cluster(store)  # both approvals select on this same view
+    ops = []
+    for tid, iid in (("t1", "new-a"), ("t2", "new-b")):
+        plan = plan_commit(tid, _variant(6.0), [iid])
+        assert plan.stage_instances == {"a": iid, "b": "i0"}
+        kv = await store.get(keys.task(tid))
+        assert kv is not None
+        ops.append(commit_ops(plan, view, kv, TaskRecord.from_json(kv.value), 0.0))
+    first = await store.txn(*ops[0])
+    second = await store.txn(*ops[1])
+    assert first.succeeded and not second.succeeded
+    assert keys.gpu("n0", "g0") in second.failed and keys.instance("i0") in second.failed
+    g = GpuRecord.from_json((await store.get(keys.gpu("n0", "g0"))).value)  # type: ignore[union-attr]
+    assert g.memory_used_gb == 6.0
+    new = InstanceRecord.from_json((await store.get(keys.instance("new-a"))).value)  # type: ignore[union-attr]
+    assert new.state is InstanceState.PENDING and new.memory_reserved
+    live = await read_live_cluster(store)
+    assert {i.id: i.load_output_tokens_per_s for i in live.cluster.instances} == {"i0": 2.0, "new-a": 3.0}
+    assert await store.get(keys.instance("new-b")) is None
+
+    # On the fresh view the same plan no longer fits the GPU: refused before any write.
+    kv = await store.get(keys.task("t2"))
+    assert kv is not None
+    with pytest.raises(NoCapacity):
+        commit_ops(plan_commit("t2", _variant(6.0), ["new-b"]), live, kv, TaskRecord.from_json(kv.value), 0.0)
+
+    t1 = TaskRecord.from_json((await store.get(keys.task("t1"))).value)  # type: ignore[union-attr]
+    t1 = TaskRecord(t1.id, t1.description, t1.slo, stage_instances={"a": "new-a", "b": "i0"})
+    refs = [keys.parse_reuse(kv.key) for kv in (await store.get_prefix(keys.REUSE)).items]
+    acts = plan_release(t1, dict(live.instances), refs)
+    assert [(a.instance_id, a.stop) for a in acts] == [("i0", True), ("new-a", True)]
+    acts = plan_release(t1, dict(live.instances), [*refs, ("i0", "other")])
+    assert [(a.instance_id, a.stop) for a in acts] == [("i0", False), ("new-a", True)]
