@@ -1,0 +1,594 @@
+"""`flowmaker up|down`, `flowmaker task deploy|approve|invoke|get|list|delete` and `flowmaker instances`.
+
+Client commands talk gRPC to a running stack (see `flowmaker.launcher.client` for how they find
+it); a failed call prints one line `error: <CODE> <REASON>: <field>: <message>` on stderr and
+exits 1 — never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from flowmaker.launcher.client import RpcFailure, Stubs, call, failure_of, resolve, settings, to_json
+from flowmaker.launcher.stack import LocalStack, StackConfig, StackError, read_state, write_state
+
+out = Console()
+err = Console(stderr=True)
+
+task_app = typer.Typer(help="Deploy, approve, invoke, inspect and delete tasks (talks to the orchestrator).",
+                       no_args_is_help=True)
+
+OrchestratorOpt = Annotated[str | None, typer.Option(
+    "--orchestrator", metavar="HOST:PORT",
+    help="Orchestrator address (env FLOWMAKER_ORCHESTRATOR_ADDR; default: from `flowmaker up`'s state file, "
+         "else 127.0.0.1:50055).")]
+DeployerOpt = Annotated[str | None, typer.Option(
+    "--deployer", metavar="HOST:PORT",
+    help="Deployer address (env FLOWMAKER_DEPLOYER_ADDR; default: from `flowmaker up`'s state file, "
+         "else 127.0.0.1:50054).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print proto3 JSON (proto field names) instead of tables.")]
+
+
+# ---- plumbing --------------------------------------------------------------------------------
+
+def _die(line: str, code: int = 1) -> NoReturn:
+    err.print(line, markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    """Run one command's coroutine; any expected failure is one line on stderr and exit 1."""
+    try:
+        asyncio.run(coro)
+    except RpcFailure as f:
+        _die(f.line())
+    except KeyboardInterrupt:
+        _die("interrupted", 130)
+    except Exception as e:  # gRPC / FlowMaker errors that escaped `call`
+        import grpc
+
+        from flowmaker.errors import FlowMakerError
+
+        if isinstance(e, grpc.RpcError | FlowMakerError):
+            _die(failure_of(e).line())
+        raise
+
+
+def _state_name(enum_type: Any, value: int) -> str:
+    return str(enum_type.Name(value)).removeprefix("STATE_")
+
+
+def _stubs(orchestrator: str | None = None, deployer: str | None = None) -> Stubs:
+    s = settings()
+    return Stubs(orchestrator_addr=resolve("orchestrator", orchestrator, s),
+                 deployer_addr=resolve("deployer", deployer, s), timeout_s=s.call_timeout_s)
+
+
+def _print_json(obj: Any) -> None:
+    typer.echo(json.dumps(obj, indent=2))
+
+
+def _s(x: float) -> str:
+    return f"{x:.2f}s" if x else "-"
+
+
+def _task_state(t: Any) -> str:
+    from flowmaker.api.common.v1 import task_pb2
+
+    name = _state_name(task_pb2.Task.State, t.state)
+    color = {"ACTIVE": "green", "FAILED": "red", "DEGRADED": "yellow"}.get(name, "cyan")
+    return f"[{color}]{name}[/{color}]"
+
+
+def _candidates_table(t: Any) -> Table:
+    tab = Table(title=f"Candidate workflows of task {t.id}")
+    for c in ("workflow", "stages (kind:id <- deps)", "description"):
+        tab.add_column(c)
+    for w in t.candidates:
+        stages = []
+        for st in w.stages:
+            kind = "tool" if st.kind == 2 else "llm"
+            deps = f" <- {','.join(st.depends_on)}" if st.depends_on else ""
+            mult = f" x{st.calls_per_request}" if st.calls_per_request > 1 else ""
+            stages.append(f"{kind}:{st.id}{mult}{deps}")
+        approved = " (approved)" if w.id in t.approved_workflow_ids else ""
+        tab.add_row(w.id + approved, "\n".join(stages), w.description)
+    return tab
+
+
+def _variant_table(t: Any) -> Table:
+    v = t.variant
+    tab = Table(title=f"Variant of task {t.id}: workflow {v.workflow_id or '-'} (strategy {t.strategy or '-'})")
+    for c in ("stage", "model", "tp x pp", "instance", "reused", "GPUs", "stage latency", "load tok/s"):
+        tab.add_column(c, justify="right" if c in ("stage latency", "load tok/s", "tp x pp") else "left")
+    for a in v.assignments:
+        inst = a.instance_id or t.stage_instances.get(a.stage_id, "") or a.new_key
+        tab.add_row(a.stage_id, a.model_id or "(tool)", f"{a.tp}x{a.pp}" if a.model_id else "-", inst or "-",
+                    "[green]reused[/green]" if a.reused else ("new" if a.model_id else "-"),
+                    ",".join(a.gpu_ids) or "-", _s(a.latency_s), f"{a.load_output_tokens_per_s:.1f}")
+    return tab
+
+
+def _print_task(t: Any) -> None:
+    slo = t.slo
+    out.print(f"[bold]task {t.id}[/bold] {t.name!r}  state {_task_state(t)}")
+    out.print(f"  description: {t.description}")
+    out.print(f"  SLO: accuracy >= {slo.min_accuracy:g}, latency <= {slo.max_latency_s:g}s, "
+              f"rate {slo.arrival_rate_rps:g} req/s")
+    if t.HasField("failure") and (t.failure.code or t.failure.message):
+        out.print(f"  [red]failure[/red]: {t.failure.message}", markup=True)
+    if t.variant.workflow_id:
+        v = t.variant
+        out.print(_variant_table(t))
+        out.print(f"  predicted latency {_s(t.predicted_latency_s or v.latency_s)} (SLO {slo.max_latency_s:g}s), "
+                  f"observed p50 {_s(t.observed_latency_p50_s)} p95 {_s(t.observed_latency_p95_s)} over "
+                  f"{t.requests_served} request(s); accuracy {v.accuracy:.3f}; cost {v.cost:.3f}; "
+                  f"new GPUs {v.new_gpus}, new memory {v.new_memory_gb:.1f} GB")
+    elif t.candidates:
+        out.print(_candidates_table(t))
+
+
+# ---- task commands ---------------------------------------------------------------------------
+
+def _approve_ids(t: Any, approve: str) -> list[str]:
+    if approve.strip().lower() == "all":
+        return [w.id for w in t.candidates]
+    return [x.strip() for x in approve.split(",") if x.strip()]
+
+
+@task_app.command("deploy")
+def task_deploy(
+    description: Annotated[str, typer.Argument(help="What the task does, in natural language.")],
+    accuracy: Annotated[float, typer.Option("--accuracy", help="Accuracy SLO: minimum accuracy, 0..1.")],
+    latency: Annotated[float, typer.Option("--latency", help="Latency SLO: end-to-end seconds per request.")],
+    rate: Annotated[float, typer.Option("--rate", help="Expected arrival rate, requests/s.")] = 0.0,
+    name: Annotated[str, typer.Option("--name", help="Short name of the task.")] = "",
+    max_workflows: Annotated[int, typer.Option("--max-workflows", help="Most candidates to generate; 0 = default.")
+                             ] = 0,
+    workflows_file: Annotated[Path | None, typer.Option(
+        "--workflows", help="JSON file with your own candidate workflows (a list, proto3 JSON); skips the generator.")
+    ] = None,
+    approve: Annotated[str | None, typer.Option(
+        "--approve", metavar="all|ID,...", help="Approve these candidates right away (select + deploy).")] = None,
+    strategy: Annotated[str, typer.Option("--strategy", help="Selection strategy for --approve.")] = "",
+    orchestrator: OrchestratorOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a task: candidate workflows are generated (state AWAITING_APPROVAL); with --approve, deploy it."""
+    from google.protobuf import json_format
+
+    from flowmaker.api.common.v1 import workflow_pb2
+    from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+
+    req = pb.DeployTaskRequest(description=description, name=name, max_workflows=max_workflows,
+                               slo=workflow_pb2.Slo(min_accuracy=accuracy, max_latency_s=latency,
+                                                    arrival_rate_rps=rate))
+    if workflows_file is not None:
+        try:
+            items = json.loads(workflows_file.read_text())
+            for w in items if isinstance(items, list) else [items]:
+                json_format.ParseDict(w, req.workflows.add())
+        except (OSError, ValueError, json_format.ParseError) as e:
+            _die(f"error: INVALID_ARGUMENT: --workflows: cannot read {workflows_file}: {e}")
+
+    async def go() -> None:
+        stubs = _stubs(orchestrator)
+        try:
+            orch = stubs.orchestrator()
+            with err.status("generating candidate workflows…"):
+                t = (await call(orch.DeployTask(req), stubs.orchestrator_addr)).task
+            if approve is not None:
+                ids = _approve_ids(t, approve)
+                if not as_json:
+                    err.print(f"task {t.id}: {len(t.candidates)} candidate(s); approving {', '.join(ids)}")
+                with err.status("selecting the variant and deploying its instances…"):
+                    t = (await call(orch.ApproveWorkflows(pb.ApproveWorkflowsRequest(
+                        task_id=t.id, workflow_ids=ids, strategy=strategy)), stubs.orchestrator_addr)).task
+        finally:
+            await stubs.close()
+        if as_json:
+            _print_json(to_json(t))
+        else:
+            _print_task(t)
+            if approve is None:
+                out.print(f"approve with: flowmaker task approve {t.id} [IDS...]  (no ids = all)")
+
+    _run(go())
+
+
+@task_app.command("approve")
+def task_approve(
+    task_id: Annotated[str, typer.Argument(help="The task.")],
+    workflow_ids: Annotated[list[str] | None, typer.Argument(help="Candidate ids to approve; none = all.")] = None,
+    strategy: Annotated[str, typer.Option("--strategy", help="Selection strategy (default: exact).")] = "",
+    orchestrator: OrchestratorOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Approve candidate workflows: the selector picks the best variant and the deployer starts it."""
+    from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+
+    async def go() -> None:
+        stubs = _stubs(orchestrator)
+        try:
+            orch = stubs.orchestrator()
+            ids = [x.strip() for w in workflow_ids or [] for x in w.split(",") if x.strip()]  # "a,b" or "a b"
+            if not ids:
+                t = (await call(orch.GetTask(pb.GetTaskRequest(task_id=task_id)), stubs.orchestrator_addr)).task
+                ids = [w.id for w in t.candidates]
+            with err.status(f"selecting among {', '.join(ids)} and deploying…"):
+                t = (await call(orch.ApproveWorkflows(pb.ApproveWorkflowsRequest(
+                    task_id=task_id, workflow_ids=ids, strategy=strategy)), stubs.orchestrator_addr)).task
+        finally:
+            await stubs.close()
+        if as_json:
+            _print_json(to_json(t))
+        else:
+            _print_task(t)
+
+    _run(go())
+
+
+@task_app.command("invoke")
+def task_invoke(
+    task_id: Annotated[str, typer.Argument(help="The task (ACTIVE or DEGRADED).")],
+    text: Annotated[str, typer.Argument(help="The request's input text.")],
+    stream: Annotated[bool, typer.Option("--stream", help="Print text as the stages produce it.")] = False,
+    max_output_tokens: Annotated[int, typer.Option("--max-output-tokens", help="Cap per LLM call; 0 = stage's.")
+                                 ] = 0,
+    orchestrator: OrchestratorOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run one request through the task's workflow and print the output with per-stage timings."""
+    from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+
+    async def go() -> None:
+        stubs = _stubs(orchestrator)
+        try:
+            orch = stubs.orchestrator()
+            if stream:
+                final: Any = None
+                current = ""
+                try:
+                    async for chunk in orch.InvokeStream(pb.InvokeStreamRequest(
+                            task_id=task_id, input=text, max_output_tokens=max_output_tokens)):
+                        kind = chunk.WhichOneof("chunk")
+                        if as_json:
+                            typer.echo(json.dumps(to_json(chunk)))
+                        elif kind == "delta":
+                            if chunk.stage_id != current:
+                                current = chunk.stage_id
+                                out.print(f"\n[bold]{current}>[/bold] ", end="")
+                            out.print(chunk.delta, end="", markup=False, highlight=False)
+                        elif kind == "stage_done":
+                            sd = chunk.stage_done
+                            err.print(f"\n[dim]stage {sd.stage_id} done in {sd.latency_s:.3f}s "
+                                      f"({sd.input_tokens} in / {sd.output_tokens} out, {sd.model_id or 'tool'})"
+                                      "[/dim]")
+                        if kind == "done":
+                            final = chunk.done
+                except Exception as e:
+                    raise failure_of(e, stubs.orchestrator_addr) from None
+                if final is not None and not as_json:
+                    out.print(f"\n[bold]done[/bold] in {final.latency_s:.3f}s (request {final.request_id})")
+                return
+            with err.status("invoking…"):
+                resp = await call(orch.Invoke(pb.InvokeRequest(task_id=task_id, input=text,
+                                                               max_output_tokens=max_output_tokens)),
+                                  stubs.orchestrator_addr)
+        finally:
+            await stubs.close()
+        if as_json:
+            _print_json(to_json(resp))
+            return
+        out.print(resp.output, markup=False, highlight=False)
+        tab = Table(title=f"request {resp.request_id}: {resp.latency_s:.3f}s end to end")
+        for c in ("stage", "model", "instance", "in tok", "out tok", "start", "latency"):
+            tab.add_column(c, justify="right" if c not in ("stage", "model", "instance") else "left")
+        for s in resp.stages:
+            tab.add_row(s.stage_id, s.model_id or "(tool)", s.instance_id or "-", str(s.input_tokens),
+                        str(s.output_tokens), f"{s.start_s:.3f}s", f"{s.latency_s:.3f}s")
+        err.print(tab)
+
+    _run(go())
+
+
+@task_app.command("get")
+def task_get(task_id: Annotated[str, typer.Argument(help="The task.")],
+             orchestrator: OrchestratorOpt = None, as_json: JsonOpt = False) -> None:
+    """Show a task: state, SLO, the chosen variant with its reuse mapping, predicted and observed latency."""
+    from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+
+    async def go() -> None:
+        stubs = _stubs(orchestrator)
+        try:
+            t = (await call(stubs.orchestrator().GetTask(pb.GetTaskRequest(task_id=task_id)),
+                            stubs.orchestrator_addr)).task
+        finally:
+            await stubs.close()
+        if as_json:
+            _print_json(to_json(t))
+        else:
+            _print_task(t)
+
+    _run(go())
+
+
+@task_app.command("list")
+def task_list(
+    state: Annotated[str, typer.Option("--state", help="Only tasks in this state (e.g. ACTIVE).")] = "",
+    orchestrator: OrchestratorOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """List tasks, oldest first."""
+    from flowmaker.api.common.v1 import task_pb2
+    from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+
+    st: Any = 0
+    if state:
+        key = "STATE_" + state.upper().removeprefix("STATE_")
+        try:
+            st = task_pb2.Task.State.Value(key)
+        except ValueError:
+            names = [n.removeprefix("STATE_") for n in task_pb2.Task.State.keys()[1:]]
+            _die(f"error: INVALID_ARGUMENT: --state: unknown state {state!r}; known: {', '.join(names)}")
+
+    async def go() -> None:
+        stubs = _stubs(orchestrator)
+        try:
+            resp = await call(stubs.orchestrator().ListTasks(pb.ListTasksRequest(state=st)), stubs.orchestrator_addr)
+        finally:
+            await stubs.close()
+        if as_json:
+            _print_json(to_json(resp))
+            return
+        tab = Table(title=f"{len(resp.tasks)} task(s)")
+        for c in ("id", "name", "state", "accuracy >=", "latency <=", "rate", "workflow", "predicted", "p50",
+                  "requests"):
+            tab.add_column(c, justify="left" if c in ("id", "name", "state", "workflow") else "right")
+        for t in resp.tasks:
+            tab.add_row(t.id, t.name, _task_state(t), f"{t.slo.min_accuracy:g}", f"{t.slo.max_latency_s:g}s",
+                        f"{t.slo.arrival_rate_rps:g}", t.variant.workflow_id or "-", _s(t.predicted_latency_s),
+                        _s(t.observed_latency_p50_s), str(t.requests_served))
+        out.print(tab)
+
+    _run(go())
+
+
+@task_app.command("delete")
+def task_delete(task_id: Annotated[str, typer.Argument(help="The task.")],
+                orchestrator: OrchestratorOpt = None, as_json: JsonOpt = False) -> None:
+    """Delete a task; instances no other task uses are stopped."""
+    from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+
+    async def go() -> None:
+        stubs = _stubs(orchestrator)
+        try:
+            with err.status("releasing instances…"):
+                resp = await call(stubs.orchestrator().DeleteTask(pb.DeleteTaskRequest(task_id=task_id)),
+                                  stubs.orchestrator_addr)
+        finally:
+            await stubs.close()
+        if as_json:
+            _print_json(to_json(resp))
+        else:
+            rel = ", ".join(resp.released_instance_ids) or "none (all still used by other tasks)"
+            out.print(f"deleted task {task_id}; instances stopped: {rel}")
+
+    _run(go())
+
+
+# ---- instances -------------------------------------------------------------------------------
+
+def instances(
+    model: Annotated[str, typer.Option("--model", help="Only instances of this model.")] = "",
+    task: Annotated[str, typer.Option("--task", help="Only instances this task uses.")] = "",
+    deployer: DeployerOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """List model instances (state, GPUs, load, tasks) and the GPUs' memory, from the deployer."""
+    from flowmaker.api.common.v1 import cluster_pb2
+    from flowmaker.api.deployer.v1 import deployer_pb2 as pb
+
+    async def go() -> None:
+        stubs = _stubs(deployer=deployer)
+        try:
+            d = stubs.deployer()
+            insts = await call(d.ListInstances(pb.ListInstancesRequest(model_id=model, task_id=task)),
+                               stubs.deployer_addr)
+            gpus = await call(d.ListGpus(pb.ListGpusRequest()), stubs.deployer_addr)
+        finally:
+            await stubs.close()
+        if as_json:
+            _print_json({"instances": to_json(insts).get("instances", []), "gpus": to_json(gpus).get("gpus", [])})
+            return
+        tab = Table(title=f"{len(insts.instances)} instance(s)")
+        for c in ("id", "model", "tp x pp", "state", "GPUs", "load tok/s", "tasks", "endpoint"):
+            tab.add_column(c, justify="right" if c in ("load tok/s", "tp x pp") else "left")
+        for i in insts.instances:
+            tab.add_row(i.id, i.model_id, f"{i.tp}x{i.pp}", _state_name(cluster_pb2.Instance.State, i.state),
+                        ",".join(i.gpu_ids), f"{i.load_output_tokens_per_s:.1f}", ",".join(i.task_ids) or "-",
+                        i.endpoint or "-")
+        out.print(tab)
+        out.print(_gpu_table(gpus.gpus))
+
+    _run(go())
+
+
+def _gpu_table(gpus: Any) -> Table:
+    used = sum(g.memory_used_gb for g in gpus)
+    total = sum(g.memory_total_gb for g in gpus)
+    tab = Table(title=f"GPU memory: {used:.1f} / {total:.0f} GB in use")
+    for c in ("GPU", "node", "type", "used GB", "total GB", ""):
+        tab.add_column(c, justify="right" if "GB" in c else "left")
+    for g in gpus:
+        frac = g.memory_used_gb / g.memory_total_gb if g.memory_total_gb else 0.0
+        bar = "█" * round(frac * 20) + "·" * (20 - round(frac * 20))
+        tab.add_row(g.id, g.node, g.gpu_type, f"{g.memory_used_gb:.1f}", f"{g.memory_total_gb:.0f}", bar)
+    return tab
+
+
+# ---- up / down -------------------------------------------------------------------------------
+
+def progress_printer(console: Console) -> Any:
+    """A launcher progress callback printing one line per step (with elapsed time)."""
+    t0 = time.monotonic()
+
+    def show(step: str, detail: str) -> None:
+        icon = "[green]✓[/green]" if detail.startswith(("ready", "stopped")) else "[cyan]•[/cyan]"
+        console.print(f"  {icon} [{time.monotonic() - t0:5.1f}s] {step:<12} {detail}", highlight=False)
+
+    return show
+
+
+def up(
+    gpus: Annotated[int, typer.Option("--gpus", min=1, max=64, help="GPUs of the emulated node.")] = 8,
+    gpu_type: Annotated[str, typer.Option("--gpu-type", help="GPU type of the emulated node (catalog name).")
+                        ] = "A6000",
+    time_scale: Annotated[float, typer.Option(
+        "--time-scale", min=0.001, help="Emulated engines run their model clock this many times faster than wall "
+                                        "time (1 = real time).")] = 1.0,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535,
+                                      help="Orchestrator port; 0 = a free port (clients find it in the state file).")
+                    ] = 0,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="Start in the background and return once ready; "
+                                                                "stop it with `flowmaker down`.")] = False,
+    foreground: Annotated[bool, typer.Option("--foreground", help="Run until Ctrl-C (the default).")] = True,
+    work_dir: Annotated[Path | None, typer.Option("--work-dir", help="etcd data + logs here (kept); default: a "
+                                                                     "temp dir removed on exit.")] = None,
+    etcd_bin: Annotated[str | None, typer.Option("--etcd-bin", help="etcd executable (default: etcd on PATH).")
+                        ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Start a local stack (etcd + the five services + an emulated GPU node) and keep it running until Ctrl-C.
+
+    Endpoints and the pid are written to the state file (FLOWMAKER_STATE_FILE, default
+    ~/.flowmaker/stack.json) so the client commands find the stack and `flowmaker down` can stop it."""
+    s = settings()
+    running = read_state(s.state_file)
+    if running:
+        _die(f"error: FAILED_PRECONDITION: a stack is already running (pid {running['pid']}, orchestrator "
+             f"{running['services'].get('orchestrator')}); `flowmaker down` first")
+    if detach:
+        _up_detached(s.state_file, [a for a in sys.argv[1:] if a not in ("--detach", "-d")], as_json)
+        return
+    cfg = StackConfig(gpus=gpus, gpu_type=gpu_type, time_scale=time_scale, work_dir=work_dir,
+                      keep_work_dir=work_dir is not None, ports={"orchestrator": port} if port else {})
+    if etcd_bin:
+        cfg.etcd_bin = etcd_bin
+    con = err
+    con.print(f"[bold]Starting the FlowMaker stack[/bold]: emulated node {cfg.node} with {gpus} x {gpu_type}, "
+              f"engine time scale {time_scale:g}x")
+    stack = LocalStack(cfg, progress=progress_printer(con))
+    # SIGTERM (from `flowmaker down`) unwinds like Ctrl-C, through the same stop path.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        stack.start()
+    except StackError as e:
+        _die(f"error: UNAVAILABLE {e.reason}: {e}")
+    except KeyboardInterrupt:
+        _die("interrupted; everything started was stopped", 130)
+    try:
+        write_state(s.state_file, {**stack.state(), "ready": True})
+        st = stack.state()
+        if as_json:
+            typer.echo(json.dumps(st), nl=True)
+            sys.stdout.flush()
+        else:
+            tab = Table(title="FlowMaker stack (Ctrl-C to stop)")
+            tab.add_column("component")
+            tab.add_column("address")
+            tab.add_row("etcd", st["etcd"])
+            for name, addr in st["services"].items():
+                tab.add_row(name, addr)
+            tab.add_row("logs", str(stack.log_dir))
+            tab.add_row("state file", str(s.state_file))
+            out.print(tab)
+            out.print(f"try: flowmaker task deploy \"Summarise a document\" --accuracy 0.3 --latency 20 --rate 0.5 "
+                      f"--approve all   (or export FLOWMAKER_ORCHESTRATOR_ADDR={st['services']['orchestrator']})")
+        while True:
+            time.sleep(1.0)
+            stack.check_alive()
+    except KeyboardInterrupt:
+        con.print("stopping…")
+    except StackError as e:
+        con.print(f"error: UNAVAILABLE {e.reason}: {e}", markup=False)
+        raise typer.Exit(1) from None
+    finally:
+        # A second Ctrl-C / SIGTERM must not cut the clean-up short (that is what leaves orphans).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.stop()
+        with contextlib.suppress(OSError):
+            st_now = read_state(s.state_file)
+            if st_now is None or st_now.get("pid") == os.getpid():
+                s.state_file.unlink(missing_ok=True)
+    con.print("stack stopped")
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _up_detached(state_file: Path, args: list[str], as_json: bool) -> None:
+    log = state_file.parent / "up.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "flowmaker.cli.main", *args], stdin=subprocess.DEVNULL,
+                                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    with err.status("starting the stack in the background…"):
+        while time.monotonic() < deadline:
+            st = read_state(state_file)
+            if st and st.get("pid") == proc.pid and st.get("ready"):
+                if as_json:
+                    typer.echo(json.dumps(st))
+                else:
+                    out.print(f"stack running (pid {proc.pid}); orchestrator {st['services']['orchestrator']}, "
+                              f"deployer {st['services']['deployer']}; log {log}; stop with `flowmaker down`")
+                return
+            if proc.poll() is not None:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+                _die(f"error: UNAVAILABLE STACK_START_FAILED: the background stack exited with code "
+                     f"{proc.returncode}; {log}:\n{tail}")
+            time.sleep(0.3)
+    proc.terminate()
+    _die(f"error: DEADLINE_EXCEEDED: the background stack was not ready within 180s; see {log}")
+
+
+def down() -> None:
+    """Stop the stack started by `flowmaker up` (found through its state file)."""
+    s = settings()
+    st = read_state(s.state_file)
+    if st is None:
+        _die(f"error: NOT_FOUND: no running stack (state file {s.state_file})")
+    pid = int(st["pid"])
+    os.kill(pid, signal.SIGTERM)
+    with err.status(f"stopping the stack (pid {pid})…"):
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                out.print("stack stopped")
+                return
+            time.sleep(0.2)
+    _die(f"error: DEADLINE_EXCEEDED: pid {pid} still running after 90s")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("up")(up)
+    app.command("down")(down)
+    app.command("instances")(instances)
+    app.add_typer(task_app, name="task")

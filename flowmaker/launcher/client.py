@@ -1,0 +1,149 @@
+"""Client side of the CLI: where the services are (flag, env, `flowmaker up`'s state file), stubs, error lines.
+
+Address resolution, first match wins: the command's `--orchestrator` / `--deployer` /
+`--profiler` option; `FLOWMAKER_ORCHESTRATOR_ADDR` / `FLOWMAKER_DEPLOYER_ADDR` /
+`FLOWMAKER_PROFILER_ADDR`; the state file a running `flowmaker up` writes
+(`FLOWMAKER_STATE_FILE`, default `~/.flowmaker/stack.json`); the default port of the service on
+127.0.0.1 (`flowmaker.settings.DEFAULT_PORTS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from flowmaker.errors import FlowMakerError
+from flowmaker.launcher.stack import read_state
+from flowmaker.rpc.channels import insecure_channel
+from flowmaker.rpc.errors import error_info, field_violations
+from flowmaker.settings import DEFAULT_PORTS
+
+T = TypeVar("T")
+
+
+class ClientSettings(BaseSettings):
+    """What the CLI reads from the environment (prefix FLOWMAKER_)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLOWMAKER_", extra="ignore")
+
+    orchestrator_addr: str = Field("", description="host:port of the orchestrator the client commands talk to.")
+    deployer_addr: str = Field("", description="host:port of the deployer `flowmaker instances` asks.")
+    profiler_addr: str = Field("", description="host:port of the profiler (model registration).")
+    state_file: Path = Field(Path.home() / ".flowmaker" / "stack.json",
+                             description="Where `flowmaker up` records its endpoints and pid (read by the clients, "
+                                         "`flowmaker down`).")
+    call_timeout_s: float = Field(300.0, gt=0, description="Deadline of each CLI call (deploys can take minutes).")
+
+
+def settings() -> ClientSettings:
+    return ClientSettings()  # type: ignore[call-arg]
+
+
+def resolve(service: str, flag: str | None, s: ClientSettings | None = None) -> str:
+    """The address of `service` by the rules in the module docstring."""
+    if flag:
+        return flag
+    s = s or settings()
+    env = getattr(s, f"{service}_addr", "")
+    if env:
+        return str(env)
+    state = read_state(s.state_file)
+    if state and service in state.get("services", {}):
+        return str(state["services"][service])
+    return f"127.0.0.1:{DEFAULT_PORTS[service]}"
+
+
+class RpcFailure(Exception):
+    """A failed call, ready to print as one line: code, reason, field, message."""
+
+    def __init__(self, code: str, reason: str, message: str, field: str | None = None, target: str = "") -> None:
+        super().__init__(message)
+        self.code, self.reason, self.message, self.field, self.target = code, reason, message, field, target
+
+    def line(self) -> str:
+        where = f" {self.field}:" if self.field else ""
+        reason = f" {self.reason}" if self.reason and self.reason != self.code else ""
+        return f"error: {self.code}{reason}:{where} {self.message}"
+
+
+def failure_of(e: BaseException, target: str = "") -> RpcFailure:
+    """RpcFailure for a gRPC error (with ErrorInfo / BadRequest details when the server sent them) or a
+    FlowMakerError raised locally."""
+    if isinstance(e, grpc.RpcError):
+        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        message = (e.details() if hasattr(e, "details") else "") or code.name
+        info = error_info(e)
+        violations = field_violations(e)
+        field = violations[0].field if violations else (info.metadata.get("field") if info else None) or None
+        if field and message.startswith(f"{field}: "):
+            message = message[len(field) + 2:]
+        reason = info.reason if info and info.reason else code.name
+        if code == grpc.StatusCode.UNAVAILABLE and info is None:
+            # No rich status: the connection itself failed (nothing listening), not the service.
+            message = f"cannot reach {target or 'the service'} ({message}); is `flowmaker up` running?"
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED and info is None:
+            message = f"no answer from {target or 'the service'} within the deadline"
+        return RpcFailure(code.name, reason, " ".join(message.split()), field, target)
+    if isinstance(e, FlowMakerError):
+        return RpcFailure(type(e).__name__, e.reason, " ".join(e.message.split()), e.field, target)
+    return RpcFailure("ERROR", type(e).__name__, str(e), None, target)
+
+
+async def call(aw: Awaitable[T], target: str = "") -> T:
+    """Await a client call; a failure becomes RpcFailure."""
+    try:
+        return await aw
+    except (grpc.RpcError, FlowMakerError) as e:
+        raise failure_of(e, target) from None
+
+
+def to_json(msg: Message) -> dict[str, Any]:
+    """Proto3 JSON of a message, with the proto field names (snake_case, as in the .proto files)."""
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+
+
+@dataclass
+class Stubs:
+    """aio channels and stubs of the services the CLI talks to; close() when done."""
+
+    orchestrator_addr: str = ""
+    deployer_addr: str = ""
+    profiler_addr: str = ""
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        self._channels: list[grpc.aio.Channel] = []
+
+    def _channel(self, addr: str) -> grpc.aio.Channel:
+        ch = insecure_channel(addr, default_timeout_s=self.timeout_s)
+        self._channels.append(ch)
+        return ch
+
+    def orchestrator(self) -> Any:
+        from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
+
+        return orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel(self.orchestrator_addr))
+
+    def deployer(self) -> Any:
+        from flowmaker.api.deployer.v1 import deployer_pb2_grpc
+
+        return deployer_pb2_grpc.DeployerServiceStub(self._channel(self.deployer_addr))
+
+    def profiler(self) -> Any:
+        from flowmaker.api.profiler.v1 import profiler_pb2_grpc
+
+        return profiler_pb2_grpc.ProfilerServiceStub(self._channel(self.profiler_addr))
+
+    async def close(self) -> None:
+        for ch in self._channels:
+            await ch.close(None)
+        self._channels.clear()

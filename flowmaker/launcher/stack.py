@@ -1,0 +1,418 @@
+"""Starts and stops a whole FlowMaker stack on loopback: etcd, then the five services, each a real subprocess.
+
+Used by `flowmaker up`, `flowmaker demo` and the end-to-end tests. Synchronous on purpose: the
+callers are a CLI and pytest, and a launcher that owns child processes is easiest to reason about
+without an event loop.
+
+Start-up:
+1. a real etcd (`etcd_bin`) on two free loopback ports with a data dir under the work dir;
+2. free loopback ports are picked for the five services up front, so every service can be told
+   where its peers are before any of them runs; they then start in parallel (`python -m
+   services.<svc>` with `FLOWMAKER_<SVC>_*` settings in the environment, see `service_env`);
+3. ready = gRPC health `Check("")` answers SERVING for every service. A child that exits
+   first, or a timeout, raises `StackError` with the tail of its log, and everything started so
+   far is stopped.
+
+Stop (also on an error during start, on `with` exit, and at interpreter exit):
+front-door services first (orchestrator, selector, generator, profiler), then the deployer (its
+shutdown stops its engines and revokes its etcd lease), then etcd. Each gets SIGTERM, then
+SIGKILL after `stop_timeout_s`. Engines run in their own sessions, so the launcher also records
+every descendant of each service before stopping it and kills whatever of them is still alive
+afterwards (checked by pid *and* start time, so a reused pid is never hit): no orphan processes.
+Children also get PR_SET_PDEATHSIG=SIGTERM, so they are told to stop even if the launcher itself
+is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from flowmaker.errors import Unavailable
+
+# Start order; stop order is the reverse with the deployer held back until the others are gone.
+SERVICES: tuple[str, ...] = ("deployer", "profiler", "generator", "selector", "orchestrator")
+
+ProgressFn = Callable[[str, str], None]  # (step, detail): "etcd", "starting" / "ready" / "stopping"...
+
+
+class StackError(Unavailable):
+    """The local stack could not start (a port, etcd or a service failed); the message says which and why."""
+
+    reason = "STACK_START_FAILED"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` right now (for processes told their port up front rather than binding port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _default_etcd_bin() -> str:
+    return shutil.which("etcd") or "/usr/bin/etcd"
+
+
+@dataclass
+class StackConfig:
+    """What to start. Defaults give the demo's cluster: one emulated node of 8 x A6000."""
+
+    gpus: int = 8
+    gpu_type: str = "A6000"
+    node: str = "node0"
+    # Emulated engines run their model clock this many times faster than wall time.
+    time_scale: float = 1.0
+    host: str = "127.0.0.1"
+    etcd_bin: str = field(default_factory=_default_etcd_bin)
+    # Where etcd data and the logs go; None = a fresh temp dir, removed on stop unless keep_work_dir.
+    work_dir: Path | None = None
+    keep_work_dir: bool = False
+    startup_timeout_s: float = 90.0
+    stop_timeout_s: float = 15.0
+    log_level: str = "INFO"
+    # Fixed service ports (e.g. {"orchestrator": 50055}); the others get free ports.
+    ports: dict[str, int] = field(default_factory=dict)
+    # Extra environment for every service (e.g. FLOWMAKER_ORCHESTRATOR_... overrides).
+    extra_env: dict[str, str] = field(default_factory=dict)
+    python: str = field(default_factory=lambda: sys.executable)
+    # Which services to start (all five by default; a subset is for tests of one service).
+    services: tuple[str, ...] = SERVICES
+
+
+def service_env(svc: str, *, host: str, port: int, addrs: Mapping[str, str], etcd_endpoint: str,
+                cfg: StackConfig, log_dir: Path) -> dict[str, str]:
+    """The FLOWMAKER_<SVC>_* settings the launcher gives one service (read by services/<svc>/settings.py)."""
+    p = f"FLOWMAKER_{svc.upper()}_"
+    env = {p + "HOST": host, p + "PORT": str(port), p + "ETCD_ENDPOINTS": etcd_endpoint, p + "LOG_LEVEL": cfg.log_level,
+           p + "GRACE_S": "2"}
+    # How services find each other: every peer's address is given to every service as
+    # FLOWMAKER_<SVC>_<PEER>_ADDRESS (e.g. FLOWMAKER_ORCHESTRATOR_SELECTOR_ADDRESS); a settings class
+    # ignores the peers it does not declare. Deployers are found through their node records in etcd.
+    for peer, addr in addrs.items():
+        if peer != svc:
+            env[f"{p}{peer.upper()}_ADDRESS"] = addr
+    if svc == "orchestrator":
+        env[p + "TOOL_TIME_SCALE"] = repr(cfg.time_scale)  # TOOL stages are emulated on the engines' clock
+    if svc == "deployer":
+        env.update({p + "NODE": cfg.node, p + "GPU_TYPE": cfg.gpu_type, p + "GPU_COUNT": str(cfg.gpus),
+                    p + "USE_NVML": "false", p + "BACKEND": "emulated", p + "ENGINE_HOST": host,
+                    p + "ENGINE_TIME_SCALE": repr(cfg.time_scale), p + "ENGINE_STOP_GRACE_S": "3",
+                    p + "ENGINE_LOG_DIR": str(log_dir / "engines")})
+    return env
+
+
+# ---- processes -----------------------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/<pid>/stat (start time in clock ticks): identifies a process across pid reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every live descendant of `root` (by parent pid, whatever their session)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out: list[tuple[int, str]] = []
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        st = _start_time(pid)
+        if st is not None:
+            out.append((pid, st))
+        todo += children.get(pid, [])
+    return out
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+    address: str = ""
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _spawn(name: str, argv: list[str], env: Mapping[str, str], log_path: Path) -> _Child:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    logf = open(log_path, "ab")
+    try:
+        proc = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True,  # Ctrl-C in the terminal reaches the launcher only
+                                preexec_fn=_set_pdeathsig)
+    except OSError as e:
+        logf.close()
+        raise StackError(f"cannot run {argv[0]!r} for {name}: {e}", field=name) from None
+    return _Child(name, proc, log_path, logf)
+
+
+def _health_serving(address: str, timeout_s: float = 1.0) -> bool:
+    import grpc  # imported here: the launcher module stays importable without starting grpc threads
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+# ---- the stack -----------------------------------------------------------------------------
+
+class LocalStack:
+    """etcd + the five services as subprocesses. Use as a context manager, or `start()` / `stop()`."""
+
+    def __init__(self, config: StackConfig | None = None, *, progress: ProgressFn | None = None) -> None:
+        self.config = config or StackConfig()
+        self._progress = progress or (lambda step, detail: None)
+        self._etcd: _Child | None = None
+        self.etcd_endpoint = ""
+        self._children: dict[str, _Child] = {}
+        self.addresses: dict[str, str] = {}
+        self._tmp: Path | None = None
+        self.work_dir: Path | None = None
+        self.started_at = 0.0
+        self._stopped = False
+
+    # -- public ---------------------------------------------------------------------------
+
+    @property
+    def log_dir(self) -> Path:
+        assert self.work_dir is not None
+        return self.work_dir / "logs"
+
+    def state(self) -> dict[str, Any]:
+        """What `flowmaker up` writes to its state file (and prints as JSON)."""
+        return {"pid": os.getpid(), "etcd": self.etcd_endpoint, "services": dict(self.addresses),
+                "work_dir": str(self.work_dir or ""), "gpus": self.config.gpus, "gpu_type": self.config.gpu_type,
+                "node": self.config.node, "time_scale": self.config.time_scale,
+                "pids": {n: c.proc.pid for n, c in self._children.items()}}
+
+    def start(self) -> LocalStack:
+        cfg = self.config
+        self._stopped = False
+        if cfg.work_dir is None:
+            self._tmp = Path(tempfile.mkdtemp(prefix="flowmaker-stack-"))
+            self.work_dir = self._tmp
+        else:
+            self.work_dir = Path(cfg.work_dir)
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        try:
+            self._start_etcd()
+            self._start_services()
+        except BaseException:
+            self.stop()
+            raise
+        self.started_at = time.monotonic()
+        return self
+
+    def stop(self) -> None:
+        """Stop everything this launcher started (idempotent; safe after a failed start)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.stop)
+        t = self.config.stop_timeout_s
+        front = [self._children[n] for n in reversed(SERVICES) if n in self._children and n != "deployer"]
+        back = [self._children[n] for n in ("deployer",) if n in self._children]
+        for group in (front, back):
+            if group:
+                self._stop_group(group, t)
+        if self._etcd is not None:
+            self._stop_group([self._etcd], t)
+        self._children.clear()
+        self._etcd = None
+        if self._tmp is not None and not self.config.keep_work_dir:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp = None
+
+    def check_alive(self) -> None:
+        """StackError naming the first child process that has exited (for `flowmaker up`'s watch loop)."""
+        for c in [*([self._etcd] if self._etcd else []), *self._children.values()]:
+            if c.proc.poll() is not None:
+                raise StackError(f"{c.name} exited with code {c.proc.returncode}; last log lines:\n{c.log_tail()}",
+                                 field=c.name)
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    # -- start ----------------------------------------------------------------------------
+
+    def _start_etcd(self) -> None:
+        cfg = self.config
+        if not os.path.exists(cfg.etcd_bin):
+            raise StackError(f"etcd binary not found at {cfg.etcd_bin} (apt-get install etcd-server, or pass "
+                             "--etcd-bin)", field="etcd_bin")
+        self._progress("etcd", "starting")
+        assert self.work_dir is not None
+        cport, pport = free_port(cfg.host), free_port(cfg.host)
+        curl, purl = f"http://{cfg.host}:{cport}", f"http://{cfg.host}:{pport}"
+        argv = [cfg.etcd_bin, "--name", "flowmaker", "--data-dir", str(self.work_dir / "etcd-data"),
+                "--listen-client-urls", curl, "--advertise-client-urls", curl,
+                "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
+                "--initial-cluster", f"flowmaker={purl}", "--initial-cluster-state", "new",
+                "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}  # stray ETCD_* would override flags
+        self._etcd = _spawn("etcd", argv, env, self.log_dir / "etcd.log")
+        self.etcd_endpoint = f"{cfg.host}:{cport}"
+        deadline = time.monotonic() + min(cfg.startup_timeout_s, 30.0)
+        while True:
+            if self._etcd.proc.poll() is not None:
+                raise StackError(f"etcd exited with code {self._etcd.proc.returncode} (port {cport} or {pport} taken, "
+                                 f"or a bad data dir?); last log lines:\n{self._etcd.log_tail()}", field="etcd")
+            try:
+                with urllib.request.urlopen(curl + "/health", timeout=1) as r:
+                    if b'"true"' in r.read():
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise StackError(f"etcd did not become healthy on {self.etcd_endpoint} within "
+                                 f"{deadline:.0f}s; last log lines:\n{self._etcd.log_tail()}", field="etcd")
+            time.sleep(0.1)
+        self._progress("etcd", f"ready on {self.etcd_endpoint}")
+
+    def _start_services(self) -> None:
+        cfg = self.config
+        unknown = set(cfg.services) - set(SERVICES)
+        if unknown:
+            raise StackError(f"unknown service(s) {sorted(unknown)}; known: {list(SERVICES)}", field="services")
+        for svc in SERVICES:
+            port = cfg.ports.get(svc) or free_port(cfg.host)
+            self.addresses[svc] = f"{cfg.host}:{port}"
+        base_env = {**os.environ, "OTEL_TRACES_EXPORTER": os.environ.get("OTEL_TRACES_EXPORTER", "none"),
+                    "PYTHONUNBUFFERED": "1"}
+        # The services must import this very checkout's packages (`services` is not installed as a
+        # package when flowmaker is installed from a wheel; in a checkout it sits next to flowmaker/).
+        root = str(Path(__file__).resolve().parents[2])
+        (self.log_dir / "engines").mkdir(parents=True, exist_ok=True)  # the deployer appends engine logs there
+        base_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        for svc in (x for x in SERVICES if x in cfg.services):
+            host, port_s = self.addresses[svc].rsplit(":", 1)
+            env = {**base_env,
+                   **service_env(svc, host=host, port=int(port_s), addrs=self.addresses,
+                                 etcd_endpoint=self.etcd_endpoint, cfg=cfg, log_dir=self.log_dir),
+                   **cfg.extra_env}
+            self._progress(svc, "starting")
+            child = _spawn(svc, [cfg.python, "-m", f"services.{svc}"], env, self.log_dir / f"{svc}.log")
+            child.address = self.addresses[svc]
+            self._children[svc] = child
+        waiting = dict(self._children)
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        while waiting:
+            for name, c in list(waiting.items()):
+                if c.proc.poll() is not None:
+                    raise StackError(f"{name} exited with code {c.proc.returncode} during start-up (is "
+                                     f"{c.address} free?); last log lines of {c.log_path}:\n{c.log_tail()}",
+                                     field=name)
+                if _health_serving(c.address):
+                    del waiting[name]
+                    self._progress(name, f"ready on {c.address}")
+            if not waiting:
+                break
+            if time.monotonic() > deadline:
+                names = ", ".join(sorted(waiting))
+                tails = "\n".join(f"--- {n} ({c.log_path}):\n{c.log_tail(10)}" for n, c in waiting.items())
+                raise StackError(f"not SERVING within {cfg.startup_timeout_s:g}s: {names}\n{tails}",
+                                 field=sorted(waiting)[0])
+            time.sleep(0.2)
+
+    # -- stop -----------------------------------------------------------------------------
+
+    def _stop_group(self, group: list[_Child], timeout_s: float) -> None:
+        for c in group:
+            self._progress(c.name, "stopping")
+        # Recorded before any signal: once a service is gone its engines are reparented and untraceable.
+        orphans = [d for c in group for d in _descendants(c.proc.pid)]
+        for c in group:
+            if c.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for c in group:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait()
+            c.log_file.close()
+        for pid, started in orphans:
+            if _start_time(pid) == started:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        for c in group:
+            self._progress(c.name, f"stopped (exit {c.proc.returncode})")
+
+
+def write_state(path: Path, state: Mapping[str, Any]) -> None:
+    """Atomically write the `flowmaker up` state file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(path)
+
+
+def read_state(path: Path) -> dict[str, Any] | None:
+    """The state of a running `flowmaker up`, or None when there is none (or its process is gone)."""
+    try:
+        state: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    pid = state.get("pid")
+    if not isinstance(pid, int):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return state
