@@ -11,6 +11,7 @@ import grpc.aio
 
 from flowmaker.errors import DeadlineExceeded
 from flowmaker.rpc.errors import incoming_deadline
+from flowmaker.telemetry import client_interceptors
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -58,9 +59,11 @@ class _DeadlineInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryS
 
 def insecure_channel(target: str, *, default_timeout_s: float = DEFAULT_TIMEOUT_S,
                      interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
-                     options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+                     options: Sequence[tuple[str, Any]] = (), tracing: bool = True) -> grpc.aio.Channel:
     """An aio channel to `target` ("host:port") whose calls always carry a deadline.
-    `interceptors` (e.g. OpenTelemetry's) run outside the deadline interceptor."""
+    `interceptors` run outside the deadline interceptor. With `tracing` (default), OpenTelemetry's
+    client interceptors come first: every call is a CLIENT span and carries the trace context."""
+    otel = client_interceptors() if tracing else []
     return grpc.aio.insecure_channel(
         target, options=list(options),
-        interceptors=[*interceptors, _DeadlineInterceptor(default_timeout_s)])  # type: ignore[list-item]
+        interceptors=[*otel, *interceptors, _DeadlineInterceptor(default_timeout_s)])  # type: ignore[list-item]

