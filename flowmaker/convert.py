@@ -13,6 +13,9 @@ The JSON functions read and write the proto3 JSON mapping of SelectVariantReques
 snake_case field names (the documented format of `flowmaker select`, see examples/README.md). The
 reader also accepts the spec's plain enum spellings ("LLM" for "STAGE_KIND_LLM") and reports any
 problem as InvalidSpec naming the field, e.g. `workflows[0].stages[1].input_tokens`.
+
+The records the running suite keeps in etcd (tasks, instances, GPUs) and an invocation's result are
+shown through `task_to_proto`, `instance_record_to_proto`, `gpu_record_to_proto`, `execution_to_proto`.
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 from google.protobuf import descriptor as _descriptor
-from google.protobuf import json_format
+from google.protobuf import json_format, timestamp_pb2
 from google.protobuf.message import Message
+from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from flowmaker.api.common.v1 import cluster_pb2, selection_pb2, workflow_pb2
+from flowmaker.api.common.v1 import cluster_pb2, selection_pb2, task_pb2, workflow_pb2
+from flowmaker.api.orchestrator.v1 import orchestrator_pb2
 from flowmaker.api.selector.v1 import selector_pb2
 from flowmaker.domain import (
     Cluster,
@@ -52,6 +57,9 @@ from flowmaker.domain import (
     Workflow,
 )
 from flowmaker.errors import InvalidSpec
+from flowmaker.orchestration.dag import Execution, StageResult
+from flowmaker.orchestration.task import Failure, TaskRecord, TaskState
+from flowmaker.state.records import GpuRecord, InstanceRecord, InstanceState
 
 DEFAULT_STRATEGY = "exact"
 _INT64_MAX = 2**63 - 1
@@ -627,3 +635,102 @@ def selection_result_to_json(r: SelectionResult) -> str:
 def selection_result_from_json(text: str | bytes) -> SelectionResult:
     """Parse a SelectVariant response written by selection_result_to_json (or the server)."""
     return selection_result_from_proto(_parse_json(text, selector_pb2.SelectVariantResponse()))
+
+
+# ---- records of the running suite: tasks, instances, GPUs, invocations ---------------------------
+# Output only: the services show these; nothing parses them back into records. `flowmaker.rpc.errors`
+# is imported inside the functions: it loads grpc, which the offline users of this module never need.
+
+
+def _timestamp(unix_s: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(unix_s * 1e9))
+    return ts
+
+
+_INSTANCE_STATES = {
+    InstanceState.PENDING: cluster_pb2.Instance.STATE_PENDING,
+    InstanceState.STARTING: cluster_pb2.Instance.STATE_STARTING,
+    InstanceState.READY: cluster_pb2.Instance.STATE_READY,
+    InstanceState.DRAINING: cluster_pb2.Instance.STATE_DRAINING,
+    InstanceState.FAILED: cluster_pb2.Instance.STATE_FAILED,
+}
+
+
+def instance_record_to_proto(rec: InstanceRecord, task_ids: Sequence[str] = (), node_alive: bool = True
+                             ) -> cluster_pb2.Instance:
+    """An instance record as the API shows it. An instance whose node lost its lease is shown
+    FAILED (NODE_LOST) even though its record still says otherwise: nothing backs it any more."""
+    from flowmaker.rpc.errors import DOMAIN
+
+    state, reason, message = rec.state, rec.failure_reason, rec.reason
+    if not node_alive and state is not InstanceState.FAILED:
+        state, reason, message = InstanceState.FAILED, "NODE_LOST", f"node {rec.node} is not alive (lease expired)"
+    m = cluster_pb2.Instance(
+        id=rec.id, model_id=rec.model_id, tp=rec.tp, pp=rec.pp, gpu_ids=list(rec.gpu_ids),
+        load_output_tokens_per_s=rec.load_output_tokens_per_s, endpoint=rec.endpoint if node_alive else "",
+        state=_INSTANCE_STATES[state], node=rec.node, engine=rec.engine, task_ids=list(task_ids))
+    if rec.created_at:
+        m.create_time.CopyFrom(_timestamp(rec.created_at))
+    if state is InstanceState.FAILED:
+        # Not an error of any call: the instance's own status, so it is UNAVAILABLE with the reason.
+        info = error_details_pb2.ErrorInfo(reason=reason or "FAILED", domain=DOMAIN, metadata={"instance_id": rec.id})
+        st = status_pb2.Status(code=code_pb2.UNAVAILABLE, message=message)
+        st.details.add().Pack(info)
+        m.failure.CopyFrom(st)
+    return m
+
+
+def gpu_record_to_proto(g: GpuRecord) -> cluster_pb2.Gpu:
+    return cluster_pb2.Gpu(id=g.id, node=g.node, memory_total_gb=g.memory_total_gb, memory_used_gb=g.memory_used_gb,
+                           gpu_type=g.gpu_type)
+
+
+def task_state_to_proto(s: TaskState) -> task_pb2.Task.State:
+    return task_pb2.Task.State.Value("STATE_" + s.value)  # type: ignore[return-value]
+
+
+def task_state_from_proto(n: int) -> TaskState | None:
+    """None for STATE_UNSPECIFIED (e.g. "any state" in ListTasks)."""
+    return None if n == 0 else TaskState(task_pb2.Task.State.Name(n).removeprefix("STATE_"))  # type: ignore[arg-type]
+
+
+def failure_to_status_proto(f: Failure) -> status_pb2.Status:
+    """A task's failure as the google.rpc.Status the error map would send for it."""
+    from flowmaker.rpc.errors import to_status_proto
+
+    return to_status_proto(f.to_error())
+
+
+def task_to_proto(t: TaskRecord, *, etag: int = 0, state: TaskState | None = None,
+                  failure: Failure | None = None) -> task_pb2.Task:
+    """The task as the API shows it; `state`/`failure` override the stored ones (derived DEGRADED)."""
+    st = state or t.state
+    f = failure if state is not None else t.failure
+    m = task_pb2.Task(
+        id=t.id, name=t.name, description=t.description, slo=slo_to_proto(t.slo),
+        candidates=[workflow_to_proto(w) for w in t.candidates],
+        approved_workflow_ids=list(t.approved_workflow_ids), strategy=t.strategy,
+        stage_instances=dict(t.stage_instances), predicted_latency_s=t.predicted_latency_s,
+        observed_latency_p50_s=t.observed_p(0.5), observed_latency_p95_s=t.observed_p(0.95),
+        requests_served=t.requests_served, state=task_state_to_proto(st), etag=str(etag) if etag else "")
+    if t.variant is not None:
+        m.variant.CopyFrom(variant_to_proto(t.variant))
+    if f is not None:
+        m.failure.CopyFrom(failure_to_status_proto(f))
+    if t.create_time:
+        m.create_time.CopyFrom(_timestamp(t.create_time))
+    if t.update_time:
+        m.update_time.CopyFrom(_timestamp(t.update_time))
+    return m
+
+
+def stage_result_to_proto(r: StageResult) -> orchestrator_pb2.StageOutput:
+    return orchestrator_pb2.StageOutput(stage_id=r.stage_id, instance_id=r.instance_id, model_id=r.model_id,
+                                        output=r.output, input_tokens=r.input_tokens, output_tokens=r.output_tokens,
+                                        start_s=r.start_s, latency_s=r.latency_s)
+
+
+def execution_to_proto(ex: Execution, request_id: str) -> orchestrator_pb2.InvokeResponse:
+    return orchestrator_pb2.InvokeResponse(output=ex.output, latency_s=ex.latency_s,
+                                           stages=[stage_result_to_proto(s) for s in ex.stages], request_id=request_id)

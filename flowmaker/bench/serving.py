@@ -17,12 +17,13 @@ from rich.console import Console
 from rich.table import Table
 
 from flowmaker.catalog import default_models, get_gpu_type, make_cluster
-from flowmaker.eval.policies import ALL_POLICIES, PolicyContext, get_policy, plan
-from flowmaker.eval.tasks import EVAL_TASKS
+from flowmaker.errors import InvalidSpec
+from flowmaker.eval.policies import ALL_POLICIES, PolicyContext, get_policy, plan, simulated_monitor
+from flowmaker.eval.tasks import EVAL_TASKS, NOMINAL_STATS
 from flowmaker.eval.trace_stats import TRACE_KINDS
 from flowmaker.eval.traces import LOAD_LEVELS, build_workload, find_trace, get_trace, run_duration_s
 from flowmaker.profiling.analytic import profiles_for
-from flowmaker.sim import simulate
+from flowmaker.sim import COLOCATION_MODES, simulate
 
 GPU_TYPE = "A6000"
 GPUS_PER_NODE = 8
@@ -38,6 +39,7 @@ PUBLISHED: dict[str, dict[str, Any]] = {
     "reuse_vs_noreuse_low_load_cost": {"min": 1.47, "max": 1.73, "avg": None},
 }
 HIGH_LOADS = (0.75, 1.0)
+WARMUP_SEED_OFFSET = 1_000_003  # the monitor's window: far from any seed a user passes, so never the scored one
 LOW_LOADS = (0.25, 0.5)
 
 
@@ -135,11 +137,14 @@ def _plots(rows: Sequence[dict[str, Any]], out_dir: Path, policies: Sequence[str
 def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None, seed: int = 0,
                       policies: Sequence[str] | None = None, loads: Sequence[float] | None = None,
                       traces: Sequence[str] = TRACE_KINDS, console: Console | None = None,
-                      plots: bool = True) -> dict[str, Any]:
+                      plots: bool = True, plan_tokens: str = "median", colocation: str = "ignore") -> dict[str, Any]:
     """Run the matrix, write `serving.json` (+ PNG plots) into `out_dir`, print the table; return the report.
 
     `traces_dir` holds AzureLLMInferenceTrace_{code,conv}.csv; a missing file is replaced by the
-    synthetic trace of that kind (the report says which was used).
+    synthetic trace of that kind (the report says which was used). `plan_tokens`: the request every
+    selector-based policy sizes stages with, "median" (default) or "mean" (a sensitivity check: rate x mean
+    tokens is the true token rate; see docs/evaluation.md). `colocation`: how instances sharing a GPU share
+    its compute in the scored simulation ("ignore", the default, or "worst-case"; `flowmaker.sim`).
     """
     t_start = time.perf_counter()
     out = Path(out_dir)
@@ -148,6 +153,11 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     for p in pols:
         get_policy(p)  # unknown name -> NotFound before any work
     lvls = list(loads) if loads else list(LOAD_LEVELS)
+    if plan_tokens not in NOMINAL_STATS:
+        raise InvalidSpec(f"unknown statistic {plan_tokens!r}; known: {list(NOMINAL_STATS)}", field="plan_tokens")
+    if colocation not in COLOCATION_MODES:
+        raise InvalidSpec(f"unknown colocation mode {colocation!r}; known: {list(COLOCATION_MODES)}",
+                          field="colocation")
     con = console or Console(width=150)
     models = default_models()
     gpu = get_gpu_type(GPU_TYPE)
@@ -165,23 +175,36 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
             rates = [(t.name, t.nominal_rate_rps * load) for t in EVAL_TASKS]
             arrivals = build_workload(rates, trace, seed=seed)
             duration = run_duration_s(sum(r for _, r in rates))
-            ctx = PolicyContext(EVAL_TASKS, kind, load, models, profiles, cluster, gpu, seed=seed)
+            # What a policy deciding reuse from the current load measures: the instances deployed so far serving
+            # a preceding window of the same load level (another window of the trace, never the scored arrivals).
+            warmup = build_workload(rates, trace, seed=seed + WARMUP_SEED_OFFSET)
+            monitor = simulated_monitor(warmup, cluster.gpus, by_id, gpu, duration)
+            ctx = PolicyContext(EVAL_TASKS, kind, load, models, profiles, cluster, gpu, seed=seed, monitor=monitor,
+                                plan_tokens=plan_tokens)
             for pol in pols:
                 t0 = time.perf_counter()
                 pl = plan(pol, ctx)
                 t1 = time.perf_counter()
                 res = simulate(pl.instances, pl.deployments, arrivals, cluster.gpus, by_id, gpu,
-                               unplaced=dict(pl.unplaced), duration_s=duration)
+                               unplaced=dict(pl.unplaced), duration_s=duration, colocation=colocation)
                 t2 = time.perf_counter()
                 t_plan += t1 - t0
                 t_sim += t2 - t1
+                planned = dict(pl.planned_loads)
+                seen = {m.id: m for m in res.per_instance}
                 rows.append({
                     "trace": kind, "load": load, "policy": pol, **res.summary(),
                     "unplaced": [list(u) for u in res.unplaced], "planning_s": pl.planning_s, "sim_s": t2 - t1,
                     "notes": pl.notes,
                     "instance_list": [{"id": i.id, "model": i.profile.model_id, "tp": i.profile.tp,
                                        "pp": i.profile.pp, "gpus": list(i.gpu_ids), "gb": i.memory_gb,
-                                       "deployed_by": i.deployed_by} for i in pl.instances],
+                                       "deployed_by": i.deployed_by,
+                                       "capacity_tokens_per_s": i.profile.max_output_tokens_per_s,
+                                       "planned_load_tokens_per_s": planned.get(i.id),
+                                       "measured_output_tokens_per_s": seen[i.id].output_tokens_per_s,
+                                       "measured_busy_equiv_tokens_per_s": seen[i.id].busy_equiv_tokens_per_s,
+                                       "measured_utilization": seen[i.id].utilization}
+                                      for i in pl.instances],
                     "per_task": [{"task": m.task, "requests": m.requests, "goodput": m.goodput,
                                   "met_accuracy": m.met_accuracy, "met_latency": m.met_latency,
                                   "p99_latency_s": m.p99_latency_s} for m in res.per_task],
@@ -198,7 +221,8 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     wall = time.perf_counter() - t_start
     report = {"setup": {"gpu_type": GPU_TYPE, "gpus": len(cluster.gpus), "models": [m.id for m in models],
                         "profiles": len(profiles), "tasks": [t.name for t in EVAL_TASKS], "loads": lvls,
-                        "policies": pols, "seed": seed, "trace_sources": sources},
+                        "policies": pols, "seed": seed, "trace_sources": sources,
+                        "plan_tokens": plan_tokens, "colocation": colocation},
               "rows": rows, "ratios": ratios, "reuse_ablation": ablation, "plots": files,
               "timing": {"wall_s": wall, "planning_s": t_plan, "simulation_s": t_sim}}
     jf = out / "serving.json"

@@ -15,9 +15,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -25,6 +25,8 @@ from rich.table import Table
 
 from flowmaker.launcher.client import RpcFailure, Stubs, call, failure_of, resolve, settings, to_json
 from flowmaker.launcher.stack import LocalStack, StackConfig, StackError, read_state, write_state
+
+T = TypeVar("T")
 
 out = Console()
 err = Console(stderr=True)
@@ -50,10 +52,10 @@ def _die(line: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _run(coro: Coroutine[Any, Any, None]) -> None:
+def _run(coro: Coroutine[Any, Any, T]) -> T:
     """Run one command's coroutine; any expected failure is one line on stderr and exit 1."""
     try:
-        asyncio.run(coro)
+        return asyncio.run(coro)
     except RpcFailure as f:
         _die(f.line())
     except KeyboardInterrupt:
@@ -66,6 +68,35 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
         if isinstance(e, grpc.RpcError | FlowMakerError):
             _die(failure_of(e).line())
         raise
+
+
+async def _with_stubs(fn: Callable[[Stubs], Awaitable[T]], *, orchestrator: str | None = None,
+                      deployer: str | None = None, status: str = "") -> T:
+    """`fn(stubs)` with channels to the resolved addresses (closed afterwards), under a spinner if `status`."""
+    stubs = _stubs(orchestrator, deployer)
+    try:
+        if not status:
+            return await fn(stubs)
+        with err.status(status):
+            return await fn(stubs)
+    finally:
+        await stubs.close()
+
+
+def _orchestrator_call(orchestrator: str | None, method: str, request: Any, status: str = "") -> Any:
+    """One unary OrchestratorService call, run to completion: its response (a failure exits 1, one line)."""
+    async def go(stubs: Stubs) -> Any:
+        return await call(getattr(stubs.orchestrator(), method)(request), stubs.orchestrator_addr)
+
+    return _run(_with_stubs(go, orchestrator=orchestrator, status=status))
+
+
+def _emit(msg: Any, as_json: bool, render: Callable[[Any], None]) -> None:
+    """`--json`: the message as proto3 JSON; else `render(msg)` (tables)."""
+    if as_json:
+        _print_json(to_json(msg))
+    else:
+        render(msg)
 
 
 def _state_name(enum_type: Any, value: int) -> str:
@@ -185,29 +216,23 @@ def task_deploy(
         except (OSError, ValueError, json_format.ParseError) as e:
             _die(f"error: INVALID_ARGUMENT: --workflows: cannot read {workflows_file}: {e}")
 
-    async def go() -> None:
-        stubs = _stubs(orchestrator)
-        try:
-            orch = stubs.orchestrator()
-            with err.status("generating candidate workflows…"):
-                t = (await call(orch.DeployTask(req), stubs.orchestrator_addr)).task
-            if approve is not None:
-                ids = _approve_ids(t, approve)
-                if not as_json:
-                    err.print(f"task {t.id}: {len(t.candidates)} candidate(s); approving {', '.join(ids)}")
-                with err.status("selecting the variant and deploying its instances…"):
-                    t = (await call(orch.ApproveWorkflows(pb.ApproveWorkflowsRequest(
-                        task_id=t.id, workflow_ids=ids, strategy=strategy)), stubs.orchestrator_addr)).task
-        finally:
-            await stubs.close()
-        if as_json:
-            _print_json(to_json(t))
-        else:
-            _print_task(t)
-            if approve is None:
-                out.print(f"approve with: flowmaker task approve {t.id} [IDS...]  (no ids = all)")
+    async def go(stubs: Stubs) -> Any:
+        orch = stubs.orchestrator()
+        with err.status("generating candidate workflows…"):
+            t = (await call(orch.DeployTask(req), stubs.orchestrator_addr)).task
+        if approve is not None:
+            ids = _approve_ids(t, approve)
+            if not as_json:
+                err.print(f"task {t.id}: {len(t.candidates)} candidate(s); approving {', '.join(ids)}")
+            with err.status("selecting the variant and deploying its instances…"):
+                t = (await call(orch.ApproveWorkflows(pb.ApproveWorkflowsRequest(
+                    task_id=t.id, workflow_ids=ids, strategy=strategy)), stubs.orchestrator_addr)).task
+        return t
 
-    _run(go())
+    t = _run(_with_stubs(go, orchestrator=orchestrator))
+    _emit(t, as_json, _print_task)
+    if approve is None and not as_json:
+        out.print(f"approve with: flowmaker task approve {t.id} [IDS...]  (no ids = all)")
 
 
 @task_app.command("approve")
@@ -221,25 +246,17 @@ def task_approve(
     """Approve candidate workflows: the selector picks the best variant and the deployer starts it."""
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
 
-    async def go() -> None:
-        stubs = _stubs(orchestrator)
-        try:
-            orch = stubs.orchestrator()
-            ids = [x.strip() for w in workflow_ids or [] for x in w.split(",") if x.strip()]  # "a,b" or "a b"
-            if not ids:
-                t = (await call(orch.GetTask(pb.GetTaskRequest(task_id=task_id)), stubs.orchestrator_addr)).task
-                ids = [w.id for w in t.candidates]
-            with err.status(f"selecting among {', '.join(ids)} and deploying…"):
-                t = (await call(orch.ApproveWorkflows(pb.ApproveWorkflowsRequest(
-                    task_id=task_id, workflow_ids=ids, strategy=strategy)), stubs.orchestrator_addr)).task
-        finally:
-            await stubs.close()
-        if as_json:
-            _print_json(to_json(t))
-        else:
-            _print_task(t)
+    async def go(stubs: Stubs) -> Any:
+        orch = stubs.orchestrator()
+        ids = [x.strip() for w in workflow_ids or [] for x in w.split(",") if x.strip()]  # "a,b" or "a b"
+        if not ids:
+            t = (await call(orch.GetTask(pb.GetTaskRequest(task_id=task_id)), stubs.orchestrator_addr)).task
+            ids = [w.id for w in t.candidates]
+        with err.status(f"selecting among {', '.join(ids)} and deploying…"):
+            return (await call(orch.ApproveWorkflows(pb.ApproveWorkflowsRequest(
+                task_id=task_id, workflow_ids=ids, strategy=strategy)), stubs.orchestrator_addr)).task
 
-    _run(go())
+    _emit(_run(_with_stubs(go, orchestrator=orchestrator)), as_json, _print_task)
 
 
 @task_app.command("invoke")
@@ -255,55 +272,48 @@ def task_invoke(
     """Run one request through the task's workflow and print the output with per-stage timings."""
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
 
-    async def go() -> None:
-        stubs = _stubs(orchestrator)
+    async def streamed(stubs: Stubs) -> None:
+        final: Any = None
+        current = ""
         try:
-            orch = stubs.orchestrator()
-            if stream:
-                final: Any = None
-                current = ""
-                try:
-                    async for chunk in orch.InvokeStream(pb.InvokeStreamRequest(
-                            task_id=task_id, input=text, max_output_tokens=max_output_tokens)):
-                        kind = chunk.WhichOneof("chunk")
-                        if as_json:
-                            typer.echo(json.dumps(to_json(chunk)))
-                        elif kind == "delta":
-                            if chunk.stage_id != current:
-                                current = chunk.stage_id
-                                out.print(f"\n[bold]{current}>[/bold] ", end="")
-                            out.print(chunk.delta, end="", markup=False, highlight=False)
-                        elif kind == "stage_done":
-                            sd = chunk.stage_done
-                            err.print(f"\n[dim]stage {sd.stage_id} done in {sd.latency_s:.3f}s "
-                                      f"({sd.input_tokens} in / {sd.output_tokens} out, {sd.model_id or 'tool'})"
-                                      "[/dim]")
-                        if kind == "done":
-                            final = chunk.done
-                except Exception as e:
-                    raise failure_of(e, stubs.orchestrator_addr) from None
-                if final is not None and not as_json:
-                    out.print(f"\n[bold]done[/bold] in {final.latency_s:.3f}s (request {final.request_id})")
-                return
-            with err.status("invoking…"):
-                resp = await call(orch.Invoke(pb.InvokeRequest(task_id=task_id, input=text,
-                                                               max_output_tokens=max_output_tokens)),
-                                  stubs.orchestrator_addr)
-        finally:
-            await stubs.close()
-        if as_json:
-            _print_json(to_json(resp))
-            return
-        out.print(resp.output, markup=False, highlight=False)
-        tab = Table(title=f"request {resp.request_id}: {resp.latency_s:.3f}s end to end")
+            async for chunk in stubs.orchestrator().InvokeStream(pb.InvokeStreamRequest(
+                    task_id=task_id, input=text, max_output_tokens=max_output_tokens)):
+                kind = chunk.WhichOneof("chunk")
+                if as_json:
+                    typer.echo(json.dumps(to_json(chunk)))
+                elif kind == "delta":
+                    if chunk.stage_id != current:
+                        current = chunk.stage_id
+                        out.print(f"\n[bold]{current}>[/bold] ", end="")
+                    out.print(chunk.delta, end="", markup=False, highlight=False)
+                elif kind == "stage_done":
+                    sd = chunk.stage_done
+                    err.print(f"\n[dim]stage {sd.stage_id} done in {sd.latency_s:.3f}s "
+                              f"({sd.input_tokens} in / {sd.output_tokens} out, {sd.model_id or 'tool'})[/dim]")
+                if kind == "done":
+                    final = chunk.done
+        except Exception as e:
+            raise failure_of(e, stubs.orchestrator_addr) from None
+        if final is not None and not as_json:
+            out.print(f"\n[bold]done[/bold] in {final.latency_s:.3f}s (request {final.request_id})")
+
+    if stream:
+        _run(_with_stubs(streamed, orchestrator=orchestrator))
+        return
+    resp = _orchestrator_call(orchestrator, "Invoke", pb.InvokeRequest(
+        task_id=task_id, input=text, max_output_tokens=max_output_tokens), status="invoking…")
+
+    def show(r: Any) -> None:
+        out.print(r.output, markup=False, highlight=False)
+        tab = Table(title=f"request {r.request_id}: {r.latency_s:.3f}s end to end")
         for c in ("stage", "model", "instance", "in tok", "out tok", "start", "latency"):
             tab.add_column(c, justify="right" if c not in ("stage", "model", "instance") else "left")
-        for s in resp.stages:
-            tab.add_row(s.stage_id, s.model_id or "(tool)", s.instance_id or "-", str(s.input_tokens),
-                        str(s.output_tokens), f"{s.start_s:.3f}s", f"{s.latency_s:.3f}s")
+        for st in r.stages:
+            tab.add_row(st.stage_id, st.model_id or "(tool)", st.instance_id or "-", str(st.input_tokens),
+                        str(st.output_tokens), f"{st.start_s:.3f}s", f"{st.latency_s:.3f}s")
         err.print(tab)
 
-    _run(go())
+    _emit(resp, as_json, show)
 
 
 @task_app.command("get")
@@ -312,19 +322,8 @@ def task_get(task_id: Annotated[str, typer.Argument(help="The task.")],
     """Show a task: state, SLO, the chosen variant with its reuse mapping, predicted and observed latency."""
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
 
-    async def go() -> None:
-        stubs = _stubs(orchestrator)
-        try:
-            t = (await call(stubs.orchestrator().GetTask(pb.GetTaskRequest(task_id=task_id)),
-                            stubs.orchestrator_addr)).task
-        finally:
-            await stubs.close()
-        if as_json:
-            _print_json(to_json(t))
-        else:
-            _print_task(t)
-
-    _run(go())
+    t = _orchestrator_call(orchestrator, "GetTask", pb.GetTaskRequest(task_id=task_id)).task
+    _emit(t, as_json, _print_task)
 
 
 @task_app.command("list")
@@ -345,26 +344,19 @@ def task_list(
             names = [n.removeprefix("STATE_") for n in task_pb2.Task.State.keys()[1:]]
             _die(f"error: INVALID_ARGUMENT: --state: unknown state {state!r}; known: {', '.join(names)}")
 
-    async def go() -> None:
-        stubs = _stubs(orchestrator)
-        try:
-            resp = await call(stubs.orchestrator().ListTasks(pb.ListTasksRequest(state=st)), stubs.orchestrator_addr)
-        finally:
-            await stubs.close()
-        if as_json:
-            _print_json(to_json(resp))
-            return
-        tab = Table(title=f"{len(resp.tasks)} task(s)")
-        for c in ("id", "name", "state", "accuracy >=", "latency <=", "rate", "workflow", "predicted", "p50",
-                  "requests"):
-            tab.add_column(c, justify="left" if c in ("id", "name", "state", "workflow") else "right")
-        for t in resp.tasks:
-            tab.add_row(t.id, t.name, _task_state(t), f"{t.slo.min_accuracy:g}", f"{t.slo.max_latency_s:g}s",
-                        f"{t.slo.arrival_rate_rps:g}", t.variant.workflow_id or "-", _s(t.predicted_latency_s),
-                        _s(t.observed_latency_p50_s), str(t.requests_served))
-        out.print(tab)
+    _emit(_orchestrator_call(orchestrator, "ListTasks", pb.ListTasksRequest(state=st)), as_json, _tasks_table)
 
-    _run(go())
+
+def _tasks_table(resp: Any) -> None:
+    tab = Table(title=f"{len(resp.tasks)} task(s)")
+    for c in ("id", "name", "state", "accuracy >=", "latency <=", "rate", "workflow", "predicted", "p50",
+              "requests"):
+        tab.add_column(c, justify="left" if c in ("id", "name", "state", "workflow") else "right")
+    for t in resp.tasks:
+        tab.add_row(t.id, t.name, _task_state(t), f"{t.slo.min_accuracy:g}", f"{t.slo.max_latency_s:g}s",
+                    f"{t.slo.arrival_rate_rps:g}", t.variant.workflow_id or "-", _s(t.predicted_latency_s),
+                    _s(t.observed_latency_p50_s), str(t.requests_served))
+    out.print(tab)
 
 
 @task_app.command("delete")
@@ -373,21 +365,14 @@ def task_delete(task_id: Annotated[str, typer.Argument(help="The task.")],
     """Delete a task; instances no other task uses are stopped."""
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
 
-    async def go() -> None:
-        stubs = _stubs(orchestrator)
-        try:
-            with err.status("releasing instances…"):
-                resp = await call(stubs.orchestrator().DeleteTask(pb.DeleteTaskRequest(task_id=task_id)),
-                                  stubs.orchestrator_addr)
-        finally:
-            await stubs.close()
-        if as_json:
-            _print_json(to_json(resp))
-        else:
-            rel = ", ".join(resp.released_instance_ids) or "none (all still used by other tasks)"
-            out.print(f"deleted task {task_id}; instances stopped: {rel}")
+    resp = _orchestrator_call(orchestrator, "DeleteTask", pb.DeleteTaskRequest(task_id=task_id),
+                              status="releasing instances…")
 
-    _run(go())
+    def show(r: Any) -> None:
+        rel = ", ".join(r.released_instance_ids) or "none (all still used by other tasks)"
+        out.print(f"deleted task {task_id}; instances stopped: {rel}")
+
+    _emit(resp, as_json, show)
 
 
 # ---- instances -------------------------------------------------------------------------------
@@ -401,29 +386,24 @@ def instances(
     from flowmaker.api.common.v1 import cluster_pb2
     from flowmaker.api.deployer.v1 import deployer_pb2 as pb
 
-    async def go() -> None:
-        stubs = _stubs(deployer=deployer)
-        try:
-            d = stubs.deployer()
-            insts = await call(d.ListInstances(pb.ListInstancesRequest(model_id=model, task_id=task)),
-                               stubs.deployer_addr)
-            gpus = await call(d.ListGpus(pb.ListGpusRequest()), stubs.deployer_addr)
-        finally:
-            await stubs.close()
-        if as_json:
-            _print_json({"instances": to_json(insts).get("instances", []), "gpus": to_json(gpus).get("gpus", [])})
-            return
-        tab = Table(title=f"{len(insts.instances)} instance(s)")
-        for c in ("id", "model", "tp x pp", "state", "GPUs", "load tok/s", "tasks", "endpoint"):
-            tab.add_column(c, justify="right" if c in ("load tok/s", "tp x pp") else "left")
-        for i in insts.instances:
-            tab.add_row(i.id, i.model_id, f"{i.tp}x{i.pp}", _state_name(cluster_pb2.Instance.State, i.state),
-                        ",".join(i.gpu_ids), f"{i.load_output_tokens_per_s:.1f}", ",".join(i.task_ids) or "-",
-                        i.endpoint or "-")
-        out.print(tab)
-        out.print(_gpu_table(gpus.gpus))
+    async def go(stubs: Stubs) -> tuple[Any, Any]:
+        d = stubs.deployer()
+        insts = await call(d.ListInstances(pb.ListInstancesRequest(model_id=model, task_id=task)), stubs.deployer_addr)
+        return insts, await call(d.ListGpus(pb.ListGpusRequest()), stubs.deployer_addr)
 
-    _run(go())
+    insts, gpus = _run(_with_stubs(go, deployer=deployer))
+    if as_json:
+        _print_json({"instances": to_json(insts).get("instances", []), "gpus": to_json(gpus).get("gpus", [])})
+        return
+    tab = Table(title=f"{len(insts.instances)} instance(s)")
+    for c in ("id", "model", "tp x pp", "state", "GPUs", "load tok/s", "tasks", "endpoint"):
+        tab.add_column(c, justify="right" if c in ("load tok/s", "tp x pp") else "left")
+    for i in insts.instances:
+        tab.add_row(i.id, i.model_id, f"{i.tp}x{i.pp}", _state_name(cluster_pb2.Instance.State, i.state),
+                    ",".join(i.gpu_ids), f"{i.load_output_tokens_per_s:.1f}", ",".join(i.task_ids) or "-",
+                    i.endpoint or "-")
+    out.print(tab)
+    out.print(_gpu_table(gpus.gpus))
 
 
 def _gpu_table(gpus: Any) -> Table:

@@ -7,10 +7,14 @@ the profiles, cluster and simulator FlowMaker gets; their fixed choices are docu
 below and in docs/evaluation.md, and none was tuned against the results.
 
 * `flowmaker`: the exact selector over each task's 3 candidates, tasks deployed one after
-  another into one cluster; each selection sees the instances (and load) the earlier tasks
-  left, and may reuse them. Planned at the run's load level.
+  another into one cluster; each selection sees the instances the earlier tasks left and their
+  CURRENT load -- measured by `ctx.monitor` (in the bench: the simulator serving a preceding
+  window of the same load level; busy-time equivalent, so prefill and the token tail count) --
+  and may reuse them. Planned at the run's load level.
 * `flowmaker-noreuse`: the same with `allow_reuse=False`.
 * `flowmaker-heuristic`: the paper's three-step heuristic instead of the exact selector.
+* `flowmaker-plannedload`: `flowmaker`, but an instance's load is the sum of what the
+  selections planned (what the orchestrator records today), not a measurement.
 * `langchain`: what a developer writes by hand: each task's first candidate (the plain one),
   one model for every stage -- Qwen2.5-14B-Instruct, the most accurate model that fits one
   48 GB GPU, or, where the task's accuracy SLO is above it, the smallest catalog model that
@@ -24,7 +28,7 @@ below and in docs/evaluation.md, and none was tuned against the results.
 * `murakkab[-maxload]`: each task's first candidate; model and config chosen per stage by
   the same exact optimiser, with reuse, but planned offline once: from the average load of
   the run levels (62.5% of nominal) or, for `-maxload`, from the maximum (100%), whatever
-  load the run then sees.
+  load the run then sees; the loads it reuses by are its own planned estimates (no monitor).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from flowmaker.domain import (
@@ -51,7 +55,11 @@ from flowmaker.eval.tasks import EvalTask
 from flowmaker.eval.traces import LOAD_LEVELS, Arrival
 from flowmaker.selection import select
 from flowmaker.selection.placement import NodeGpus, place_least_loaded
-from flowmaker.sim.cluster import Route, SimInstance, TaskDeployment
+from flowmaker.sim.cluster import Route, SimInstance, TaskDeployment, simulate
+
+# What a policy that decides reuse from the CURRENT load reads before each deployment: the load each
+# running instance carries now (output tokens/s, busy-time equivalent), given what is deployed so far.
+LoadMonitor = Callable[[Sequence[SimInstance], Sequence[TaskDeployment]], Mapping[str, float]]
 
 DEFAULT_UTILIZATION_CAP = 0.8  # every policy that sizes for load keeps 20% headroom for bursts
 
@@ -74,6 +82,9 @@ class PolicyContext:
     gpu_type: GpuType
     seed: int = 0
     utilization_cap: float = DEFAULT_UTILIZATION_CAP
+    # Measures the running instances' current load (None: only the loads the selections planned are known).
+    monitor: LoadMonitor | None = None
+    plan_tokens: str = "median"  # which request every policy sizes stages with ("median" or "mean")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +110,8 @@ class Plan:
     decisions: tuple[StageDecision, ...] = ()
     planning_s: float = 0.0
     notes: str = ""
+    # (instance id, load the policy believed it carries at the end of planning, output tokens/s)
+    planned_loads: tuple[tuple[str, float], ...] = ()
 
 
 Policy = Callable[[PolicyContext], Plan]
@@ -172,14 +185,22 @@ def _stage_load(wf: Workflow, rate: float) -> dict[str, float]:
 
 
 def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool, plan_load: float,
-                        fixed_workflow: bool) -> Plan:
-    """Deploy tasks one after another with the selector; each sees what the earlier ones deployed."""
+                        fixed_workflow: bool, measured: bool) -> Plan:
+    """Deploy tasks one after another with the selector; each sees what the earlier ones deployed.
+
+    `measured`: before each deployment the running instances' loads are replaced by what
+    `ctx.monitor` measures (the current load); otherwise they are the sums of the planned loads.
+    """
     st = _ClusterState(ctx)
     deployments: list[TaskDeployment] = []
     unplaced: list[tuple[str, str]] = []
     decisions: list[StageDecision] = []
     for task in ctx.tasks:
-        wfs = task.nominal_workflows(ctx.trace_kind)
+        if measured and ctx.monitor is not None and st.instances and allow_reuse:
+            seen = ctx.monitor(tuple(st.instances), tuple(deployments))
+            for iid in st.load:
+                st.load[iid] = max(0.0, float(seen.get(iid, 0.0)))
+        wfs = task.nominal_workflows(ctx.trace_kind, ctx.plan_tokens)
         if fixed_workflow:
             wfs = wfs[:1]
         req = SelectionRequest(slo=task.slo(plan_load), workflows=wfs, models=ctx.models, profiles=ctx.profiles,
@@ -205,7 +226,21 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
             decisions.append(StageDecision(task.name, v.workflow_id, a.stage_id, iid, a.model_id, a.tp, a.pp,
                                            a.reused))
         deployments.append(TaskDeployment(task, (Route(v.workflow_id, tuple(stage_map)),)))
-    return Plan("", tuple(st.instances), tuple(deployments), tuple(unplaced), tuple(decisions))
+    return Plan("", tuple(st.instances), tuple(deployments), tuple(unplaced), tuple(decisions),
+                planned_loads=tuple(st.load.items()))
+
+
+def simulated_monitor(arrivals: Sequence[Arrival], gpus: Sequence[Gpu], models: Mapping[str, Model],
+                      gpu_type: GpuType, duration_s: float) -> LoadMonitor:
+    """A load monitor backed by the simulator: it serves `arrivals` (a window of the same load level that
+    precedes the evaluated one, so the policy never sees the requests it is scored on) with what is
+    deployed so far and reports each instance's busy-time-equivalent load (`InstanceMetrics`)."""
+    def monitor(instances: Sequence[SimInstance], deployments: Sequence[TaskDeployment]) -> Mapping[str, float]:
+        live = {d.task.name for d in deployments}
+        res = simulate(instances, deployments, [a for a in arrivals if a.task in live], gpus, models, gpu_type,
+                       duration_s=duration_s)
+        return {m.id: m.busy_equiv_tokens_per_s for m in res.per_instance}
+    return monitor
 
 
 # ---- FlowMaker -----------------------------------------------------------------------------------
@@ -213,18 +248,28 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
 
 @register("flowmaker")
 def flowmaker(ctx: PolicyContext) -> Plan:
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, plan_load=ctx.load, fixed_workflow=False)
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, plan_load=ctx.load, fixed_workflow=False,
+                               measured=True)
 
 
 @register("flowmaker-noreuse")
 def flowmaker_noreuse(ctx: PolicyContext) -> Plan:
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, plan_load=ctx.load, fixed_workflow=False)
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, plan_load=ctx.load, fixed_workflow=False,
+                               measured=True)
+
+
+@register("flowmaker-plannedload")
+def flowmaker_plannedload(ctx: PolicyContext) -> Plan:
+    """FlowMaker as the orchestrator records load today: an instance's load is the sum of the loads its tasks'
+    selections planned (rho x output tokens at the median request), not a measurement."""
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, plan_load=ctx.load, fixed_workflow=False,
+                               measured=False)
 
 
 @register("flowmaker-heuristic")
 def flowmaker_heuristic(ctx: PolicyContext) -> Plan:
     return _select_in_sequence(ctx, strategy="heuristic", allow_reuse=True, plan_load=ctx.load,
-                               fixed_workflow=False)
+                               fixed_workflow=False, measured=True)
 
 
 # ---- Murakkab ------------------------------------------------------------------------------------
@@ -234,13 +279,14 @@ def flowmaker_heuristic(ctx: PolicyContext) -> Plan:
 def murakkab(ctx: PolicyContext) -> Plan:
     """Fixed workflow, per-stage model/config by the optimiser, reuse planned offline at the average load."""
     avg = sum(LOAD_LEVELS) / len(LOAD_LEVELS)
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, plan_load=avg, fixed_workflow=True)
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, plan_load=avg, fixed_workflow=True,
+                               measured=False)
 
 
 @register("murakkab-maxload")
 def murakkab_maxload(ctx: PolicyContext) -> Plan:
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, plan_load=max(LOAD_LEVELS),
-                               fixed_workflow=True)
+                               fixed_workflow=True, measured=False)
 
 
 # ---- LangChain -----------------------------------------------------------------------------------
@@ -273,7 +319,7 @@ def langchain(ctx: PolicyContext) -> Plan:
     unplaced: list[tuple[str, str]] = []
     decisions: list[StageDecision] = []
     for task in ctx.tasks:
-        wf = task.nominal_workflows(ctx.trace_kind)[0]
+        wf = task.nominal_workflows(ctx.trace_kind, ctx.plan_tokens)[0]
         mid = langchain_model(task, ctx.models)
         prof = _smallest_fitting(ctx, mid)
         if prof is None:
@@ -289,7 +335,8 @@ def langchain(ctx: PolicyContext) -> Plan:
         decisions.extend(StageDecision(task.name, wf.id, s, inst.id, mid, prof.tp, prof.pp, False)
                          for s, _ in stage_map)
         deployments.append(TaskDeployment(task, (Route(wf.id, stage_map),)))
-    return Plan("", tuple(st.instances), tuple(deployments), tuple(unplaced), tuple(decisions))
+    return Plan("", tuple(st.instances), tuple(deployments), tuple(unplaced), tuple(decisions),
+                planned_loads=tuple(st.load.items()))
 
 
 # ---- RouteLLM ------------------------------------------------------------------------------------
@@ -341,7 +388,7 @@ def _routellm(ctx: PolicyContext, setting: str) -> Plan:
     # Replicas per model: the planned busy time of its share of every task's requests, under the cap.
     need = {ROUTELLM_STRONG: 0.0, ROUTELLM_WEAK: 0.0}
     for task in ctx.tasks:
-        wf = task.nominal_workflows(ctx.trace_kind)[0]
+        wf = task.nominal_workflows(ctx.trace_kind, ctx.plan_tokens)[0]
         rate = task.nominal_rate_rps * ctx.load
         need[ROUTELLM_STRONG] += share * rate * _busy_s(profs[ROUTELLM_STRONG], wf)
         need[ROUTELLM_WEAK] += (1 - share) * rate * _busy_s(profs[ROUTELLM_WEAK], wf)
@@ -365,7 +412,7 @@ def _routellm(ctx: PolicyContext, setting: str) -> Plan:
     deployments: list[TaskDeployment] = []
     decisions: list[StageDecision] = []
     for ti, task in enumerate(ctx.tasks):
-        wf = task.nominal_workflows(ctx.trace_kind)[0]
+        wf = task.nominal_workflows(ctx.trace_kind, ctx.plan_tokens)[0]
         routes = tuple(Route(wf.id, tuple((s.id, inst.id) for s in wf.llm_stages))
                        for inst in pools[ROUTELLM_STRONG] + pools[ROUTELLM_WEAK])
         router = _RouteLLMRouter(ctx.seed, share, len(pools[ROUTELLM_STRONG]), len(pools[ROUTELLM_WEAK]))
@@ -394,6 +441,7 @@ def routellm_max_quality(ctx: PolicyContext) -> Plan:
     return _routellm(ctx, "max-quality")
 
 
-ALL_POLICIES: tuple[str, ...] = ("flowmaker", "flowmaker-noreuse", "flowmaker-heuristic", "langchain",
+ALL_POLICIES: tuple[str, ...] = ("flowmaker", "flowmaker-noreuse", "flowmaker-heuristic", "flowmaker-plannedload",
+                                 "langchain",
                                  "routellm-min-cost", "routellm-balanced", "routellm-max-quality", "murakkab",
                                  "murakkab-maxload")

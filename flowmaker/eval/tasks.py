@@ -37,6 +37,7 @@ from flowmaker.eval.trace_stats import TRACE_KINDS, TRACE_STATS
 
 MAX_INPUT_TOKENS = 7000  # the catalog's smallest context window is 8192 (gemma-2); leave room for output
 MAX_OUTPUT_TOKENS = 1024
+NOMINAL_STATS = ("median", "mean")
 
 # Nominal (100% load) arrival rate of a task: half the recorded mean rate of its home Azure trace
 # (conv 5.53, code 2.567 req/s), 16.4 req/s over the 7 tasks. At the full recorded rate (32.8 req/s)
@@ -137,17 +138,20 @@ class EvalTask:
         """The candidate `workflow_id` sized for one trace request (see the module doc for the rule)."""
         return self.candidate(workflow_id).instantiate(context_tokens, generated_tokens)
 
-    def nominal_tokens(self, trace: str | None = None) -> tuple[int, int]:
-        """(context, generated) median tokens of `trace` ("code"/"conv"; default: the task's home trace)."""
+    def nominal_tokens(self, trace: str | None = None, stat: str = "median") -> tuple[int, int]:
+        """(context, generated) tokens of `trace` ("code"/"conv"; default: the task's home trace) at `stat`:
+        "median" (a typical request) or "mean" (rate x mean tokens is the true token rate: capacity planning)."""
         kind = trace or self.home_trace
         if kind not in TRACE_STATS:
             raise InvalidSpec(f"unknown trace kind {kind!r}; known: {list(TRACE_KINDS)}", field="trace")
+        if stat not in NOMINAL_STATS:
+            raise InvalidSpec(f"unknown statistic {stat!r}; known: {list(NOMINAL_STATS)}", field="stat")
         st = TRACE_STATS[kind]
-        return round(st.context.median), round(st.generated.median)
+        return round(getattr(st.context, stat)), round(getattr(st.generated, stat))
 
-    def nominal_workflows(self, trace: str | None = None) -> tuple[Workflow, ...]:
-        """The 3 candidates sized at the trace's median request: what the selector plans with."""
-        ctx, gen = self.nominal_tokens(trace)
+    def nominal_workflows(self, trace: str | None = None, stat: str = "median") -> tuple[Workflow, ...]:
+        """The 3 candidates sized at the trace's median (or mean) request: what the selector plans with."""
+        ctx, gen = self.nominal_tokens(trace, stat)
         return tuple(c.instantiate(ctx, gen) for c in self.candidates)
 
     def task_spec(self, trace: str | None = None, load: float = 1.0) -> TaskSpec:

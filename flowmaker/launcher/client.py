@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from flowmaker.errors import FlowMakerError
 from flowmaker.launcher.stack import read_state
 from flowmaker.rpc.channels import insecure_channel
-from flowmaker.rpc.errors import error_info, field_violations
+from flowmaker.rpc.errors import code_of, error_info, from_rpc_error
 from flowmaker.settings import DEFAULT_PORTS
 
 T = TypeVar("T")
@@ -80,12 +80,9 @@ def failure_of(e: BaseException, target: str = "") -> RpcFailure:
     FlowMakerError raised locally."""
     if isinstance(e, grpc.RpcError):
         code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-        message = (e.details() if hasattr(e, "details") else "") or code.name
+        typed = from_rpc_error(e)  # the one reading of the status details (field, message)
+        message, field = typed.message, typed.field
         info = error_info(e)
-        violations = field_violations(e)
-        field = violations[0].field if violations else (info.metadata.get("field") if info else None) or None
-        if field and message.startswith(f"{field}: "):
-            message = message[len(field) + 2:]
         reason = info.reason if info and info.reason else code.name
         if code == grpc.StatusCode.UNAVAILABLE and info is None:
             # No rich status: the connection itself failed (nothing listening), not the service.
@@ -93,8 +90,8 @@ def failure_of(e: BaseException, target: str = "") -> RpcFailure:
         elif code == grpc.StatusCode.DEADLINE_EXCEEDED and info is None:
             message = f"no answer from {target or 'the service'} within the deadline"
         return RpcFailure(code.name, reason, " ".join(message.split()), field, target)
-    if isinstance(e, FlowMakerError):
-        return RpcFailure(type(e).__name__, e.reason, " ".join(e.message.split()), e.field, target)
+    if isinstance(e, FlowMakerError):  # raised on this side (e.g. a deadline already passed): same code names
+        return RpcFailure(code_of(e).name, e.reason, " ".join(e.message.split()), e.field, target)
     return RpcFailure("ERROR", type(e).__name__, str(e), None, target)
 
 

@@ -15,14 +15,14 @@ They take the `StateStore` protocol, so they run unchanged against etcd or the i
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import fields, replace
-from typing import Any
 
 from flowmaker.domain import Cluster, Model, Profile, ProfileSource
 from flowmaker.state import keys
-from flowmaker.state.records import ClusterView, read_cluster
+from flowmaker.state.records import ClusterView, read_cluster, reuse_load
 from flowmaker.state.store import KeyValue, StateStore
 
 log = logging.getLogger(__name__)
@@ -30,16 +30,7 @@ log = logging.getLogger(__name__)
 # Preference when the store holds several profiles of one (model, tp, pp): higher wins.
 _SOURCE_RANK = {ProfileSource.ANALYTIC: 0, ProfileSource.MEASURED: 1}
 _PROFILE_FIELDS = {f.name for f in fields(Profile)}
-
-
-def reuse_load(value: Any) -> float:
-    """The load (output tokens/s) a reuse-mapping record declares; 0 for anything unreadable."""
-    if isinstance(value, dict):
-        try:
-            return max(0.0, float(value.get("load_output_tokens_per_s", 0.0)))
-        except (TypeError, ValueError):
-            return 0.0
-    return 0.0
+_CAMEL = re.compile(r"(?<=.)([A-Z])")
 
 
 def loads_from_reuse(items: Iterable[KeyValue]) -> dict[str, float]:
@@ -90,7 +81,8 @@ def profile_from_record(kv: KeyValue) -> Profile | None:
         v = v["profile"]
     if not isinstance(v, dict):
         return None
-    d = {k: v[k] for k in v if k in _PROFILE_FIELDS}
+    # Proto JSON may spell the fields lowerCamel (memoryGbPerGpu); the domain's names are snake_case.
+    d = {n: v[k] for k in v if (n := _CAMEL.sub(r"_\1", k).lower()) in _PROFILE_FIELDS}
     d.update(model_id=model_id, tp=tp, pp=pp, gpu_type=d.get("gpu_type") or gpu_type)
     try:
         d["source"] = ProfileSource(str(d.get("source") or source).upper().removeprefix("PROFILE_SOURCE_"))

@@ -25,7 +25,7 @@ from flowmaker.errors import InvalidSpec, NoCapacity
 from flowmaker.orchestration.task import DeployedInstance, TaskRecord
 from flowmaker.selection.placement import EPS_GB
 from flowmaker.state import keys
-from flowmaker.state.records import ClusterView, InstanceRecord, InstanceState
+from flowmaker.state.records import ClusterView, InstanceRecord, InstanceState, reuse_value
 from flowmaker.state.store import Compare, KeyValue, Put
 
 
@@ -85,11 +85,6 @@ def plan_commit(task_id: str, variant: Variant, new_ids: Sequence[str]) -> Commi
             stage_instances[a.stage_id] = by_key[a.new_key]
     reuse = tuple(ReuseAction(iid, loads[iid]) for iid in sorted(loads))
     return CommitPlan(task_id, deploy, reuse, stage_instances)
-
-
-def reuse_value(instance_id: str, task_id: str, load: float) -> dict[str, object]:
-    """The record under keys.reuse(instance, task)."""
-    return {"instance_id": instance_id, "task_id": task_id, "load_output_tokens_per_s": load}
 
 
 def commit_ops(plan: CommitPlan, view: ClusterView, task_kv: KeyValue, task: TaskRecord,

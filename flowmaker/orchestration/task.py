@@ -12,6 +12,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from flowmaker import errors
 from flowmaker.domain import NewInstance, Slo, Stage, StageAssignment, StageKind, Variant, Workflow
 from flowmaker.errors import FailedPrecondition, InvalidSpec
 
@@ -53,6 +54,22 @@ class Failure:
     error: str
     reason: str
     message: str
+
+    @staticmethod
+    def of(e: BaseException) -> Failure:
+        """How an exception is stored: its nearest class of the error tree (`flowmaker.errors`) by name, so
+        a subclass defined elsewhere (e.g. the deployer's EngineStartError) keeps its parent's gRPC code."""
+        if isinstance(e, errors.FlowMakerError):
+            name = next(c.__name__ for c in type(e).__mro__ if c.__module__ == errors.__name__)
+            return Failure(name, e.reason, e.message)
+        return Failure("FlowMakerError", "INTERNAL", f"{type(e).__name__}: {e}")
+
+    def to_error(self) -> errors.FlowMakerError:
+        """The exception this failure stands for (unknown names: the base FlowMakerError)."""
+        cls = getattr(errors, self.error, None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.FlowMakerError)):
+            cls = errors.FlowMakerError
+        return cls(self.message, reason=self.reason)
 
 
 @dataclass(frozen=True, slots=True)

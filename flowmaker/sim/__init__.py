@@ -1,6 +1,8 @@
 """Discrete-event cluster simulator: instances as engine performance models, requests flowing through workflow DAGs."""
 
 from flowmaker.sim.cluster import (
+    COLOCATION_MODES,
+    InstanceMetrics,
     Route,
     Router,
     SimInstance,
@@ -8,7 +10,9 @@ from flowmaker.sim.cluster import (
     TaskDeployment,
     TaskMetrics,
     check_memory,
+    colocation_factor,
     simulate,
 )
 
-__all__ = ["Route", "Router", "SimInstance", "SimResult", "TaskDeployment", "TaskMetrics", "check_memory", "simulate"]
+__all__ = ["COLOCATION_MODES", "InstanceMetrics", "Route", "Router", "SimInstance", "SimResult", "TaskDeployment", "TaskMetrics", "check_memory", "colocation_factor",
+           "simulate"]

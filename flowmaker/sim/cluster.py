@@ -16,6 +16,9 @@ What it models (and what it does not):
   spec's variant accuracy). It counts toward goodput when it completes within its task's
   latency SLO and that accuracy meets the task's accuracy SLO.
 * Cost = sum over instances of GB reserved x residence time x the GPU's price per GB-second.
+* Per instance, the load it actually carried (`InstanceMetrics`): output tokens/s and a
+  busy-time equivalent that also counts prefill -- what a policy that decides reuse from
+  the current load reads (`flowmaker.eval.policies.simulated_monitor`).
 
 There is no randomness inside: the same inputs give the same result. (Randomness, e.g. a
 router's, lives in the inputs and is seeded by the caller.)
@@ -26,7 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flowmaker.domain import Gpu, GpuType, Model, Profile, Workflow
 from flowmaker.engine import EngineModel
@@ -40,6 +43,27 @@ from flowmaker.selection.placement import EPS_GB
 # simulator does not depend on how profiles were obtained).
 DEFAULT_KV_TOKENS = 32768
 DEFAULT_MAX_BATCH = 256
+# How instances that share a GPU (by memory, as the selection spec places them) share its compute:
+# "ignore" -- each runs at its profile's speed, as if alone (the spec's and the selector's assumption);
+# "worst-case" -- each is slowed by the most instances on any of its GPUs, as if they were all busy all the
+# time (prefill and decode times x k, throughput / k). The truth lies in between; see docs/evaluation.md.
+COLOCATION_MODES = ("ignore", "worst-case")
+
+
+def colocation_factor(instances: Sequence[SimInstance]) -> dict[str, int]:
+    """Per instance: the most instances (itself included) placed on any one of its GPUs."""
+    per_gpu: dict[str, int] = {}
+    for i in instances:
+        for g in i.gpu_ids:
+            per_gpu[g] = per_gpu.get(g, 0) + 1
+    return {i.id: max((per_gpu[g] for g in i.gpu_ids), default=1) for i in instances}
+
+
+def _slowed(p: Profile, k: int) -> Profile:
+    if k <= 1:
+        return p
+    return replace(p, prefill_s_per_token=p.prefill_s_per_token * k, decode_s_per_token=p.decode_s_per_token * k,
+                   max_output_tokens_per_s=p.max_output_tokens_per_s / k)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +122,26 @@ class TaskMetrics:
 
 
 @dataclass(frozen=True, slots=True)
+class InstanceMetrics:
+    """What one instance served over the run, and its measured load.
+
+    `busy_equiv_tokens_per_s` is the load in the unit of the selection spec's capacity
+    (output tokens/s), but counting prefill too: (output tokens / max_output_tokens_per_s +
+    prefill_s_per_token x prompt tokens) / window x max_output_tokens_per_s. It is what a
+    deployer would report as "current load" from the engine's busy time; the spec's planned
+    load (rho x output tokens at the median request) leaves out prefill and the token tail.
+    """
+
+    id: str
+    calls: int
+    output_tokens: int
+    prompt_tokens: int
+    output_tokens_per_s: float  # over the window
+    busy_equiv_tokens_per_s: float
+    utilization: float  # busy_equiv / max_output_tokens_per_s
+
+
+@dataclass(frozen=True, slots=True)
 class SimResult:
     requests: int
     completed: int
@@ -121,6 +165,7 @@ class SimResult:
     prompt_tokens_processed: int
     engine_calls: int
     latencies: tuple[tuple[str, float, bool], ...] = field(default=(), repr=False)  # (req id, latency, good)
+    per_instance: tuple[InstanceMetrics, ...] = ()
 
     def summary(self) -> dict[str, object]:
         return {k: getattr(self, k) for k in (
@@ -172,18 +217,23 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
              gpus: Sequence[Gpu], models: Mapping[str, Model], gpu_type: GpuType, *,
              unplaced: Mapping[str, str] | None = None, duration_s: float = 0.0,
              kv_capacity_tokens: int | None = DEFAULT_KV_TOKENS, max_batch: int = DEFAULT_MAX_BATCH,
-             keep_latencies: bool = False) -> SimResult:
+             keep_latencies: bool = False, colocation: str = "ignore") -> SimResult:
     """Serve `arrivals` on `instances` as `deployments` say; see the module doc for the model.
 
     Requests of a task with no deployment are rejected (counted, not lost); `unplaced` says why.
+    `colocation`: how instances sharing a GPU share its compute (`COLOCATION_MODES`).
     """
     used = check_memory(instances, gpus)
     unplaced = dict(unplaced or {})
     inst_by_id = {i.id: i for i in instances}
     if len(inst_by_id) != len(instances):
         raise InvalidSpec("duplicate instance id", field="instances.id")
-    engines = {i.id: EngineModel(i.profile, max_batch=max_batch, kv_capacity_tokens=kv_capacity_tokens)
-               for i in instances}
+    if colocation not in COLOCATION_MODES:
+        raise InvalidSpec(f"unknown colocation mode {colocation!r}; known: {list(COLOCATION_MODES)}",
+                          field="colocation")
+    slow = colocation_factor(instances) if colocation == "worst-case" else {}
+    engines = {i.id: EngineModel(_slowed(i.profile, slow.get(i.id, 1)), max_batch=max_batch,
+                                 kv_capacity_tokens=kv_capacity_tokens) for i in instances}
     order = [i.id for i in instances]  # fixed processing order, for determinism
     deps = {d.task.name: d for d in deployments}
     for d in deployments:
@@ -335,6 +385,15 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     n_good = sum(t.good for t in per_task)
     n_all = len(done) + len(rejected)
     total_mem = {g.id: g.memory_total_gb for g in gpus}
+    window = max(duration_s, arr[-1].time_s if arr else 0.0) or 1.0  # the arrival window, not the drain
+    per_inst = []
+    for iid in order:
+        eng = engines[iid]
+        prof = eng.profile
+        busy = eng.tokens_emitted / prof.max_output_tokens_per_s + prof.prefill_s_per_token * eng.prompt_tokens_processed
+        per_inst.append(InstanceMetrics(iid, eng.submitted, eng.tokens_emitted, eng.prompt_tokens_processed,
+                                        eng.tokens_emitted / window, busy / window * prof.max_output_tokens_per_s,
+                                        busy / window))
     return SimResult(
         requests=n_all, completed=len(done), rejected=len(rejected), good=n_good,
         goodput=n_good / n_all if n_all else math.nan,
@@ -349,4 +408,5 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
         engine_calls=calls,
         latencies=tuple((r.arrival.req_id, r.finish - r.arrival.time_s, all(good(r))) for r in done)
         if keep_latencies else (),
+        per_instance=tuple(per_inst),
     )

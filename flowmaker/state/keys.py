@@ -19,6 +19,8 @@ INSTANCES = ROOT + "instances/"
 TASKS = ROOT + "tasks/"
 REUSE = ROOT + "reuse/"
 PROFILES = ROOT + "profiles/"
+MODELS = ROOT + "models/"
+PROFILING_JOBS = ROOT + "profiling-jobs/"
 
 
 def _c(value: str, what: str) -> str:
@@ -70,6 +72,21 @@ def profile(gpu_type: str, model_id: str, tp: int, pp: int, source: str) -> str:
 
 def profiles_of_gpu_type(gpu_type: str) -> str:
     return PROFILES + _c(gpu_type, "gpu_type") + "/"
+
+
+def profiles_of_model(gpu_type: str, model_id: str) -> str:
+    """Every profile (all tp x pp, all sources) of one model on one GPU type."""
+    return profiles_of_gpu_type(gpu_type) + _c(model_id, "model_id") + "/"
+
+
+def model(model_id: str) -> str:
+    """A model registered with the profiler."""
+    return MODELS + _c(model_id, "model_id")
+
+
+def profiling_job(job_id: str) -> str:
+    """One measured-profiling job of the profiler."""
+    return PROFILING_JOBS + _c(job_id, "job_id")
 
 
 def _tail(key: str, prefix: str, parts: int) -> list[str]:

@@ -8,6 +8,8 @@ Unknown fields are ignored on read, so adding one (with a default) is compatible
 from __future__ import annotations
 
 import enum
+import re
+import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -29,6 +31,27 @@ class InstanceState(enum.Enum):
 # States whose GPU memory counts as used and which a selection may reuse (DRAINING: neither).
 LIVE_STATES = (InstanceState.PENDING, InstanceState.STARTING, InstanceState.READY)
 MEMORY_DIGITS = 6  # GB amounts are rounded to 1 kB, so add-then-subtract returns to exactly 0
+
+
+def new_instance_id(model_id: str) -> str:
+    """A fresh instance id: the model's slug and 8 random hex digits (`llama-3-2-1b-instruct-1a2b3c4d`)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", model_id.lower()).strip("-")[:40].strip("-") or "instance"
+    return f"{slug}-{uuid.uuid4().hex[:8]}"
+
+
+def reuse_value(instance_id: str, task_id: str, load: float = 0.0) -> dict[str, Any]:
+    """The record under keys.reuse(instance, task): the load (output tokens/s) this task puts on the instance."""
+    return {"instance_id": instance_id, "task_id": task_id, "load_output_tokens_per_s": load}
+
+
+def reuse_load(value: Any) -> float:
+    """The load a reuse record declares; 0 for anything unreadable (one bad record must not break reads)."""
+    if isinstance(value, dict):
+        try:
+            return max(0.0, float(value.get("load_output_tokens_per_s", 0.0)))
+        except (TypeError, ValueError):
+            return 0.0
+    return 0.0
 
 
 def _from(cls: Any, data: dict[str, Any]) -> Any:
@@ -105,6 +128,10 @@ class InstanceRecord:
     engine: str = ""  # backend name ("emulated", "vllm", "trtllm")
     memory_reserved: bool = True  # False once its GPU memory has been given back (FAILED / released)
     created_at: float = 0.0  # unix time
+    # The engine process (0 / "" before it starts): a restarted deployer on the same machine kills an
+    # engine its previous life left running, once `flowmaker.launcher.procs.is_same_alive` confirms it.
+    engine_pid: int = 0
+    engine_identity: str = ""  # procs.identity(engine_pid): "<boot id>/<start time>"
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

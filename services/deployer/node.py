@@ -17,18 +17,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
-from google.protobuf import json_format
-
-from flowmaker.api.common.v1 import cluster_pb2
-from flowmaker.domain import Profile
+from flowmaker.domain import Profile, ProfileSource
 from flowmaker.errors import (
     AlreadyExists,
     Conflict,
@@ -39,9 +34,20 @@ from flowmaker.errors import (
     NotFound,
     Unavailable,
 )
+from flowmaker.launcher import procs
+from flowmaker.orchestration.cluster import profile_from_record
 from flowmaker.selection.placement import NodeGpus, place_least_loaded
 from flowmaker.state import keys
-from flowmaker.state.records import MEMORY_DIGITS, GpuRecord, InstanceRecord, InstanceState, NodeRecord
+from flowmaker.state.records import (
+    MEMORY_DIGITS,
+    GpuRecord,
+    InstanceRecord,
+    InstanceState,
+    NodeRecord,
+    new_instance_id,
+    reuse_load,
+    reuse_value,
+)
 from flowmaker.state.store import Compare, KeyValue, LeaseKeeper, Put, StateStore
 from services.deployer.backends import EngineBackend, EngineProcess, EngineSpec, get_backend
 from services.deployer.settings import DeployerSettings, GpuInfo, gpu_id, gpu_inventory
@@ -82,11 +88,6 @@ class DeployParams:
         return self
 
 
-def new_instance_id(model_id: str) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", model_id.lower()).strip("-")[:40] or "instance"
-    return f"{slug}-{uuid.uuid4().hex[:8]}"
-
-
 class NodeAgent:
     """One per deployer process. `start()` is the server's on_ready hook, `shutdown()` its on_shutdown."""
 
@@ -113,10 +114,26 @@ class NodeAgent:
 
     async def start(self) -> None:
         """Claim the node key (under a fresh lease), reconcile leftovers, publish the GPUs."""
+        self._prepare_log_dir()
         await self._claim_node()
         await self._reconcile()
         log.info("node %s registered: %d x %s, backend %s", self.node, len(self.gpus), self.gpu_type,
                  self.settings.backend)
+
+    def _prepare_log_dir(self) -> None:
+        """Create the engine log directory up front. Without it every engine's output reader would
+        die on open(), the engine's `LISTENING <port>` line would never be read, and each Deploy would
+        hang until engine_start_timeout_s; a directory that cannot be made is a clear error at start."""
+        d = self.settings.engine_log_dir
+        if not d:
+            return
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as e:
+            raise InvalidSpec(f"cannot create the engine log directory {d!r}: {e.strerror or e}",
+                              field="engine_log_dir") from None
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise InvalidSpec(f"the engine log directory {d!r} is not writable", field="engine_log_dir")
 
     def _node_record(self) -> NodeRecord:
         return NodeRecord(self.node, self.gpu_type, len(self.gpus), self.endpoint, self.settings.backend, time.time())
@@ -125,18 +142,24 @@ class NodeAgent:
         keeper = LeaseKeeper(self.store, self.settings.lease_ttl_s, on_lost=self._on_lease_lost)
         await keeper.start()
         deadline = time.monotonic() + _STALE_NODE_WAIT_TTLS * self.settings.lease_ttl_s + 2
-        while True:
-            try:
-                await self.store.create(keys.node(self.node), self._node_record().to_json(), lease=keeper.id)
-                break
-            except AlreadyExists:
-                # Another live agent with this node name, or our own previous life whose lease
-                # has not run out yet: wait for it to expire before taking over its GPUs.
-                if time.monotonic() > deadline:
-                    await keeper.stop(revoke=True)
-                    raise AlreadyExists(f"node {self.node!r} is registered by another live deployer",
-                                        field="node") from None
-                await asyncio.sleep(0.5)
+        try:
+            while True:
+                try:
+                    await self.store.create(keys.node(self.node), self._node_record().to_json(), lease=keeper.id)
+                    break
+                except AlreadyExists:
+                    # Another live agent with this node name, or our own previous life whose lease
+                    # has not run out yet: wait for it to expire before taking over its GPUs.
+                    if time.monotonic() > deadline:
+                        raise AlreadyExists(f"node {self.node!r} is registered by another live deployer",
+                                            field="node") from None
+                    await asyncio.sleep(0.5)
+        except BaseException:
+            # Any failure (etcd unreachable too, which _reclaim retries): a keeper left running would
+            # refresh a lease no key uses, one more per retry.
+            with contextlib.suppress(FlowMakerError):
+                await keeper.stop(revoke=True)
+            raise
         self.keeper = keeper
 
     async def _on_lease_lost(self) -> None:
@@ -159,20 +182,28 @@ class NodeAgent:
                 delay = min(delay * 2, 5.0)
 
     async def _reconcile(self) -> None:
-        """Instances of this node that no engine of ours backs (a previous life of this agent) are
-        marked FAILED; PENDING ones (reserved, not started) keep their memory. Then every GPU's
-        memory_used is recomputed from the instances holding memory, in one guarded txn."""
+        """Instances of this node that no engine of ours backs (a previous life of this agent) have
+        their leftover engine killed, then are marked FAILED (DRAINING ones, whose release had dropped
+        every reference, are deleted); PENDING ones (reserved, not started) keep their memory. Then every
+        GPU's memory_used is recomputed from the instances holding memory, in one guarded txn."""
         for _ in range(self.settings.commit_retries):
             gpus_l = await self.store.get_prefix(keys.gpus_of_node(self.node))
             inst_l = await self.store.get_prefix(keys.INSTANCES)
             compares, puts, deletes = [], [], []
             held: list[InstanceRecord] = []
-            for kv in inst_l.items:
-                rec = InstanceRecord.from_json(kv.value)
-                if rec.node != self.node:
+            mine = [(kv, InstanceRecord.from_json(kv.value)) for kv in inst_l.items]
+            mine = [(kv, rec) for kv, rec in mine if rec.node == self.node]
+            orphans = [rec for _, rec in mine if rec.state in (InstanceState.STARTING, InstanceState.READY,
+                                                               InstanceState.DRAINING) and rec.id not in self.procs]
+            await asyncio.gather(*(self._kill_leftover(rec) for rec in orphans))
+            orphan_ids = {rec.id for rec in orphans}
+            for kv, rec in mine:
+                if rec.state is InstanceState.DRAINING and rec.id in orphan_ids:
+                    # Its release had dropped every reference already: finish it (memory is recomputed below).
+                    compares.append(Compare.unchanged(kv.key, kv.mod_revision))
+                    deletes.append(kv.key)
                     continue
-                if rec.state in (InstanceState.STARTING, InstanceState.READY, InstanceState.DRAINING) \
-                        and rec.id not in self.procs:
+                if rec.id in orphan_ids:
                     rec = replace(rec, state=InstanceState.FAILED, memory_reserved=False, endpoint="",
                                   reason="the deployer restarted; its engine is gone", failure_reason="NODE_RESTARTED")
                     compares.append(Compare.unchanged(kv.key, kv.mod_revision))
@@ -193,6 +224,18 @@ class NodeAgent:
             if (await self.store.txn(compares, puts, deletes)).succeeded:
                 return
         raise Conflict(f"node {self.node}: could not publish its GPUs (state kept changing)")
+
+    async def _kill_leftover(self, rec: InstanceRecord) -> None:
+        """The engine a previous life of this agent started may still run: engines live in their own
+        session (so a stop reaches their workers), so they outlive a SIGKILLed deployer. Kill it when the
+        recorded pid is still that very process (pid + start time + boot id), never a reused pid."""
+        if not rec.engine_pid:
+            return
+        killed = await asyncio.to_thread(procs.kill_group_if_same, rec.engine_pid, rec.engine_identity,
+                                         self.settings.engine_stop_grace_s)
+        if killed:
+            log.warning("instance %s: killed engine pid %d left running by a previous deployer", rec.id,
+                        rec.engine_pid)
 
     async def shutdown(self) -> None:
         """Stop every engine (instances -> FAILED, memory given back), then revoke the lease."""
@@ -274,7 +317,7 @@ class NodeAgent:
 
     async def _add_reference(self, iid: str, task_id: str) -> None:
         with contextlib.suppress(AlreadyExists):
-            await self.store.create(keys.reuse(iid, task_id), _reference(iid, task_id))
+            await self.store.create(keys.reuse(iid, task_id), reuse_value(iid, task_id))
 
     def _check_same(self, rec: InstanceRecord, p: DeployParams, engine: str) -> None:
         if rec.node != self.node:
@@ -288,13 +331,11 @@ class NodeAgent:
 
     async def profile_for(self, model_id: str, tp: int, pp: int) -> Profile:
         """The measured profile from etcd, else the analytic one stored there, else the roofline."""
-        from flowmaker.convert import profile_from_proto
-
-        for source in ("MEASURED", "ANALYTIC"):
-            kv = await self.store.get(keys.profile(self.gpu_type, model_id, tp, pp, source))
-            if kv is not None and isinstance(kv.value, dict):
-                msg = json_format.ParseDict(kv.value, cluster_pb2.Profile(), ignore_unknown_fields=True)
-                return profile_from_proto(msg)
+        for source in (ProfileSource.MEASURED, ProfileSource.ANALYTIC):
+            kv = await self.store.get(keys.profile(self.gpu_type, model_id, tp, pp, source.value))
+            stored = profile_from_record(kv) if kv is not None else None
+            if stored is not None:
+                return stored
         from flowmaker.catalog import get_gpu_type, get_model
         from flowmaker.profiling.analytic import analytic_profile
 
@@ -341,7 +382,7 @@ class NodeAgent:
                 rkey = keys.reuse(iid, p.task_id)
                 if await self.store.get(rkey) is None:
                     compares.append(Compare.absent(rkey))
-                    puts.append(Put(rkey, _reference(iid, p.task_id)))
+                    puts.append(Put(rkey, reuse_value(iid, p.task_id)))
             res = await self.store.txn(compares, puts)
             if res.succeeded:
                 log.info("reserved %s: %s tp=%d pp=%d on %s (%g GB each)", iid, p.model_id, p.tp, p.pp,
@@ -360,7 +401,7 @@ class NodeAgent:
         await self.store.cas(kv.key, new.to_json(), etag=kv.mod_revision)
         return new
 
-    async def _start_engine(self, rec: InstanceRecord, backend: EngineBackend, profile: Profile) -> InstanceRecord:
+    def _engine_process(self, rec: InstanceRecord, backend: EngineBackend, profile: Profile) -> EngineProcess:
         from flowmaker.catalog import get_model
 
         try:
@@ -374,21 +415,32 @@ class NodeAgent:
         spec = EngineSpec(rec.id, rec.model_id, hf_id, rec.tp, rec.pp,
                           tuple(self.gpus[g].index for g in rec.gpu_ids), self.settings.engine_host, port,
                           replace(profile, memory_gb_per_gpu=rec.memory_gb_per_gpu), extra)
-        log_path = os.path.join(self.settings.engine_log_dir, f"{rec.id}.log") if self.settings.engine_log_dir else None
-        proc = EngineProcess(backend, spec, on_exit=self._on_engine_exit, log_path=log_path)
-        self.procs[rec.id] = proc
+        log_path = None
+        if self.settings.engine_log_dir:
+            self._prepare_log_dir()  # removed since start (a cleaned-up temp dir): recreate, never hang
+            log_path = os.path.join(self.settings.engine_log_dir, f"{rec.id}.log")
+        return EngineProcess(backend, spec, on_exit=self._on_engine_exit, log_path=log_path)
+
+    async def _start_engine(self, rec: InstanceRecord, backend: EngineBackend, profile: Profile) -> InstanceRecord:
+        # Everything from building the command on is inside the try: whatever fails, the instance ends
+        # FAILED with its memory given back, never stuck STARTING with memory reserved.
+        proc: EngineProcess | None = None
         try:
+            proc = self.procs[rec.id] = self._engine_process(rec, backend, profile)
             await proc.start()
+            await self._record_engine(rec.id, proc)
             await proc.wait_healthy(timeout_s=self.settings.engine_start_timeout_s)
         except asyncio.CancelledError:
             # Cancelled by release() or shutdown(), which hold the instance and settle its record.
             self.procs.pop(rec.id, None)
-            await proc.stop(grace_s=2.0)
+            if proc is not None:
+                await proc.stop(grace_s=2.0)
             raise
         except Exception as e:
             self.procs.pop(rec.id, None)
-            with contextlib.suppress(Exception):
-                await proc.stop(grace_s=2.0)
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    await proc.stop(grace_s=2.0)
             reason = e.reason if isinstance(e, FlowMakerError) else "ENGINE_START_FAILED"
             with contextlib.suppress(FlowMakerError):
                 await self._fail(rec.id, str(e), reason)
@@ -408,6 +460,17 @@ class NodeAgent:
             raise FailedPrecondition(f"instance {rec.id} was released or failed while starting")
         log.info("instance %s READY at %s", rec.id, proc.base_url)
         return done
+
+    async def _record_engine(self, iid: str, proc: EngineProcess) -> None:
+        """Put the engine's pid and process identity in its record before waiting for it: if this agent
+        is SIGKILLed from here on, its next life can find the engine and kill it (`_kill_leftover`)."""
+        pid = proc.pid or 0
+        ident = procs.identity(pid) if pid else ""
+
+        def with_pid(r: InstanceRecord) -> InstanceRecord | None:
+            return replace(r, engine_pid=pid, engine_identity=ident) if r.state is InstanceState.STARTING else None
+
+        await self._update(iid, with_pid)
 
     async def _on_engine_exit(self, proc: EngineProcess, rc: int) -> None:
         iid = proc.spec.instance_id
@@ -491,7 +554,7 @@ class NodeAgent:
                     if task_id not in refs:
                         return rec, False  # this task holds no reference; nothing to drop
                     mine = refs[task_id]
-                    load = float(mine.value.get("load_output_tokens_per_s", 0.0)) if isinstance(mine.value, dict) else 0.0
+                    load = reuse_load(mine.value)
                     new = replace(rec, load_output_tokens_per_s=max(0.0, rec.load_output_tokens_per_s - load))
                     res = await self.store.txn([Compare.unchanged(kv.key, kv.mod_revision),
                                                 Compare.unchanged(mine.key, mine.mod_revision)],
@@ -557,11 +620,6 @@ class NodeAgent:
         gpus = [GpuRecord.from_json(kv.value) for kv in (await self.store.get_prefix(
             keys.gpus_of_node(node) if node else keys.GPUS)).items]
         return sorted((g for g in gpus if g.node in alive), key=lambda g: (g.node, g.id))
-
-
-def _reference(iid: str, task_id: str) -> dict[str, Any]:
-    """The value under keys.reuse(): the orchestrator raises the load when it commits a variant."""
-    return {"instance_id": iid, "task_id": task_id, "load_output_tokens_per_s": 0.0}
 
 
 def _free_port(host: str) -> int:

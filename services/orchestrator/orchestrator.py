@@ -41,11 +41,10 @@ from flowmaker.orchestration.task import SERVING_STATES, DeployedInstance, Failu
 from flowmaker.rpc.channels import deadline_s
 from flowmaker.rpc.errors import call, incoming_deadline
 from flowmaker.state import keys
-from flowmaker.state.records import InstanceRecord, InstanceState, NodeRecord
+from flowmaker.state.records import InstanceRecord, InstanceState, NodeRecord, new_instance_id
 from flowmaker.state.store import KeyValue, StateStore
 from services.orchestrator.clients import Clients
 from services.orchestrator.engines import EngineClient, OnDelta
-from services.orchestrator.protos import failure_of
 from services.orchestrator.settings import OrchestratorSettings
 
 log = logging.getLogger(__name__)
@@ -60,8 +59,12 @@ def _slug(text: str, default: str) -> str:
     return "-".join(s.split("-")[:4])[:32].strip("-") or default
 
 
-def new_instance_id(model_id: str) -> str:
-    return f"{_slug(model_id, 'instance')[:40]}-{uuid.uuid4().hex[:8]}"
+class _Rejected(Exception):
+    """The selector refused the approval's request as invalid (INVALID_ARGUMENT / NOT_FOUND)."""
+
+    def __init__(self, error: FlowMakerError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,10 +225,19 @@ class Orchestrator:
     async def _select_commit_deploy(self, task_id: str, options: selection_pb2.SelectionOptions | None) -> None:
         try:
             plan = await self._select_and_commit(task_id, options)
+        except _Rejected as r:
+            # The approval itself was wrong (an unknown strategy, options the selector refuses): nothing
+            # was committed, so the task goes back to AWAITING_APPROVAL and the caller gets the error to
+            # fix and approve again, rather than a task FAILED for good by a typo.
+            def back(t: TaskRecord) -> TaskRecord | None:
+                return t.moved(TaskState.AWAITING_APPROVAL, time.time()) if t.state is TaskState.SELECTING else None
+            with contextlib.suppress(NotFound):
+                await self._update(task_id, back)
+            raise r.error from None
         except Exception as e:  # nothing is reserved before the commit: failing the task is all
             if not isinstance(e, FlowMakerError):
                 log.exception("task %s: selection failed", task_id)
-            await self._fail(task_id, failure_of(e))
+            await self._fail(task_id, Failure.of(e))
             return
         if plan is not None:
             await self._deploy(task_id)
@@ -246,8 +258,11 @@ class Orchestrator:
                 cluster=convert.cluster_to_proto(view.cluster), strategy=t.strategy)
             if options is not None:
                 req.options.CopyFrom(options)
-            result = convert.selection_result_from_proto(await call(self.clients.selector.SelectVariant(
-                req, timeout=self.settings.select_timeout_s)))
+            try:
+                resp = await call(self.clients.selector.SelectVariant(req, timeout=self.settings.select_timeout_s))
+            except (InvalidSpec, NotFound) as e:
+                raise _Rejected(e) from e
+            result = convert.selection_result_from_proto(resp)
             if result.variant is None:
                 reason = result.reason.value if result.reason else "NO_FEASIBLE_VARIANT"
                 await self._fail(task_id, Failure("NoCapacity", reason,
@@ -299,12 +314,14 @@ class Orchestrator:
                               f"after Deploy: {resp.instance.failure.message}", reason="INSTANCE_NOT_READY")
 
     async def _deploy(self, task_id: str) -> None:
-        """Start every new instance of the committed plan; ACTIVE, or roll back and FAILED."""
+        """Start every new instance of the committed plan, and wait for the reused ones that are not READY
+        yet (another task's new instance, still PENDING or STARTING: Deploy by its id is idempotent and
+        waits for the start, or starts it); ACTIVE once all serve, or roll back and FAILED."""
         _, t = await self._get(task_id)
         nodes = await self._node_endpoints()
-        results = await asyncio.gather(*(self._deploy_one(task_id, d, nodes) for d in t.new_instances),
-                                       return_exceptions=True)
-        errs = [(d, r) for d, r in zip(t.new_instances, results, strict=True) if isinstance(r, BaseException)]
+        todo = list(t.new_instances) + await self._reused_not_ready(t)
+        results = await asyncio.gather(*(self._deploy_one(task_id, d, nodes) for d in todo), return_exceptions=True)
+        errs = [(d, r) for d, r in zip(todo, results, strict=True) if isinstance(r, BaseException)]
         if not errs:
             def active(x: TaskRecord) -> TaskRecord | None:
                 return x.moved(TaskState.ACTIVE, time.time()) if x.state is TaskState.DEPLOYING else None
@@ -316,14 +333,35 @@ class Orchestrator:
                 pass
             return  # deleted (DELETING) meanwhile: DeleteTask releases everything
         d, e = errs[0]
-        f = failure_of(e)
+        f = Failure.of(e)
         failure = Failure(f.error, f.reason, f"deploying instance {d.instance_id} ({d.model_id} on "
                                              f"{'+'.join(d.gpu_ids)}) failed: {f.message}")
-        with contextlib.suppress(NotFound):
+        try:
             _, cur = await self._get(task_id)
             if cur.state is TaskState.DEPLOYING:
                 await self._release_all(cur)
+        except NotFound:
+            pass
+        except FlowMakerError as rel:
+            # FAILED all the same (nothing serves); the references left are listed on the instances, and
+            # DeleteTask releases them (it releases whatever reuse keys still name the task).
+            log.warning("task %s: rollback incomplete (%s); DeleteTask will finish it", task_id, rel)
         await self._fail(task_id, failure)
+
+    async def _reused_not_ready(self, t: TaskRecord) -> list[DeployedInstance]:
+        new = {d.instance_id for d in t.new_instances}
+        out = []
+        for iid in t.instance_ids:
+            if iid in new:
+                continue
+            kv = await self.store.get(keys.instance(iid))
+            rec = InstanceRecord.from_json(kv.value) if kv else None
+            if rec is None:
+                raise Unavailable(f"reused instance {iid} is gone", reason="INSTANCE_FAILED")
+            if rec.state is not InstanceState.READY:
+                out.append(DeployedInstance(iid, "", rec.model_id, rec.tp, rec.pp, rec.node, rec.gpu_ids,
+                                            rec.memory_gb_per_gpu, 0.0))
+        return out
 
     # ---- release -------------------------------------------------------------------------------
 
@@ -349,14 +387,13 @@ class Orchestrator:
     async def _release_one(self, task_id: str, a: ReleaseAction, nodes: dict[str, str]) -> bool:
         endpoint = nodes.get(a.node)
         if endpoint:
-            try:
-                resp = await call(self.clients.deployer(endpoint).Release(
-                    deployer_pb2.ReleaseRequest(instance_id=a.instance_id, task_id=task_id),
-                    timeout=self.settings.release_timeout_s))
-                return bool(resp.stopped)
-            except Unavailable as e:
-                log.warning("release of %s on %s failed (%s); dropping the reference directly", a.instance_id,
-                            a.node, e)
+            # A live node's deployer must do it: dropping the reference behind its back would leave a
+            # running engine nobody references, holding its GPU memory for good. Its errors propagate, the
+            # task stays DELETING, and DeleteTask (or the next orchestrator's resume) tries again.
+            resp = await call(self.clients.deployer(endpoint).Release(
+                deployer_pb2.ReleaseRequest(instance_id=a.instance_id, task_id=task_id),
+                timeout=self.settings.release_timeout_s))
+            return bool(resp.stopped)
         # The node is gone: its instances are out of the live cluster already. Dropping our reference
         # is all that is left; the node's agent reconciles its GPUs when it comes back.
         await self.store.delete(keys.reuse(a.instance_id, task_id))

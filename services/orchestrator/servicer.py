@@ -10,27 +10,15 @@ from typing import Any
 import grpc
 
 from flowmaker import convert
+from flowmaker.api.common.v1 import task_pb2
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from flowmaker.orchestration.dag import Execution, StageResult
 from services.orchestrator.orchestrator import Orchestrator, TaskView
-from services.orchestrator.protos import state_from_proto, task_to_proto
 
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
 
 
-def _task(v: TaskView) -> Any:
-    return task_to_proto(v.task, etag=v.etag, state=v.state, failure=v.failure)
-
-
-def stage_to_proto(r: StageResult) -> orchestrator_pb2.StageOutput:
-    return orchestrator_pb2.StageOutput(stage_id=r.stage_id, instance_id=r.instance_id, model_id=r.model_id,
-                                        output=r.output, input_tokens=r.input_tokens, output_tokens=r.output_tokens,
-                                        start_s=r.start_s, latency_s=r.latency_s)
-
-
-def execution_to_proto(ex: Execution, request_id: str) -> orchestrator_pb2.InvokeResponse:
-    return orchestrator_pb2.InvokeResponse(output=ex.output, latency_s=ex.latency_s,
-                                           stages=[stage_to_proto(s) for s in ex.stages], request_id=request_id)
+def _task(v: TaskView) -> task_pb2.Task:
+    return convert.task_to_proto(v.task, etag=v.etag, state=v.state, failure=v.failure)
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
@@ -58,19 +46,19 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     async def ListTasks(self, request: orchestrator_pb2.ListTasksRequest, context: grpc.aio.ServicerContext
                         ) -> orchestrator_pb2.ListTasksResponse:
-        views = await self.orch.list_tasks(state_from_proto(request.state))
+        views = await self.orch.list_tasks(convert.task_state_from_proto(request.state))
         return orchestrator_pb2.ListTasksResponse(tasks=[_task(v) for v in views])
 
     async def DeleteTask(self, request: orchestrator_pb2.DeleteTaskRequest, context: grpc.aio.ServicerContext
                          ) -> orchestrator_pb2.DeleteTaskResponse:
         t, stopped = await self.orch.delete(request.task_id)
-        return orchestrator_pb2.DeleteTaskResponse(task=task_to_proto(t), released_instance_ids=stopped)
+        return orchestrator_pb2.DeleteTaskResponse(task=convert.task_to_proto(t), released_instance_ids=stopped)
 
     async def Invoke(self, request: orchestrator_pb2.InvokeRequest, context: grpc.aio.ServicerContext
                      ) -> orchestrator_pb2.InvokeResponse:
         rid = uuid.uuid4().hex
         ex = await self.orch.invoke(request.task_id, request.input, max_output_tokens=request.max_output_tokens)
-        return execution_to_proto(ex, rid)
+        return convert.execution_to_proto(ex, rid)
 
     async def InvokeStream(self, request: orchestrator_pb2.InvokeStreamRequest, context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[orchestrator_pb2.InvokeStreamResponse]:
@@ -82,7 +70,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 sid, piece = payload
                 await queue.put(orchestrator_pb2.InvokeStreamResponse(delta=piece, stage_id=sid))
             else:
-                await queue.put(orchestrator_pb2.InvokeStreamResponse(stage_done=stage_to_proto(payload),
+                await queue.put(orchestrator_pb2.InvokeStreamResponse(stage_done=convert.stage_result_to_proto(payload),
                                                                       stage_id=payload.stage_id))
 
         run = asyncio.create_task(self.orch.invoke(request.task_id, request.input,
@@ -98,7 +86,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 while not queue.empty():
                     yield queue.get_nowait()
                 ex = run.result()  # raises the invocation's error, which the error map sends as the status
-                yield orchestrator_pb2.InvokeStreamResponse(done=execution_to_proto(ex, rid))
+                yield orchestrator_pb2.InvokeStreamResponse(done=convert.execution_to_proto(ex, rid))
                 return
         finally:
             if not run.done():

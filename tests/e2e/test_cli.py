@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from flowmaker.launcher import LocalStack, StackConfig, free_port
-from flowmaker.launcher.stack import _descendants, _start_time
+from flowmaker.launcher.procs import is_same_alive
 
 pytestmark = [
     pytest.mark.integration,
@@ -40,9 +40,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         yield s
     finally:
         # Everything the stack started (services, their engines) must be gone afterwards: no orphans.
-        before = _descendants(os.getpid())
+        # Only the stack's own processes: the test session's etcd (tests/conftest.py) also descends from
+        # pytest and rightly outlives this stack.
+        before = s.processes()
+        assert before, "the stack reports no process"
         s.stop()
-        left = [pid for pid, st in before if _start_time(pid) == st]
+        left = [pid for pid, st in before if is_same_alive(pid, st)]
         assert not left, f"processes left running after stop: {left}"
 
 

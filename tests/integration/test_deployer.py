@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -21,12 +24,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from flowmaker.api.common.v1 import cluster_pb2
 from flowmaker.api.deployer.v1 import deployer_pb2, deployer_pb2_grpc
+from flowmaker.errors import InvalidSpec
+from flowmaker.launcher import procs
 from flowmaker.rpc import errors as rpc_errors
 from flowmaker.rpc.channels import insecure_channel
 from flowmaker.state import keys
 from flowmaker.state.etcd import EtcdStore
 from flowmaker.state.records import GpuRecord, InstanceRecord, InstanceState, read_cluster
-from services.deployer.node import NodeAgent
+from services.deployer.node import DeployParams, NodeAgent
 from services.deployer.servicer import SERVICE_NAME, DeployerServicer
 from services.deployer.settings import DeployerSettings
 
@@ -290,26 +295,40 @@ def rpc_errors_reason(inst: cluster_pb2.Instance) -> str:
     return info.reason
 
 
-async def test_process_entry_point_registers_serves_and_shuts_down_on_sigterm(etcd, etcd_namespace: str,  # type: ignore[no-untyped-def]
-                                                                             etcd_store: EtcdStore) -> None:
-    env = {**os.environ, "FLOWMAKER_DEPLOYER_NODE": "proc-node", "FLOWMAKER_DEPLOYER_PORT": "0",
-           "FLOWMAKER_DEPLOYER_ETCD_ENDPOINTS": etcd.endpoint, "FLOWMAKER_DEPLOYER_ETCD_NAMESPACE": etcd_namespace,
-           "FLOWMAKER_DEPLOYER_USE_NVML": "false", "FLOWMAKER_DEPLOYER_GPU_COUNT": "2",
-           "FLOWMAKER_DEPLOYER_LEASE_TTL_S": "5", "FLOWMAKER_DEPLOYER_ENGINE_TIME_SCALE": "50",
-           "FLOWMAKER_DEPLOYER_GRACE_S": "1", "OTEL_TRACES_EXPORTER": "none"}
+def _deployer_env(etcd: Any, namespace: str, node: str, **extra: str) -> dict[str, str]:
+    return {**os.environ, "FLOWMAKER_DEPLOYER_NODE": node, "FLOWMAKER_DEPLOYER_PORT": "0",
+            "FLOWMAKER_DEPLOYER_ETCD_ENDPOINTS": etcd.endpoint, "FLOWMAKER_DEPLOYER_ETCD_NAMESPACE": namespace,
+            "FLOWMAKER_DEPLOYER_USE_NVML": "false", "FLOWMAKER_DEPLOYER_GPU_COUNT": "2",
+            "FLOWMAKER_DEPLOYER_LEASE_TTL_S": "5", "FLOWMAKER_DEPLOYER_ENGINE_TIME_SCALE": "50",
+            "FLOWMAKER_DEPLOYER_GRACE_S": "1", "OTEL_TRACES_EXPORTER": "none", **extra}
+
+
+async def _spawn_deployer(env: dict[str, str], lines: list[str]) -> tuple[asyncio.subprocess.Process, str]:
+    """`python -m services.deployer` and the address it prints once SERVING."""
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.deployer", env=env,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    assert proc.stdout is not None
+    while True:
+        raw = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert raw, "deployer exited early:\n" + "".join(lines)
+        line = raw.decode()
+        lines.append(line)
+        if line.startswith("FLOWMAKER_READY "):
+            return proc, str(json.loads(line.split(" ", 1)[1])["address"])
+
+
+async def _kill(proc: asyncio.subprocess.Process | None) -> None:
+    if proc is not None and proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
+async def test_process_entry_point_registers_serves_and_shuts_down_on_sigterm(etcd, etcd_namespace: str,  # type: ignore[no-untyped-def]
+                                                                             etcd_store: EtcdStore) -> None:
     lines: list[str] = []
+    proc = None
     try:
-        address = ""
-        assert proc.stdout is not None
-        while not address:
-            raw = await asyncio.wait_for(proc.stdout.readline(), 30)
-            assert raw, "deployer exited early:\n" + "".join(lines)
-            line = raw.decode()
-            lines.append(line)
-            if line.startswith("FLOWMAKER_READY "):
-                address = json.loads(line.split(" ", 1)[1])["address"]
+        proc, address = await _spawn_deployer(_deployer_env(etcd, etcd_namespace, "proc-node"), lines)
         node = await etcd_store.get(keys.node("proc-node"))
         assert node is not None and node.value["endpoint"] == address and node.value["gpu_count"] == 2
         async with insecure_channel(address, default_timeout_s=60) as ch:
@@ -330,9 +349,80 @@ async def test_process_entry_point_registers_serves_and_shuts_down_on_sigterm(et
         with pytest.raises(aiohttp.ClientError):
             await _chat(inst.endpoint, MODEL)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _kill(proc)
+
+
+async def test_restarted_deployer_kills_the_engines_a_sigkilled_one_left(etcd, etcd_namespace: str,  # type: ignore[no-untyped-def]
+                                                                        etcd_store: EtcdStore) -> None:
+    """Engines run in their own session, so SIGKILLing the deployer leaves them running. The next
+    deployer of the same node finds them by the pid + process identity in their records and kills them."""
+    env = _deployer_env(etcd, etcd_namespace, "phoenix", FLOWMAKER_DEPLOYER_LEASE_TTL_S="2",
+                        FLOWMAKER_DEPLOYER_ENGINE_STOP_GRACE_S="1")
+    lines: list[str] = []
+    first = second = None
+    engine_pid = 0
+    try:
+        first, address = await _spawn_deployer(env, lines)
+        async with insecure_channel(address, default_timeout_s=60) as ch:
+            inst = (await deployer_pb2_grpc.DeployerServiceStub(ch).Deploy(
+                deployer_pb2.DeployRequest(model_id=MODEL, request_id="orphan-1"))).instance
+        assert inst.state == cluster_pb2.Instance.STATE_READY
+        rec = await _instance(etcd_store, "orphan-1")
+        assert rec is not None and rec.engine_pid > 0 and rec.engine_identity
+        engine_pid = rec.engine_pid
+        assert procs.is_same_alive(engine_pid, rec.engine_identity)
+
+        first.kill()  # no shutdown hook runs: the engine is left behind
+        await first.wait()
+        await asyncio.sleep(0.5)
+        assert procs.is_same_alive(engine_pid, rec.engine_identity), "the engine should outlive a SIGKILLed deployer"
+        await _chat(inst.endpoint, MODEL)
+
+        second, _ = await _spawn_deployer(env, lines)
+        assert not procs.is_same_alive(engine_pid, rec.engine_identity), "the restarted deployer left the engine"
+        after = await _instance(etcd_store, "orphan-1")
+        assert after is not None and after.state is InstanceState.FAILED and after.failure_reason == "NODE_RESTARTED"
+        assert all(g.memory_used_gb == 0 for g in (await _gpus(etcd_store)).values())
+        with pytest.raises(aiohttp.ClientError):
+            await _chat(inst.endpoint, MODEL)
+        # A recorded pid that now names another process (same pid, other identity) is never signalled.
+        assert not procs.kill_group_if_same(os.getpid(), "not-this-process", 0.1)
+    finally:
+        await _kill(first)
+        await _kill(second)
+        if engine_pid and procs.start_time(engine_pid) is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(engine_pid, signal.SIGKILL)
+
+
+async def test_missing_engine_log_dir_is_created_not_a_hang(etcd, etcd_namespace: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """FLOWMAKER_DEPLOYER_ENGINE_LOG_DIR naming a directory that does not exist used to make every Deploy
+    wait for engine_start_timeout_s (the engine's output reader died on open()); now it is created."""
+    log_dir = tmp_path / "not" / "yet" / "there"
+    store = EtcdStore(etcd.endpoint, namespace=etcd_namespace, timeout_s=3.0)
+    agent = NodeAgent(store, _settings(etcd.endpoint, etcd_namespace, engine_log_dir=str(log_dir),
+                                       engine_start_timeout_s=40.0))
+    try:
+        await agent.start()
+        t0 = time.monotonic()
+        rec = await agent.deploy(DeployParams(model_id=MODEL, request_id="logged-1"))
+        assert rec.state is InstanceState.READY
+        assert time.monotonic() - t0 < 20, "Deploy waited for the start timeout"
+        assert "LISTENING" in (log_dir / "logged-1.log").read_text()
+        # Removed while the agent runs (a cleaned-up temp dir): the next engine recreates it.
+        shutil.rmtree(log_dir)
+        rec2 = await agent.deploy(DeployParams(model_id=MODEL, request_id="logged-2"))
+        assert rec2.state is InstanceState.READY and (log_dir / "logged-2.log").exists()
+    finally:
+        await agent.shutdown()
+    # A directory that cannot be made is a clear error at start, naming the setting.
+    (tmp_path / "a-file").write_text("x")
+    bad = NodeAgent(store, _settings(etcd.endpoint, etcd_namespace, engine_log_dir=str(tmp_path / "a-file" / "logs")))
+    with pytest.raises(InvalidSpec) as ei:
+        await bad.start()
+    assert ei.value.field == "engine_log_dir" and "a-file" in ei.value.message
+    assert await store.get(keys.node(NODE)) is None  # it failed before registering
+    await store.close()
 
 
 def test_inventory_from_nvml_when_present_else_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -367,3 +457,24 @@ def test_inventory_from_nvml_when_present_else_settings(monkeypatch: pytest.Monk
 
     fake.nvmlInit = no_driver  # type: ignore[attr-defined]
     assert [g.gpu_type for g in gpu_inventory(settings)] == ["L40S"] * 3
+
+
+async def test_failed_registration_leaves_no_lease_refreshing() -> None:
+    """etcd failing between granting the lease and creating the node key (the re-registration loop
+    retries exactly that) must not leave a keeper refreshing an unused lease, one more per retry."""
+    from flowmaker.errors import Unavailable
+    from flowmaker.state.memory import MemoryStore
+
+    class NodeKeyFails(MemoryStore):
+        async def create(self, key: str, value: Any, *, lease: int = 0) -> int:
+            raise Unavailable("etcd went away", reason="ETCD_UNAVAILABLE")
+
+    store = NodeKeyFails()
+    agent = NodeAgent(store, DeployerSettings(node="n", use_nvml=False, gpu_count=1, lease_ttl_s=2))
+    for _ in range(3):
+        with pytest.raises(Unavailable):
+            await agent._claim_node()
+    await asyncio.sleep(0)
+    assert [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("lease-keepalive")] == []
+    assert store._leases == {}  # every lease granted was revoked
+    assert agent.keeper is None

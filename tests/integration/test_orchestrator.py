@@ -22,6 +22,7 @@ from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
 from flowmaker.domain import Slo, Stage, StageKind, Workflow
 from flowmaker.errors import FailedPrecondition, InvalidSpec, NotFound, Unavailable
+from flowmaker.orchestration.task import TaskRecord, TaskState
 from flowmaker.rpc.channels import insecure_channel
 from flowmaker.rpc.errors import call, field_violations
 from flowmaker.rpc.server import RunningServer
@@ -58,6 +59,7 @@ class Stack:
     store: Any
     agent: NodeAgent
     orch: orchestrator_pb2_grpc.OrchestratorServiceStub
+    core: Orchestrator  # the orchestrator behind `orch`, for tests that stop it half way
 
     async def gpus(self) -> list[GpuRecord]:
         return [GpuRecord.from_json(kv.value) for kv in (await self.store.get_prefix(keys.GPUS)).items]
@@ -116,7 +118,7 @@ async def start_stack(store: Any, start_service: Any, *, gpu_count: int, gpu_mem
     o = await start_service("orchestrator", lambda s: add_orchestrator(s, orch), oset, on_ready=orch_ready,
                             on_shutdown=[close])
     channel = insecure_channel(o.address, default_timeout_s=60)
-    yield Stack(store, agent, orchestrator_pb2_grpc.OrchestratorServiceStub(channel))
+    yield Stack(store, agent, orchestrator_pb2_grpc.OrchestratorServiceStub(channel), orch)
     await channel.close(None)
 
 
@@ -291,6 +293,13 @@ async def test_generated_candidates_and_bad_input(stack: Stack) -> None:
     assert e4.value.field == "workflow_ids"
     with pytest.raises(NotFound):
         await call(stack.orch.GetTask(pb.GetTaskRequest(task_id="no-such-task")))
+    # A strategy the selector does not know is the caller's mistake: NOT_FOUND to the caller, and the
+    # task stays approvable (it used to end FAILED for good).
+    with pytest.raises(NotFound) as e5:
+        await call(stack.orch.ApproveWorkflows(pb.ApproveWorkflowsRequest(
+            task_id=tid, workflow_ids=[r.task.candidates[0].id], strategy="no-such-strategy")))
+    assert e5.value.reason == "UNKNOWN_STRATEGY"
+    assert (await stack.get(tid)).state == task_pb2.Task.STATE_AWAITING_APPROVAL
     with pytest.raises(FailedPrecondition):
         await call(stack.orch.Invoke(pb.InvokeRequest(task_id=tid, input="not yet approved")))
     # An SLO no model meets: FAILED with the selector's reason, nothing reserved.
@@ -331,3 +340,38 @@ async def test_deploy_failure_rolls_back_everything(broken_engines: Stack) -> No
     assert await s.instances() == {}
     assert all(g.memory_used_gb == 0.0 for g in await s.gpus())
     assert (await s.store.get_prefix(keys.REUSE)).items == ()
+
+
+async def test_commit_without_deploy_is_resumed_and_a_pending_reuse_waits_for_ready(stack: Stack) -> None:
+    """The orchestrator dies between the etcd commit and the Deploy calls: the task is DEPLOYING, its
+    new instance PENDING (memory reserved, no engine). Meanwhile a second task reuses that PENDING
+    instance: its approval must not report ACTIVE before the instance serves. A restarted
+    orchestrator (`resume`) deploys what the first one committed: nothing accepted is lost."""
+    a = await stack.deploy(ONE, name="cut")
+    kv = await stack.store.get(keys.task(a.id))
+    rec = TaskRecord.from_json(kv.value)
+    await stack.store.cas(kv.key, rec.moved(TaskState.SELECTING, time.time(), approved_workflow_ids=("one",),
+                                            strategy="exact").to_json(), etag=kv.mod_revision)
+    plan = await stack.core._select_and_commit(a.id, None)  # commit only: "died" before Deploy
+    assert plan is not None and len(plan.deploy) == 1
+    (iid,) = [d.instance_id for d in plan.deploy]
+    assert (await stack.get(a.id)).state == task_pb2.Task.STATE_DEPLOYING
+    assert (await stack.instances())[iid].state is InstanceState.PENDING
+
+    b = await stack.approve((await stack.deploy(ONE, name="rider")).id, "one")
+    assert b.state == ACTIVE, b.failure.message
+    assert b.stage_instances["answer"] == iid and list(b.variant.new_instances) == []
+    assert (await stack.instances())[iid].state is InstanceState.READY  # started, not merely reserved
+    assert (await stack.get(b.id)).state == ACTIVE
+
+    await stack.core.resume()  # what a restarted orchestrator does first
+    deadline = time.monotonic() + 30
+    while (await stack.get(a.id)).state != ACTIVE:
+        assert time.monotonic() < deadline, "the committed task was not resumed"
+        await asyncio.sleep(0.1)
+    out = await call(stack.orch.Invoke(pb.InvokeRequest(task_id=a.id, input="back again")))
+    assert out.stages[0].instance_id == iid
+    for t in (a.id, b.id):
+        await call(stack.orch.DeleteTask(pb.DeleteTaskRequest(task_id=t)))
+    assert await stack.instances() == {}
+    assert all(g.memory_used_gb == 0.0 for g in await stack.gpus())

@@ -231,3 +231,27 @@ def test_keys_escape_and_parse() -> None:
     with pytest.raises(InvalidSpec) as ei:
         keys.instance("")
     assert ei.value.field == "instance_id"
+
+
+def test_profiler_keys_and_instance_record_compat() -> None:
+    from urllib.parse import quote
+
+    from flowmaker.state.records import new_instance_id, reuse_load, reuse_value
+
+    # The profiler's keys, built here (they used to be concatenated in services/profiler): same strings.
+    assert keys.profiles_of_model("A6000", "meta-llama/x") == keys.PROFILES + "A6000/meta-llama%2Fx/"
+    assert keys.profile("A6000", "meta-llama/x", 2, 1, "ANALYTIC").startswith(keys.profiles_of_model("A6000",
+                                                                                                      "meta-llama/x"))
+    assert keys.model("a/b") == keys.MODELS + quote("a/b", safe="")
+    assert keys.profiling_job("j 1") == keys.PROFILING_JOBS + "j%201"
+    # Records written before engine_pid existed still parse (defaults), and the new fields round-trip.
+    old = {"id": "i", "model_id": "m", "tp": 1, "pp": 1, "node": "n", "gpu_ids": ["g"], "memory_gb_per_gpu": 1.0,
+           "state": "READY"}
+    assert InstanceRecord.from_json(old).engine_pid == 0
+    rec = InstanceRecord("i", "m", 1, 1, "n", ("g",), 1.0, engine_pid=42, engine_identity="boot/123")
+    assert InstanceRecord.from_json(rec.to_json()) == rec
+    # One form of the reuse record for the deployer and the orchestrator's commit.
+    assert reuse_load(reuse_value("i", "t", 2.5)) == 2.5
+    assert reuse_load({"load_output_tokens_per_s": "junk"}) == 0.0 and reuse_load(None) == 0.0
+    a, b = new_instance_id("meta-llama/Llama-3.2-1B-Instruct"), new_instance_id("meta-llama/Llama-3.2-1B-Instruct")
+    assert a != b and a.startswith("meta-llama-llama-3-2-1b-instruct-") and new_instance_id("///").startswith("instance-")

@@ -142,3 +142,47 @@ async def test_commit_one_txn_and_stale_view_loses() -> None:
     assert [(a.instance_id, a.stop) for a in acts] == [("i0", True), ("new-a", True)]
     acts = plan_release(t1, dict(live.instances), [*refs, ("i0", "other")])
     assert [(a.instance_id, a.stop) for a in acts] == [("i0", False), ("new-a", True)]
+
+
+def test_failure_keeps_the_error_class_and_shows_as_its_grpc_status() -> None:
+    """A stored Failure maps back to the same gRPC code as the exception it came from, including a
+    subclass defined outside flowmaker.errors (the deployer's EngineStartError is an Unavailable)."""
+    from google.rpc import code_pb2, error_details_pb2
+
+    from flowmaker import convert
+    from flowmaker.errors import InvalidSpec, Unavailable
+    from flowmaker.orchestration.task import Failure
+
+    class EngineDown(Unavailable):
+        reason = "ENGINE_START_FAILED"
+
+    assert Failure.of(EngineDown("no engine")) == Failure("Unavailable", "ENGINE_START_FAILED", "no engine")
+    assert Failure.of(InvalidSpec("bad", field="x")).error == "InvalidSpec"
+    assert Failure.of(RuntimeError("boom")) == Failure("FlowMakerError", "INTERNAL", "RuntimeError: boom")
+    assert isinstance(Failure("NoCapacity", "NO_LATENCY", "m").to_error(), NoCapacity)
+    assert type(Failure("NotAnError", "R", "m").to_error()).__name__ == "FlowMakerError"
+
+    t = TaskRecord("t1", "d", Slo(0.5, 2.0)).moved(TaskState.SELECTING, 1.0).moved(
+        TaskState.FAILED, 2.0, failure=Failure("NoCapacity", "NO_MODEL_MEETS_ACCURACY", "no feasible variant"))
+    m = convert.task_to_proto(t, etag=7)
+    assert m.failure.code == code_pb2.RESOURCE_EXHAUSTED and m.etag == "7"
+    info = error_details_pb2.ErrorInfo()
+    assert m.failure.details[0].Unpack(info) and info.reason == "NO_MODEL_MEETS_ACCURACY"
+    assert convert.task_state_from_proto(m.state) is TaskState.FAILED and convert.task_state_from_proto(0) is None
+
+
+def test_profile_records_parse_in_either_spelling() -> None:
+    """One reader for profile records (selector and deployer alike): snake_case or proto lowerCamel."""
+    from flowmaker.domain import ProfileSource
+    from flowmaker.orchestration.cluster import profile_from_record
+    from flowmaker.state.store import KeyValue
+
+    key = keys.profile("A6000", "m/1", 2, 1, "MEASURED")
+    snake = {"memory_gb_per_gpu": 9.0, "fixed_s": 0.1, "prefill_s_per_token": 1e-4, "decode_s_per_token": 0.02,
+             "max_output_tokens_per_s": 400.0}
+    camel = {"memoryGbPerGpu": 9.0, "fixedS": 0.1, "prefillSPerToken": 1e-4, "decodeSPerToken": 0.02,
+             "maxOutputTokensPerS": 400.0, "source": "PROFILE_SOURCE_MEASURED"}
+    a, b = (profile_from_record(KeyValue(key, v, 1, 1)) for v in (snake, camel))
+    assert a is not None and a == b
+    assert (a.model_id, a.tp, a.pp, a.gpu_type, a.source) == ("m/1", 2, 1, "A6000", ProfileSource.MEASURED)
+    assert profile_from_record(KeyValue(key, {"fixed_s": "x"}, 1, 1)) is None

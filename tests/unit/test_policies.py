@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from flowmaker.catalog import default_models, get_gpu_type, make_cluster
-from flowmaker.errors import NotFound
+from flowmaker.errors import InvalidSpec, NotFound
 from flowmaker.eval.policies import (
     ALL_POLICIES,
+    DEFAULT_UTILIZATION_CAP,
     LANGCHAIN_DEFAULT_MODEL,
     ROUTELLM_STRONG,
     ROUTELLM_STRONG_SHARE,
@@ -18,11 +20,12 @@ from flowmaker.eval.policies import (
     get_policy,
     langchain_model,
     plan,
+    simulated_monitor,
 )
 from flowmaker.eval.tasks import EVAL_TASKS, get_task
-from flowmaker.eval.traces import Arrival
+from flowmaker.eval.traces import Arrival, build_workload, get_trace
 from flowmaker.profiling.analytic import profiles_for
-from flowmaker.sim import check_memory
+from flowmaker.sim import SimInstance, TaskDeployment, check_memory
 
 GPU = get_gpu_type("A6000")
 MODELS = default_models()
@@ -30,8 +33,8 @@ PROFILES = profiles_for(MODELS, GPU, max_gpus=8)
 CLUSTER = make_cluster("A6000", nodes=1, gpus_per_node=8)
 
 
-def _ctx(load: float = 0.5, kind: str = "conv") -> PolicyContext:
-    return PolicyContext(EVAL_TASKS, kind, load, MODELS, PROFILES, CLUSTER, GPU)
+def _ctx(load: float = 0.5, kind: str = "conv", **kw: object) -> PolicyContext:
+    return PolicyContext(EVAL_TASKS, kind, load, MODELS, PROFILES, CLUSTER, GPU, **kw)  # type: ignore[arg-type]
 
 
 def test_unknown_policy_is_a_clear_error() -> None:
@@ -103,3 +106,65 @@ def test_serving_bench_small_matrix(tmp_path: Path) -> None:
         assert Path(f).stat().st_size > 1000
     with pytest.raises(NotFound):
         run_serving_bench(tmp_path, policies=["nope"])
+
+
+def test_current_load_comes_from_the_monitor_for_flowmaker_only() -> None:
+    """flowmaker reads the monitor before each deployment; plannedload and murakkab only know planned loads."""
+    calls: list[int] = []
+
+    def saturated(instances: Sequence[SimInstance], deployments: Sequence[TaskDeployment]) -> dict[str, float]:
+        calls.append(len(deployments))
+        # every running instance reports a load above the cap: nothing can be reused
+        return {i.id: 2.0 * i.profile.max_output_tokens_per_s for i in instances}
+
+    ctx = _ctx(monitor=saturated)
+    fm = plan("flowmaker", ctx)
+    assert calls and calls == sorted(calls) and calls[0] >= 1  # asked once per later deployment, in order
+    assert not any(d.reused for d in fm.decisions)
+    n_calls = len(calls)
+    for name in ("flowmaker-plannedload", "murakkab", "murakkab-maxload", "flowmaker-noreuse"):
+        assert plan(name, ctx).instances  # planned without the monitor
+    assert len(calls) == n_calls
+    assert any(d.reused for d in plan("flowmaker-plannedload", ctx).decisions)
+
+    def idle(instances: Sequence[SimInstance], deployments: Sequence[TaskDeployment]) -> dict[str, float]:
+        return {}
+    # an idle cluster: at least as much reuse as with the planned loads
+    assert sum(d.reused for d in plan("flowmaker", _ctx(monitor=idle)).decisions) >= \
+        sum(d.reused for d in plan("flowmaker-plannedload", ctx).decisions)
+
+
+def test_simulated_monitor_measures_only_what_is_deployed() -> None:
+    trace = get_trace("conv", None, 0)
+    rates = [(t.name, t.nominal_rate_rps * 0.5) for t in EVAL_TASKS]
+    warm = build_workload(rates, trace, seed=99)
+    by_id = {m.id: m for m in MODELS}
+    mon = simulated_monitor(warm, CLUSTER.gpus, by_id, GPU, 30.0)
+    p = plan("flowmaker-plannedload", _ctx())
+    first = p.deployments[:1]
+    used = {i for r in first[0].routes for _, i in r.stage_instances}
+    seen = mon(p.instances, first)
+    assert set(seen) == {i.id for i in p.instances}
+    assert all(seen[i] > 0 for i in used) and all(seen[i] == 0 for i in seen if i not in used)
+    both = mon(p.instances, p.deployments[:2])
+    assert sum(both.values()) > sum(seen.values())
+
+
+def test_planned_loads_are_reported_and_capped() -> None:
+    p = plan("flowmaker-plannedload", _ctx(1.0))
+    cap = {i.id: i.profile.max_output_tokens_per_s for i in p.instances}
+    assert {i for i, _ in p.planned_loads} == set(cap)
+    for iid, load in p.planned_loads:
+        assert 0 < load <= DEFAULT_UTILIZATION_CAP * cap[iid] + 1e-6
+
+
+def test_plan_tokens_mean_sizes_stages_at_the_trace_mean() -> None:
+    med, mean = plan("langchain", _ctx(plan_tokens="median")), plan("langchain", _ctx(plan_tokens="mean"))
+    # conv: mean generated tokens 211 vs median 129, so the planned output load is higher
+    assert sum(x for _, x in mean.planned_loads) > 1.5 * sum(x for _, x in med.planned_loads)
+
+
+def test_serving_bench_rejects_an_unknown_planning_statistic(tmp_path: Path) -> None:
+    from flowmaker.bench.serving import run_serving_bench
+    with pytest.raises(InvalidSpec, match="unknown statistic"):
+        run_serving_bench(tmp_path, plan_tokens="p99", plots=False)

@@ -13,7 +13,7 @@ from flowmaker.eval.policies import ALL_POLICIES, PolicyContext, plan
 from flowmaker.eval.tasks import EVAL_TASKS, get_task
 from flowmaker.eval.traces import Arrival, build_workload, get_trace
 from flowmaker.profiling.analytic import profiles_for
-from flowmaker.sim import Route, SimInstance, TaskDeployment, check_memory, simulate
+from flowmaker.sim import Route, SimInstance, TaskDeployment, check_memory, colocation_factor, simulate
 
 GPU = get_gpu_type("A6000")
 MODELS = default_models()
@@ -137,3 +137,110 @@ def test_overload_slows_requests_down() -> None:
     rh = simulate(inst, [dep], heavy, CLUSTER.gpus, BY_ID, GPU)
     assert rh.p99_latency_s > 3 * rl.p99_latency_s
     assert rh.completed == 200
+
+
+def test_goodput_needs_the_latency_slo() -> None:
+    slow = _prof("Qwen2.5-14B-Instruct")  # accuracy 0.413 >= chat's alpha, but ~53 ms per output token at tp=1
+    _, r = _one("chat", "chat-direct", [SimInstance("s", slow, ("node0-gpu0",))], {"respond": "s"}, gen=1000)
+    assert r.latencies[0][1] > get_task("chat").max_latency_s
+    assert (r.completed, r.good, r.per_task[0].met_accuracy, r.per_task[0].met_latency) == (1, 0, 1, 0)
+    _, ok = _one("chat", "chat-direct", [SimInstance("s", slow, ("node0-gpu0",))], {"respond": "s"}, gen=50)
+    assert ok.good == 1 and ok.goodput == 1.0
+
+
+def test_route_accuracy_is_its_least_accurate_stage_model() -> None:
+    weak, strong = _prof("Llama-3.2-1B-Instruct"), _prof("Qwen2.5-3B-Instruct")  # 0.144 < extract's 0.15 <= 0.27
+    inst = [SimInstance("w", weak, ("node0-gpu0",)), SimInstance("s", strong, ("node0-gpu1",))]
+    _, mixed = _one("extract", "ex-parallel", inst, {"entities": "s", "relations": "w"})
+    _, both = _one("extract", "ex-parallel", inst, {"entities": "s", "relations": "s"})
+    assert (mixed.per_task[0].met_accuracy, mixed.good) == (0, 0)
+    assert (both.per_task[0].met_accuracy, both.good) == (1, 1)
+
+
+def test_cost_is_gb_times_residence_times_price_per_gb_second() -> None:
+    p = _prof("Qwen2.5-7B-Instruct")
+    inst = [SimInstance("a", p, ("node0-gpu0",))]
+    t = get_task("chat")
+    dep = TaskDeployment(t, (Route("chat-direct", (("respond", "a"),)),))
+    arr = [Arrival(0.0, "chat", "c0", 1000, 100)]
+    price = 0.49 / 3600 / 48  # A6000: $0.49 per hour for 48 GB
+    assert GPU.price_per_gb_second == pytest.approx(price)
+    lone = simulate(inst, [dep], arr, CLUSTER.gpus, BY_ID, GPU)  # residence = until the last completion
+    lat = p.call_latency_s(*(lambda s: (s.input_tokens, s.output_tokens))(
+        t.workflow_for_request("chat-direct", 1000, 100).stage("respond")))
+    assert lone.residence_s == pytest.approx(lat)
+    assert lone.cost_usd == pytest.approx(p.memory_gb_per_gpu * lat * price)
+    held = simulate(inst, [dep], arr, CLUSTER.gpus, BY_ID, GPU, duration_s=100.0)  # or the run window, if later
+    assert held.cost_usd == pytest.approx(p.memory_gb_per_gpu * 100.0 * price)
+    drained = simulate(inst, [dep], arr, CLUSTER.gpus, BY_ID, GPU, duration_s=lat / 2)  # a drain past the window
+    assert drained.residence_s == pytest.approx(lat)
+
+
+def test_instance_metrics_report_the_load_actually_carried() -> None:
+    p = _prof("Qwen2.5-7B-Instruct")
+    inst = [SimInstance("a", p, ("node0-gpu0",)), SimInstance("idle", p, ("node0-gpu1",))]
+    t = get_task("chat")
+    dep = TaskDeployment(t, (Route("chat-direct", (("respond", "a"),)),))
+    arr = [Arrival(float(i), "chat", f"c{i}", 1000, 100) for i in range(10)]
+    r = simulate(inst, [dep], arr, CLUSTER.gpus, BY_ID, GPU, duration_s=20.0)
+    a, idle = r.per_instance
+    s = t.workflow_for_request("chat-direct", 1000, 100).stage("respond")
+    assert (a.calls, a.output_tokens, a.prompt_tokens) == (10, 10 * s.output_tokens, 10 * s.input_tokens)
+    assert a.output_tokens_per_s == pytest.approx(10 * s.output_tokens / 20.0)
+    busy = 10 * (s.output_tokens / p.max_output_tokens_per_s + s.input_tokens * p.prefill_s_per_token)
+    assert a.busy_equiv_tokens_per_s == pytest.approx(busy / 20.0 * p.max_output_tokens_per_s)
+    assert a.utilization == pytest.approx(busy / 20.0)
+    assert a.busy_equiv_tokens_per_s > a.output_tokens_per_s  # prefill counts
+    assert (idle.calls, idle.busy_equiv_tokens_per_s) == (0, 0.0)
+
+
+_DIGEST = """
+import hashlib, sys
+from flowmaker.catalog import default_models, get_gpu_type, make_cluster
+from flowmaker.eval.policies import PolicyContext, plan
+from flowmaker.eval.tasks import EVAL_TASKS
+from flowmaker.eval.traces import build_workload, get_trace
+from flowmaker.profiling.analytic import profiles_for
+from flowmaker.sim import simulate
+g, ms = get_gpu_type("A6000"), default_models()
+ps, cl = profiles_for(ms, g, max_gpus=8), make_cluster("A6000", nodes=1, gpus_per_node=8)
+wl = build_workload([(t.name, t.nominal_rate_rps * 0.5) for t in EVAL_TASKS], get_trace("conv", None, 3), seed=3)
+out = []
+for pol in ("flowmaker", "routellm-balanced"):
+    p = plan(pol, PolicyContext(EVAL_TASKS, "conv", 0.5, tuple(ms), ps, cl, g, seed=3))
+    r = simulate(p.instances, p.deployments, wl, cl.gpus, {m.id: m for m in ms}, g, duration_s=30.0,
+                 keep_latencies=True)
+    out.append(repr((r.latencies, r.cost_usd, r.per_instance)))
+print(hashlib.sha256("".join(out).encode()).hexdigest())
+"""
+
+
+def test_deterministic_across_processes_whatever_the_hash_seed() -> None:
+    # Same seed, two interpreters with different string hashing: set/dict order must not leak into results.
+    import os
+    import subprocess
+    import sys
+    digests = set()
+    for hs in ("1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=hs)
+        out = subprocess.run([sys.executable, "-c", _DIGEST], env=env, capture_output=True, text=True, timeout=120,
+                             check=True)
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1 and len(digests.pop()) == 64
+
+
+def test_worst_case_colocation_slows_instances_sharing_a_gpu() -> None:
+    p = _prof("Qwen2.5-7B-Instruct")  # 19 GB per GPU: two fit on one A6000
+    shared = [SimInstance("a", p, ("node0-gpu0",)), SimInstance("b", p, ("node0-gpu0",)),
+              SimInstance("c", p, ("node0-gpu1",))]
+    assert colocation_factor(shared) == {"a": 2, "b": 2, "c": 1}
+    wf, alone = _one("chat", "chat-direct", shared, {"respond": "a"})
+    slowed = simulate(shared, [TaskDeployment(get_task("chat"), (Route("chat-direct", (("respond", "a"),)),))],
+                      [Arrival(0.0, "chat", "chat-0", 1000, 100)], CLUSTER.gpus, BY_ID, GPU, keep_latencies=True,
+                      colocation="worst-case")
+    s = wf.stage("respond")
+    engine_s = p.prefill_s_per_token * s.input_tokens + p.decode_s_per_token * s.output_tokens
+    assert alone.latencies[0][1] == pytest.approx(p.fixed_s + engine_s)
+    assert slowed.latencies[0][1] == pytest.approx(p.fixed_s + 2 * engine_s)  # fixed_s is not GPU time
+    with pytest.raises(InvalidSpec, match="colocation"):
+        simulate(shared, [], [], CLUSTER.gpus, BY_ID, GPU, colocation="magic")

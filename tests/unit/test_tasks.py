@@ -74,6 +74,15 @@ def test_nominal_uses_trace_medians() -> None:
         t.nominal_tokens("bogus")
 
 
+def test_nominal_at_the_mean_for_capacity_planning() -> None:
+    t = get_task("chat")
+    assert t.nominal_tokens("conv", "mean") == (1155, 211)
+    assert t.nominal_tokens("code", "mean") == (2048, 28)
+    assert t.nominal_workflows("conv", "mean")[0].stage("respond").output_tokens == 211
+    with pytest.raises(InvalidSpec, match="statistic"):
+        t.nominal_tokens("conv", "p99")
+
+
 def test_unknown_names_are_clear_errors() -> None:
     with pytest.raises(NotFound, match="known"):
         get_task("nope")
