@@ -16,7 +16,7 @@ def selector(out: Path = typer.Option(Path("out/bench-selector"), help="Output f
              exhaustive_budget: float = typer.Option(20.0, help="Time budget (s) per exhaustive run."),
              bayesopt_budget: float = typer.Option(15.0, help="Time budget (s) per bayesopt run."),
              bayesopt_trials: int = typer.Option(200, help="Bayesian-optimisation trials."),
-             depth_budget: float = typer.Option(10.0, help="Budget (s) for exhaustive/bayesopt in depth/catalog."),
+             depth_budget: float = typer.Option(5.0, help="Budget (s) for exhaustive/bayesopt in depth/catalog."),
              quick: bool = typer.Option(False, help="Small run for smoke tests (depth 4, catalogs 11/25)."),
              json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
     """Exact vs heuristic vs exhaustive vs Bayesian optimisation: paper scale, depth, catalog size."""

@@ -5,27 +5,58 @@
    active parameters — each distinct model counted once, models with a running
    reusable instance counted 0 — do not exceed the budget of the minimal
    models that meet alpha (n_stages x the smallest qualifying model);
-3. for each remaining assignment, in ascending parameter order, enumerate TP/PP
+3. for each remaining assignment, in ascending parameter order (generated
+   best-first, so the smallest assignments come out without listing the
+   exponentially many others first), enumerate TP/PP
    configs (one instance per distinct model, shared by its stages; a running
    instance of the model is one more option), drop latency and capacity
    violations, place LeastLoaded and keep the assignment's least-cost feasible
    config; each workflow's FIRST feasible assignment is compared with the
    current best and the least-cost one is returned.
+
+Like `exhaustive`, it stops at the request's time budget (default 60 s) and
+then says it timed out.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
+from collections.abc import Iterator, Sequence
 
-from flowmaker.domain import SelectionRequest, SelectionResult
+from flowmaker.domain import Model, SelectionRequest, SelectionResult
 from flowmaker.selection.problem import NEW, REUSE, Choice, Problem, better, infeasible_result
 from flowmaker.selection.registry import register
+
+DEFAULT_BUDGET_S = 60.0
+
+
+def _assignments(ok: Sequence[Model], n: int, running: set[str], budget: float) -> Iterator[tuple[str, ...]]:
+    """Model assignments of n stages within the reuse-aware parameter budget, in ascending
+    (total, model order). Extending an assignment never lowers its total, so a best-first
+    search over prefixes yields complete assignments in order."""
+    cost = {m.id: (0.0 if m.id in running else m.active_params_b) for m in ok}
+    rank = {m.id: i for i, m in enumerate(ok)}
+    heap: list[tuple[float, tuple[int, ...], tuple[str, ...]]] = [(0.0, (), ())]
+    while heap:
+        total, _, prefix = heapq.heappop(heap)
+        if len(prefix) == n:
+            yield prefix
+            continue
+        used = set(prefix)
+        for m in ok:
+            t = total + (0.0 if m.id in used else cost[m.id])
+            if t <= budget:
+                nxt = (*prefix, m.id)
+                heapq.heappush(heap, (t, tuple(rank[x] for x in nxt), nxt))
 
 
 @register("heuristic")
 def select_heuristic(req: SelectionRequest) -> SelectionResult:
     started = time.perf_counter()
+    deadline = started + (req.options.time_budget_s or DEFAULT_BUDGET_S)
+    timed_out = False
     pb = Problem(req)
     # Step 1: qualifying models that can run here (a profile exists).
     deployable = {p.model_id for p in pb.profiles}
@@ -49,16 +80,12 @@ def select_heuristic(req: SelectionRequest) -> SelectionResult:
         for pw in pb.workflows:
             n = len(pw.llm)
             budget = n * smallest * (1 + 1e-9)
-            # Step 2: reuse-aware parameter budget.
-            assigns = []
-            for combo in itertools.product(ok, repeat=n):
-                distinct = {m.id: m for m in combo}
-                total = sum(m.active_params_b for m in distinct.values() if m.id not in running)
-                if total <= budget:
-                    assigns.append((total, tuple(m.id for m in combo)))
-            assigns.sort()
-            # Step 3: least-cost feasible config of each assignment; stop at the first feasible one.
-            for _, combo_ids in assigns:
+            # Steps 2 and 3: assignments within the reuse-aware parameter budget, smallest first;
+            # the least-cost feasible config of each; stop at the first feasible assignment.
+            for combo_ids in _assignments(ok, n, running, budget):
+                if time.perf_counter() > deadline:
+                    timed_out = True
+                    break
                 models = sorted(set(combo_ids))
                 found: tuple[tuple[float, float, int], tuple] | None = None
                 for cfg in itertools.product(*(opts[m] for m in models)):
@@ -87,6 +114,8 @@ def select_heuristic(req: SelectionRequest) -> SelectionResult:
                     if better(*found[0], best):
                         best, best_at = found
                     break
+            if timed_out:
+                break
     if best_at is None:
-        return infeasible_result(pb, "heuristic", level, started, evaluated)
-    return pb.result("heuristic", best_at, started, evaluated)
+        return infeasible_result(pb, "heuristic", level, started, evaluated, timed_out)
+    return pb.result("heuristic", best_at, started, evaluated, timed_out)
