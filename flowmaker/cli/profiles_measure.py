@@ -1,16 +1,33 @@
-"""`flowmaker profiles measure`: a measured sweep against local engines (emulated by default), analytic vs measured."""
+"""`flowmaker profiles measure`: a measured sweep on the running stack's profiler (or on a local engine), analytic vs
+measured.
+
+Where it measures, first match wins: `--local` → a local engine started here (no stack); else the profiler
+found like every client command finds its service (`--profiler`, `FLOWMAKER_PROFILER_ADDR`, the state file of
+a running `flowmaker up`, 127.0.0.1:50052; see `flowmaker.launcher.client`). On the stack the profiler's
+`ProfileModel` deploys the config through the stack's deployer (an instance on the cluster's GPUs, its memory
+reserved like any other), sweeps it, and stores a MEASURED profile in etcd beside the analytic one; this
+command follows the job (`GetProfilingJob`, per-config progress from `GetProfiles`) and prints both profiles
+side by side. When no profiler answers and none was named (`--profiler` / `FLOWMAKER_PROFILER_ADDR`), it
+says so on stderr and measures locally.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Annotated
+import time
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as Bar
 from rich.table import Table
 
+from flowmaker import convert
 from flowmaker.catalog import get_gpu_type, get_model
+from flowmaker.domain import Profile
 from flowmaker.errors import FlowMakerError
 from flowmaker.profiling.measure import (
     BackendLauncher,
@@ -25,29 +42,197 @@ FIELDS = (("memory_gb_per_gpu", "mem/GPU GB", 1.0, "{:.1f}"), ("fixed_s", "fixed
           ("prefill_s_per_token", "prefill ms/tok", 1e3, "{:.4f}"), ("decode_s_per_token", "decode ms/tok", 1e3,
                                                                      "{:.2f}"),
           ("max_output_tokens_per_s", "max out tok/s", 1.0, "{:.0f}"))
+LOCAL_GPU = "A6000"  # the local emulator's GPU type when --gpu is not given (the stack's is the cluster's)
+POLL_S = 0.5
+
+
+class _Failed(Exception):
+    """A stack-mode failure, already one line (`error: CODE [REASON]: [field:] message`)."""
 
 
 def measure(
-    model: Annotated[str, typer.Argument(help="Catalog model id or Hugging Face id.")],
-    gpu: Annotated[str, typer.Option("--gpu", help="GPU type whose analytic profile the emulator is built from.")]
-    = "A6000",
+    model: Annotated[str, typer.Argument(help="Catalog model id (registered with the profiler from the catalog "
+                                              "when it does not know it yet).")],
+    gpu: Annotated[str | None, typer.Option("--gpu", help="GPU type. Stack: default the cluster's. Local: the "
+                                                          "type whose analytic profile the emulator is built from "
+                                                          f"(default {LOCAL_GPU}).")] = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel degree.")] = 1,
     pp: Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel degree.")] = 1,
+    local: Annotated[bool, typer.Option("--local", help="Measure on an engine started here, without the stack.")]
+    = False,
+    profiler: Annotated[str | None, typer.Option("--profiler", help="Profiler host:port (default: "
+                                                                    "FLOWMAKER_PROFILER_ADDR, the state file of "
+                                                                    "`flowmaker up`, 127.0.0.1:50052).")] = None,
+    backend: Annotated[str | None, typer.Option("--backend", help="Engine: stack: the deployer's engine (default "
+                                                                  "its own); local: emulated (default), or vllm / "
+                                                                  "trtllm on a GPU host (time scale then 1).")]
+    = None,
     time_scale: Annotated[float, typer.Option("--time-scale", min=0.01,
-                                              help="Emulated engine seconds per wall second. Higher is faster but "
-                                                   "the emulator's ~1 ms timer jitter is multiplied by it: fixed_s "
-                                                   "holds within 10% up to about 4.")] = 4.0,
-    backend: Annotated[str, typer.Option("--backend", help="Engine backend: emulated, or vllm / trtllm on a GPU "
-                                                           "host (time scale then 1).")] = "emulated",
-    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Sends of each single-request point.")] = 5,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+                                              help="Local emulated engine seconds per wall second. Higher is faster "
+                                                   "but the emulator's ~1 ms timer jitter is multiplied by it: a "
+                                                   "7-8B model's fixed_s holds within 10% up to about 4, a 1B "
+                                                   "model's at 1. (On the stack: the profiler's "
+                                                   "FLOWMAKER_PROFILER_ENGINE_TIME_SCALE.)")] = 4.0,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Local: sends of each single-request point.")] = 5,
+    timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Stack: give up following the job after "
+                                                                      "this many seconds (it keeps running).")]
+    = 3600.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (a list of rows) instead of a table.")] = False,
 ) -> None:
-    """Start (model, tp, pp) on a local engine, sweep it, fit a MEASURED profile, and compare it with the analytic one.
+    """Measure (model, tp, pp): deploy it, sweep load against its OpenAI API, fit a MEASURED profile, and compare
+    it with the analytic one.
 
-    Needs no stack: the engine is started directly through the deployer's backends. On the emulated
-    engine (built from the analytic profile) the difference checks the measurement pipeline.
+    On the running stack (default) the profiler does it through the stack's deployer and stores the measured
+    profile in etcd, where the selector prefers it. `--local` (or no stack reachable) starts the engine here
+    through the deployer's backends and stores nothing. On the emulated engine (built from the analytic
+    profile) the difference checks the measurement pipeline.
     """
     err = Console(stderr=True)
+    if not local:
+        from flowmaker.launcher.client import resolve, settings
+
+        s = settings()
+        addr = resolve("profiler", profiler, s)
+        if asyncio.run(_serving(addr)):
+            try:
+                rows = asyncio.run(_measure_on_stack(addr, model, gpu or "", tp, pp, backend or "", timeout,
+                                                     None if as_json else err, s.call_timeout_s))
+            except _Failed as e:
+                err.print(str(e), markup=False, highlight=False, soft_wrap=True)
+                raise typer.Exit(code=1) from None
+            _print(rows, as_json)
+            return
+        if profiler or s.profiler_addr:
+            err.print(f"error: UNAVAILABLE: cannot reach the profiler at {addr}; is `flowmaker up` running? "
+                      "(--local measures without a stack)", markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(code=1)
+        err.print(f"no FlowMaker stack reachable (no profiler at {addr}): measuring on a local engine instead "
+                  "(nothing is stored; --local skips this check)", markup=False, highlight=False, soft_wrap=True)
+    _measure_locally(model, gpu or LOCAL_GPU, tp, pp, backend or "emulated", time_scale, repeats, as_json, err)
+
+
+# ---- on the stack ------------------------------------------------------------------------------------
+
+
+async def _serving(addr: str, timeout_s: float = 3.0) -> bool:
+    """Whether a gRPC server at `addr` answers health SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from flowmaker.rpc.channels import insecure_channel
+
+    try:
+        async with insecure_channel(addr, default_timeout_s=timeout_s) as ch:
+            resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=timeout_s)
+    except (grpc.RpcError, ValueError):
+        return False
+    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _job_failure_line(job: Any) -> str:
+    from google.rpc import code_pb2
+
+    from flowmaker.launcher.client import RpcFailure
+
+    code = code_pb2.Code.Name(job.failure.code) if job.failure.code else "UNKNOWN"
+    reason, _, message = job.failure.message.partition(": ")
+    if not message:
+        reason, message = "", reason
+    return RpcFailure(code, reason, f"profiling job {job.id} failed: {message or 'no reason given'}").line()
+
+
+async def _measure_on_stack(addr: str, model: str, gpu: str, tp: int, pp: int, engine: str, timeout_s: float,
+                            err: Console | None, call_timeout_s: float) -> list[dict[str, Any]]:
+    """ProfileModel for one config, follow the job, and return its row (analytic vs measured)."""
+    from flowmaker.api.profiler.v1 import profiler_pb2
+    from flowmaker.launcher.client import RpcFailure, Stubs, call
+
+    PJ = profiler_pb2.ProfilingJob
+    stubs = Stubs(profiler_addr=addr, timeout_s=call_timeout_s)
+    try:
+        prof = stubs.profiler()
+        cfg = profiler_pb2.ParallelConfig(tp=tp, pp=pp)
+
+        async def config_state(gpu_type: str) -> Any:
+            resp = await call(prof.GetProfiles(profiler_pb2.GetProfilesRequest(model_id=model, gpu_type=gpu_type,
+                                                                               configs=[cfg])), addr)
+            return resp.configs[0]
+
+        try:
+            await config_state(gpu)  # also rejects a config that cannot run, naming why, before anything starts
+        except RpcFailure as f:
+            if f.code != "NOT_FOUND" or f.field != "model_id":
+                raise
+            # Not registered yet (the profiler preloads the catalog unless told not to): register it from the catalog.
+            await call(prof.RegisterModel(profiler_pb2.RegisterModelRequest(catalog_name=model)), addr)
+            if err is not None:
+                err.print(f"registered {model} with the profiler (from the catalog)")
+        req = profiler_pb2.ProfileModelRequest(model_id=model, gpu_type=gpu, configs=[cfg], engine=engine)
+        deadline = time.monotonic() + timeout_s
+        job = (await call(prof.ProfileModel(req), addr)).job
+        while (tp, pp) not in [(c.tp, c.pp) for c in job.configs]:
+            # ProfileModel returns the job already running for this model and GPU type: let it finish first.
+            if err is not None:
+                err.print(f"waiting for profiling job {job.id} of {model} "
+                          f"({', '.join(f'{c.tp}x{c.pp}' for c in job.configs)}) to finish first")
+            await _follow(prof, job, None, None, deadline, addr)
+            job = (await call(prof.ProfileModel(req), addr)).job
+        if err is not None:
+            err.print(f"profiling job {job.id}: {model} tp={tp} pp={pp} on {job.gpu_type} through the stack's "
+                      f"deployer (profiler {addr})")
+        job = await _follow(prof, job, lambda: config_state(job.gpu_type), err, deadline, addr)
+        if job.state != PJ.State.STATE_SUCCEEDED:
+            raise _Failed(_job_failure_line(job))
+        pc = await config_state(job.gpu_type)
+        if not pc.HasField("measured"):
+            raise _Failed(f"error: INTERNAL: profiling job {job.id} succeeded but GetProfiles shows no measured "
+                          f"profile for tp={tp} pp={pp}")
+        a, m = convert.profile_from_proto(pc.analytic), convert.profile_from_proto(pc.measured)
+        wall = job.update_time.ToNanoseconds() / 1e9 - job.create_time.ToNanoseconds() / 1e9
+        row: dict[str, Any] = {"mode": "stack", "profiler": addr, "job_id": job.id, "model_id": model,
+                               "gpu_type": job.gpu_type, "tp": tp, "pp": pp,
+                               "state": profiler_pb2.ProfileConfig.State.Name(pc.state), "job_wall_s": round(wall, 2),
+                               **_diffs(a, m)}
+        return [row]
+    except RpcFailure as f:
+        raise _Failed(f.line()) from None
+    finally:
+        await stubs.close()
+
+
+async def _follow(prof: Any, job: Any, config_state: Callable[[], Any] | None, err: Console | None,
+                  deadline: float, addr: str) -> Any:
+    """Poll GetProfilingJob until the job ends (and GetProfiles for the config's progress bar on stderr)."""
+    from flowmaker.api.profiler.v1 import profiler_pb2
+    from flowmaker.launcher.client import call
+
+    PJ = profiler_pb2.ProfilingJob
+    done = (PJ.State.STATE_SUCCEEDED, PJ.State.STATE_FAILED)
+    bar = Bar(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
+              console=err, transient=False, disable=err is None)
+    with bar:
+        task = bar.add_task(f"{job.id} {PJ.State.Name(job.state).removeprefix('STATE_').lower()}", total=1.0)
+        while True:
+            job = (await call(prof.GetProfilingJob(profiler_pb2.GetProfilingJobRequest(job_id=job.id)), addr)).job
+            state = PJ.State.Name(job.state).removeprefix("STATE_").lower()
+            if config_state is not None and err is not None:
+                pc = await config_state()
+                bar.update(task, completed=pc.progress,
+                           description=f"{job.id} {state}: {profiler_pb2.ProfileConfig.State.Name(pc.state)}")
+            if job.state in done:
+                return job
+            if time.monotonic() > deadline:
+                raise _Failed(f"error: DEADLINE_EXCEEDED: profiling job {job.id} still {state} after --timeout; it "
+                              "keeps running on the profiler")
+            await asyncio.sleep(POLL_S)
+
+
+# ---- locally -----------------------------------------------------------------------------------------
+
+
+def _measure_locally(model: str, gpu: str, tp: int, pp: int, backend: str, time_scale: float, repeats: int,
+                     as_json: bool, err: Console) -> None:
     try:
         m, g = get_model(model), get_gpu_type(gpu)
         plan = SweepPlan(output_tokens=(4, 16, 64), repeats=repeats, throughput_output_tokens=64)
@@ -63,32 +248,43 @@ def measure(
     except FlowMakerError as e:
         err.print(f"[red]error[/red] ({e.reason}): {e}")
         raise typer.Exit(code=2) from None
+    rows = [_row(r, backend, time_scale) for r in results]
+    _print(rows, as_json)
+
+
+def _diffs(a: Profile, m: Profile) -> dict[str, Any]:
+    return {f: {"analytic": getattr(a, f), "measured": getattr(m, f),
+                "diff_percent": round(percent_diff(getattr(m, f), getattr(a, f)), 2)} for f, *_ in FIELDS}
+
+
+def _row(r: MeasuredConfig, backend: str = "emulated", time_scale: float = 1.0) -> dict[str, object]:
+    return {"mode": "local", "backend": backend, "time_scale": time_scale if backend == "emulated" else 1.0,
+            "model_id": r.profile.model_id, "gpu_type": r.profile.gpu_type, "tp": r.profile.tp, "pp": r.profile.pp,
+            "memory_source": r.memory_source, "sweep_wall_s": round(r.wall_s, 2), "overhead_s": r.overhead_s,
+            **_diffs(r.analytic, r.profile)}
+
+
+def _print(rows: list[dict[str, Any]], as_json: bool) -> None:
     if as_json:
-        typer.echo(json.dumps([_row(r) for r in results], indent=2))
+        typer.echo(json.dumps(rows, indent=2))
         return
-    for r in results:
-        Console().print(_table(r, backend, time_scale))
+    for r in rows:
+        Console().print(_table(r))
 
 
-def _row(r: MeasuredConfig) -> dict[str, object]:
-    out: dict[str, object] = {"model_id": r.profile.model_id, "gpu_type": r.profile.gpu_type, "tp": r.profile.tp,
-                              "pp": r.profile.pp, "memory_source": r.memory_source, "sweep_wall_s": round(r.wall_s, 2),
-                              "overhead_s": r.overhead_s}
-    for f, *_ in FIELDS:
-        a, mv = getattr(r.analytic, f), getattr(r.profile, f)
-        out[f] = {"analytic": a, "measured": mv, "diff_percent": round(percent_diff(mv, a), 2)}
-    return out
-
-
-def _table(r: MeasuredConfig, backend: str, time_scale: float) -> Table:
-    scale = f", time scale {time_scale:g}" if backend == "emulated" else ""
-    t = Table(title=f"{r.profile.model_id} on {r.profile.gpu_type}, tp={r.profile.tp} pp={r.profile.pp} "
-                    f"({backend}{scale}; sweep {r.wall_s:.1f}s; memory from {r.memory_source})")
+def _table(r: dict[str, Any]) -> Table:
+    if r["mode"] == "stack":
+        how = f"on the stack, job {r['job_id']}, {r['job_wall_s']:.1f}s; stored in etcd"
+    else:
+        scale = f", time scale {r['time_scale']:g}" if r["backend"] == "emulated" else ""
+        how = f"local {r['backend']}{scale}; sweep {r['sweep_wall_s']:.1f}s; memory from {r['memory_source']}"
+    t = Table(title=f"{r['model_id']} on {r['gpu_type']}, tp={r['tp']} pp={r['pp']} ({how})")
     for c in ("", "analytic", "measured", "diff %"):
         t.add_column(c, justify="right" if c else "left")
     for f, label, mult, fmt in FIELDS:
-        a, mv = getattr(r.analytic, f), getattr(r.profile, f)
-        t.add_row(label, fmt.format(a * mult), fmt.format(mv * mult), f"{percent_diff(mv, a):+.1f}")
+        d = r[f]
+        t.add_row(label, fmt.format(d["analytic"] * mult), fmt.format(d["measured"] * mult),
+                  f"{d['diff_percent']:+.1f}")
     return t
 
 

@@ -110,6 +110,9 @@ def service_env(svc: str, *, host: str, port: int, addrs: Mapping[str, str], etc
             env[f"{p}{peer.upper()}_ADDRESS"] = addr
     if svc == "orchestrator":
         env[p + "TOOL_TIME_SCALE"] = repr(cfg.time_scale)  # TOOL stages are emulated on the engines' clock
+    if svc == "profiler":
+        # The profiler converts the deployer's emulated engines' wall time back to model time.
+        env[p + "ENGINE_TIME_SCALE"] = repr(cfg.time_scale)
     if svc == "deployer":
         env.update({p + "NODE": cfg.node, p + "GPU_TYPE": cfg.gpu_type, p + "GPU_COUNT": str(cfg.gpus),
                     p + "USE_NVML": "false", p + "BACKEND": "emulated", p + "ENGINE_HOST": host,

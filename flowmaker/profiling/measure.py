@@ -17,11 +17,19 @@ An emulated engine runs its clock `time_scale` times faster than the wall clock,
 handling and timer wake-ups cost real (unscaled) time, about 2 ms a request: scaled by 20 that
 would add 40 ms to `fixed_s`. So before an emulated engine is swept, `calibrate_emulator_overhead`
 times a reference emulated engine of known profile at the same scale; a wall latency `w` is
-then scaled back as `(w - overhead) * time_scale`. A real engine (time_scale 1) is taken as
-measured: its HTTP cost is part of its fixed cost. The emulator's timers still jitter by about a
+then scaled back as `(w - overhead) * time_scale`; this is done for every emulated engine
+(`EngineHandle.emulated`), at time scale 1 too, where it is still ~15% of a 1B model's
+`fixed_s`. A real engine is taken as measured: its HTTP cost is part of its fixed cost. The emulator's timers still jitter by about a
 millisecond of wall time, which the scale multiplies: at time scale 4 a 7-8B model's `fixed_s`
 (25-40 ms) comes back within a few %, at 20 only within ~25%; prefill, decode and throughput hold
-within 10% at either (tests/integration/test_profiler_service.py).
+within 10% at either (tests/integration/test_profiler_service.py). A 1B model's `fixed_s`
+(15 ms) needs time scale 1 to be recovered within 10%.
+
+The time scale must be the one the engine really runs at (the deployer's
+`FLOWMAKER_DEPLOYER_ENGINE_TIME_SCALE` when the deployer starts it): every coefficient would be
+off by the ratio otherwise. An emulated engine's `vllm:e2e_request_latency_seconds` counts model
+seconds, so the latency sweep checks the scale against it (`check_time_scale`) and fails with
+TIME_SCALE_MISMATCH, naming the scale the engine runs at, rather than storing a wrong profile.
 
 Token counts come from the response's `usage` (a real tokenizer does not count words), and
 `ignore_eos` keeps real engines generating exactly `max_tokens`.
@@ -52,7 +60,7 @@ import aiohttp
 
 from flowmaker import telemetry
 from flowmaker.domain import GpuType, Model, Profile
-from flowmaker.errors import InvalidSpec, Unavailable
+from flowmaker.errors import FailedPrecondition, InvalidSpec, Unavailable
 from flowmaker.profiling.analytic import analytic_profile
 from flowmaker.profiling.fit import SATURATION_RATIO, LatencySample, ThroughputSample, fit_latency, fit_profile
 
@@ -60,11 +68,14 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "PLATEAU_GROWTH", "BackendLauncher", "EngineHandle", "EngineLauncher", "MeasuredConfig", "Progress", "SweepPlan",
-    "calibrate_emulator_overhead", "measure_config", "measure_model", "percent_diff",
+    "TimeScaleMismatch", "calibrate_emulator_overhead", "check_time_scale", "measure_config", "measure_model",
+    "percent_diff",
 ]
 
 # A saturated level whose achieved rate is within this fraction of the previous one is on the plateau.
 PLATEAU_GROWTH = 0.05
+# An emulated engine whose model clock runs this far (relative) from the expected time scale is a misconfiguration.
+TIME_SCALE_TOLERANCE = 0.25
 _PROMPT_WORD = "hello"  # one token per word in the emulator and, with a leading space, in common BPE vocabularies
 
 
@@ -136,6 +147,7 @@ class EngineHandle(Protocol):
     base_url: str  # OpenAI-compatible server, e.g. http://127.0.0.1:41234
     model_name: str  # what to send as `model`
     time_scale: float  # engine seconds per wall second (1 for a real engine)
+    emulated: bool  # an emulated engine: its per-request harness overhead is calibrated and removed
     gpu_indices: tuple[int, ...]  # node-local CUDA indices, for NVML (empty when not local)
     reported_memory_gb_per_gpu: float | None  # the engine's own report of its footprint, if any
 
@@ -146,6 +158,12 @@ class EngineLauncher(Protocol):
     """Starts an engine for (model, tp, pp) on a GPU type; `analytic` sizes its memory reservation."""
 
     async def launch(self, model: Model, gpu: GpuType, tp: int, pp: int, analytic: Profile) -> EngineHandle: ...
+
+
+class TimeScaleMismatch(FailedPrecondition):
+    """The emulated engine's clock does not run at the time scale the profiler was told."""
+
+    reason = "TIME_SCALE_MISMATCH"
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +229,55 @@ class _Client:
         usage = data.get("usage") or {}
         return (wall, int(usage.get("prompt_tokens", input_tokens)),
                 int(usage.get("completion_tokens", output_tokens)))
+
+    async def e2e_seconds(self) -> tuple[float, float] | None:
+        """(sum, count) of the engine's `vllm:e2e_request_latency_seconds` histogram, or None when its
+        /metrics does not have it (or cannot be read)."""
+        try:
+            async with self.http.get(self.handle.base_url.rstrip("/") + "/metrics", timeout=self.timeout) as r:
+                if r.status != 200:
+                    return None
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        return _histogram_sum_count(text, "vllm:e2e_request_latency_seconds")
+
+
+def _histogram_sum_count(text: str, name: str) -> tuple[float, float] | None:
+    """Sum and count of a Prometheus histogram in exposition text, added over its label sets; None when absent."""
+    total, count, seen = 0.0, 0.0, False
+    for line in text.splitlines():
+        if line.startswith("# TYPE ") and line.split()[2:4] == [name, "histogram"]:
+            seen = True  # declared: no samples yet means nothing observed (a labelled histogram before its first)
+        for suffix in ("_sum", "_count"):
+            head = name + suffix
+            if line.startswith(head) and line[len(head):len(head) + 1] in ("{", " "):
+                try:
+                    v = float(line.rsplit(None, 1)[1])
+                except (IndexError, ValueError):
+                    return None
+                seen = True
+                if suffix == "_sum":
+                    total += v
+                else:
+                    count += v
+    return (total, count) if seen else None
+
+
+def check_time_scale(expected: float, engine_s: float, wall_s: float, *, where: str = "") -> float:
+    """The time scale an emulated engine ran at (`engine_s` of its own model time in `wall_s` of
+    harness-corrected wall time); TimeScaleMismatch when it is off `expected` by more than
+    TIME_SCALE_TOLERANCE (relative)."""
+    if not wall_s > 0 or not engine_s > 0:
+        return expected
+    seen = engine_s / wall_s
+    if abs(seen / expected - 1.0) > TIME_SCALE_TOLERANCE:
+        raise TimeScaleMismatch(
+            f"the emulated engine{' at ' + where if where else ''} runs its clock about {seen:.3g}x wall time, "
+            f"but the profiler assumes {expected:g}x: set FLOWMAKER_PROFILER_ENGINE_TIME_SCALE to the deployer's "
+            "FLOWMAKER_DEPLOYER_ENGINE_TIME_SCALE", field="time_scale",
+            metadata={"expected": f"{expected:g}", "observed": f"{seen:.3g}"})
+    return seen
 
 
 def _to_engine_s(wall_s: float, overhead_s: float, scale: float, sequential: int = 1) -> float:
@@ -288,7 +355,7 @@ async def measure_config(handle: EngineHandle, model: Model, gpu: GpuType, tp: i
                          on_progress: ProgressCallback | None = None) -> MeasuredConfig:
     """Sweep one running engine and fit its MEASURED profile (see the module docstring).
     `overhead_s`: the per-request harness overhead to remove; None = calibrate it when the
-    engine is emulated (time_scale != 1), 0 for a real engine."""
+    engine is emulated, 0 for a real engine."""
     t_start = time.monotonic()
     plan = (plan or SweepPlan()).validate()
     if model.arch is not None:
@@ -297,22 +364,26 @@ async def measure_config(handle: EngineHandle, model: Model, gpu: GpuType, tp: i
     scale = handle.time_scale
     if not scale > 0:
         raise InvalidSpec(f"must be > 0, got {scale}", field="time_scale")
+    emulated = bool(getattr(handle, "emulated", scale != 1.0))
     if overhead_s is None:
-        overhead_s = 0.0 if scale == 1.0 else await calibrate_emulator_overhead(scale)
+        overhead_s = await calibrate_emulator_overhead(scale) if emulated else 0.0
     total_steps = plan.latency_requests + len(plan.concurrency)
     done = 0
     tracer = telemetry.tracer()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         client = _Client(http, handle, plan.request_timeout_s)
         rtt = await client.rtt()
+        e2e_before = await client.e2e_seconds() if emulated else None
         # ---- single requests ----
         lat: list[LatencySample] = []
+        wall_total, sent = 0.0, 0
         with tracer.start_as_current_span("profile.latency_sweep"):
             for i in plan.input_tokens:
                 for o in plan.output_tokens:
                     runs = []
                     for _ in range(plan.repeats):
                         wall, pin, pout = await client.complete(i, o)
+                        wall_total, sent = wall_total + max(wall - overhead_s, 0.0), sent + 1
                         runs.append((_to_engine_s(wall, overhead_s, scale), pin, pout))
                         done += 1
                         await _report(on_progress, Progress(tp, pp, "latency", done / total_steps))
@@ -321,6 +392,10 @@ async def measure_config(handle: EngineHandle, model: Model, gpu: GpuType, tp: i
                     # run is the best estimate (the calibration uses the minimum too). At wall speed, the median.
                     pick = runs[0] if scale != 1.0 else runs[len(runs) // 2]
                     lat.append(LatencySample(pick[1], pick[2], pick[0]))
+        e2e_after = await client.e2e_seconds() if e2e_before is not None else None
+        # The check needs the engine to itself (its request count grew by exactly ours).
+        if e2e_before is not None and e2e_after is not None and e2e_after[1] - e2e_before[1] == sent:
+            check_time_scale(scale, e2e_after[0] - e2e_before[0], wall_total, where=handle.base_url)
         fixed, prefill, decode = fit_latency(lat)
         # ---- throughput: increasing closed-loop concurrency until the achieved rate plateaus ----
         thr: list[ThroughputSample] = []
@@ -411,6 +486,7 @@ class _ProcessHandle:
     gpu_indices: tuple[int, ...]
     reported_memory_gb_per_gpu: float | None
     base_url: str = ""
+    emulated: bool = False
 
     async def close(self) -> None:
         await self.process.stop(grace_s=5.0)
@@ -447,7 +523,7 @@ class BackendLauncher:
         await proc.wait_healthy(self.start_timeout_s)
         return _ProcessHandle(proc, backend.served_model_name(spec), self.time_scale if emulated else 1.0,
                               spec.gpu_indices, analytic.memory_gb_per_gpu if emulated else None,
-                              base_url=proc.base_url)
+                              base_url=proc.base_url, emulated=emulated)
 
 
 def _free_port(host: str) -> int:

@@ -40,7 +40,8 @@ def new_job(model_id: str, gpu_type: str, configs: list[tuple[int, int]], engine
 
 @dataclass
 class _DeployedEngine:
-    """An instance started by the deployer for a sweep; `close` releases it."""
+    """An instance started by the deployer for a sweep; `close` releases it (the deployer stops it and
+    frees the memory it reserved)."""
 
     stub: Any
     instance_id: str
@@ -48,6 +49,7 @@ class _DeployedEngine:
     base_url: str
     model_name: str
     time_scale: float
+    emulated: bool = False
     gpu_indices: tuple[int, ...] = ()
     reported_memory_gb_per_gpu: float | None = None
 
@@ -58,9 +60,16 @@ class _DeployedEngine:
         await call(self.stub.Release(deployer_pb2.ReleaseRequest(instance_id=self.instance_id, task_id=self.task_id)))
 
 
+# Engine names the deployer runs as emulated engines (on its FLOWMAKER_DEPLOYER_ENGINE_TIME_SCALE clock).
+EMULATED_ENGINES = ("emulated", "sim")
+
+
 @dataclass
 class DeployerLauncher:
-    """Starts each config through the deployer service (Deploy, placed by the deployer), releases it after."""
+    """Starts each config through the deployer service (Deploy, placed by the deployer, its memory reserved on
+    the cluster's GPUs like any instance), releases it after. `time_scale` must be the deployer's
+    FLOWMAKER_DEPLOYER_ENGINE_TIME_SCALE (the profiler's FLOWMAKER_PROFILER_ENGINE_TIME_SCALE); the sweep
+    checks it against the emulated engine's own clock."""
 
     channel: Any  # grpc.aio.Channel to the deployer
     task_id: str
@@ -77,9 +86,30 @@ class DeployerLauncher:
             model_id=model.id, tp=tp, pp=pp, memory_gb_per_gpu=analytic.memory_gb_per_gpu, task_id=self.task_id,
             engine=self.engine, request_id=f"{self.task_id}-{tp}x{pp}"), timeout=self.start_timeout_s))
         inst = resp.instance
-        # Emulated engines run at the deployer's time scale; GPU engines at wall speed.
-        scale = self.time_scale if self.engine in ("", "emulated", "sim") else 1.0
-        return _DeployedEngine(stub, inst.id, self.task_id, inst.endpoint, model.id, scale)
+        # The deployer says which engine it started (the request may leave it to the deployer's default):
+        # emulated engines run at the deployer's time scale and were started with the footprint reserved
+        # for them; GPU engines run at wall speed on the deployer's host, whose GPUs this process cannot
+        # query (memory then falls back to the analytic estimate).
+        emulated = (inst.engine or self.engine) in EMULATED_ENGINES
+        log.info("profiling %s tp=%d pp=%d on instance %s (%s engine on %s, GPUs %s)", model.id, tp, pp, inst.id,
+                 inst.engine, inst.node, list(inst.gpu_ids))
+        return _DeployedEngine(stub, inst.id, self.task_id, inst.endpoint, await _served_name(inst.endpoint, model.id),
+                               self.time_scale if emulated else 1.0, emulated,
+                               reported_memory_gb_per_gpu=analytic.memory_gb_per_gpu if emulated else None)
+
+
+async def _served_name(base_url: str, default: str) -> str:
+    """The model name the engine serves (`GET /v1/models`): the catalog id for vLLM and emulated engines,
+    the Hugging Face id for trtllm-serve; `default` when it cannot say."""
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession() as http, http.get(base_url.rstrip("/") + "/v1/models",
+                                                             timeout=aiohttp.ClientTimeout(total=30)) as r:
+            data = await r.json(content_type=None)
+        return str(data["data"][0]["id"])
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
+        return default
 
 
 @dataclass

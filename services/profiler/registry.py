@@ -122,12 +122,16 @@ class Registry:
         return stored
 
     async def measured(self, model_id: str, gpu_type: str) -> dict[tuple[int, int], Profile]:
+        return {c: profile_from_json(r) for c, r in (await self.measured_records(model_id, gpu_type)).items()}
+
+    async def measured_records(self, model_id: str, gpu_type: str) -> dict[tuple[int, int], dict[str, Any]]:
+        """The stored MEASURED records (Profile fields plus the sweep's provenance: job_id, memory_source...)."""
         prefix = keys.profiles_of_gpu_type(gpu_type) + quote(model_id, safe="") + "/"
         out = {}
         for kv in (await self.store.get_prefix(prefix)).items:
             _, _, tp, pp, source = keys.parse_profile(kv.key)
             if source == ProfileSource.MEASURED.value:
-                out[(tp, pp)] = profile_from_json(kv.value)
+                out[(tp, pp)] = dict(kv.value)
         return out
 
     async def put_measured(self, p: Profile, **meta: Any) -> None:

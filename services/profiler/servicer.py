@@ -18,7 +18,7 @@ from flowmaker.domain import GpuType, Model
 from flowmaker.errors import FailedPrecondition, InvalidSpec
 from flowmaker.profiling.analytic import ConfigExcluded, explain_profile
 from services.profiler.jobs import ACTIVE_STATES, JobRunner, config_name, new_job
-from services.profiler.registry import Registry
+from services.profiler.registry import Registry, profile_from_json
 
 log = logging.getLogger(__name__)
 
@@ -135,24 +135,32 @@ class ProfilerServicer(profiler_pb2_grpc.ProfilerServiceServicer):
         gpu, max_gpus = await self._gpu(request.gpu_type)
         wanted = self._requested(model, gpu, request.configs)
         analytic = await self.registry.ensure_analytic(model, gpu, max([max_gpus, *(tp * pp for tp, pp in wanted or [])]))
-        measured = await self.registry.measured(model.id, gpu.name)
+        records = await self.registry.measured_records(model.id, gpu.name)
+        measured = {c: profile_from_json(r) for c, r in records.items()}
         jobs = await self.registry.jobs(model.id, gpu.name)
         running = [j for j in jobs if j["state"] in ACTIVE_STATES]
         configs = wanted if wanted is not None else [c for c in analytic if c[0] * c[1] <= max_gpus]
         out = []
         for tp, pp in sorted(configs, key=lambda c: (c[0] * c[1], c[0])):
             name = config_name(tp, pp)
-            profile = measured.get((tp, pp)) or analytic[(tp, pp)]
-            if any(j["config_states"].get(name) in ("PENDING", "MEASURING") for j in running):
+            a, m = analytic[(tp, pp)], measured.get((tp, pp))
+            measuring = next((j for j in running if j["config_states"].get(name) in ("PENDING", "MEASURING")), None)
+            job_id, progress = str(records.get((tp, pp), {}).get("job_id", "")), 1.0 if m else 0.0
+            if measuring is not None:
                 state = PC.State.STATE_MEASURING
-            elif (tp, pp) in measured:
+                job_id, progress = measuring["id"], float(measuring["config_progress"].get(name, 0.0))
+            elif m is not None:
                 state = PC.State.STATE_MEASURED
             elif jobs and jobs[-1]["config_states"].get(name) == "FAILED":
                 state = PC.State.STATE_MEASURE_FAILED
+                job_id = jobs[-1]["id"]
             else:
                 state = PC.State.STATE_ANALYTIC
-            out.append(PC(config=profiler_pb2.ParallelConfig(tp=tp, pp=pp), profile=convert.profile_to_proto(profile),
-                          state=state))
+            pc = PC(config=profiler_pb2.ParallelConfig(tp=tp, pp=pp), profile=convert.profile_to_proto(m or a),
+                    state=state, analytic=convert.profile_to_proto(a), progress=progress, job_id=job_id)
+            if m is not None:
+                pc.measured.CopyFrom(convert.profile_to_proto(m))
+            out.append(pc)
         return profiler_pb2.GetProfilesResponse(configs=out)
 
     async def ProfileModel(self, request: profiler_pb2.ProfileModelRequest,

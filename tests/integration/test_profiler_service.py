@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ import grpc
 import pytest
 
 from flowmaker import convert
+from flowmaker.api.deployer.v1 import deployer_pb2, deployer_pb2_grpc
 from flowmaker.api.profiler.v1 import profiler_pb2, profiler_pb2_grpc
 from flowmaker.catalog import get_gpu_type, get_model
 from flowmaker.domain import ProfileSource
@@ -19,6 +21,10 @@ from flowmaker.errors import AlreadyExists, InvalidSpec, NotFound
 from flowmaker.profiling.analytic import analytic_profile
 from flowmaker.rpc.errors import call
 from flowmaker.state import keys
+from flowmaker.state.records import GpuRecord, InstanceRecord
+from services.deployer.node import NodeAgent
+from services.deployer.servicer import SERVICE_NAME, DeployerServicer
+from services.deployer.settings import DeployerSettings
 from services.profiler.app import build
 from services.profiler.servicer import add_servicers
 from services.profiler.settings import ProfilerSettings
@@ -37,10 +43,10 @@ LLAMA_1B_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "
 
 async def _profiler(start_service: Any, store: Any, **overrides: Any) -> tuple[Any, profiler_pb2_grpc.ProfilerServiceStub,
                                                                              grpc.aio.Channel]:
-    settings = ProfilerSettings(host="127.0.0.1", port=0, grace_s=0.5, preload_catalog=False,
+    base: dict[str, Any] = dict(host="127.0.0.1", port=0, grace_s=0.5, preload_catalog=False,
                                 analytic_gpu_types="A6000", engine_time_scale=4.0, sweep_repeats=5,
-                                sweep_output_tokens="4,16,64", throughput_output_tokens=64, max_concurrency=128,
-                                **overrides)
+                                sweep_output_tokens="4,16,64", throughput_output_tokens=64, max_concurrency=128)
+    settings = ProfilerSettings(**{**base, **overrides})
     app = build(settings, store)
     running = await start_service("profiler", lambda s: add_servicers(s, app.servicer), settings,
                                   on_ready=app.start, on_shutdown=[app.close])
@@ -149,3 +155,141 @@ async def test_measured_sweep_within_10_percent(start_service: Any, etcd_store: 
         assert measured.memory_gb_per_gpu == pytest.approx(truth.memory_gb_per_gpu)
         kv = await etcd_store.get(keys.profile("A6000", model, 2, 1, "MEASURED"))
         assert kv is not None and kv.value["job_id"] == job.id and kv.value["memory_source"] == "engine"
+        # Both profiles side by side: the analytic one stays what it was, the measured one is the profile in effect.
+        pc = by_shape[(2, 1)]
+        assert pc.HasField("measured") and convert.profile_from_proto(pc.measured) == measured
+        assert convert.profile_from_proto(pc.analytic).decode_s_per_token == pytest.approx(truth.decode_s_per_token)
+        assert convert.profile_from_proto(pc.analytic).source is ProfileSource.ANALYTIC
+        assert pc.progress == 1.0 and pc.job_id == job.id
+        other = by_shape[(1, 1)]
+        assert not other.HasField("measured") and other.HasField("analytic") and other.job_id == ""
+        assert convert.profile_from_proto(other.profile) == convert.profile_from_proto(other.analytic)
+
+
+# ---- measured through the deployer (DeployerLauncher) -------------------------------------------------
+
+
+async def _deployer(start_service: Any, etcd: Any, namespace: str, time_scale: float) -> str:
+    """A real deployer (emulated engines at `time_scale`, 2 x A6000) on the profiler's etcd namespace."""
+    from flowmaker.state.etcd import EtcdStore
+
+    settings = DeployerSettings(node="node0", host="127.0.0.1", port=0, etcd_endpoints=etcd.endpoint,
+                                etcd_namespace=namespace, etcd_timeout_s=3.0, use_nvml=False, gpu_type="A6000",
+                                gpu_count=2, lease_ttl_s=3, engine_time_scale=time_scale, engine_stop_grace_s=3.0,
+                                engine_start_timeout_s=60.0, grace_s=0.5)
+    store = EtcdStore(etcd.endpoint, namespace=namespace, timeout_s=3.0)
+    agent = NodeAgent(store, settings)
+
+    def add(server: grpc.aio.Server) -> list[str]:
+        deployer_pb2_grpc.add_DeployerServiceServicer_to_server(DeployerServicer(agent), server)
+        return [SERVICE_NAME]
+
+    async def ready(running: Any) -> None:
+        agent.endpoint = running.address
+        await agent.start()
+
+    srv = await start_service("deployer", add, settings, on_ready=ready, on_shutdown=[agent.shutdown, store.close])
+    return str(srv.address)
+
+
+async def _gpu_memory(store: Any) -> dict[str, float]:
+    return {g.id: g.memory_used_gb for g in (GpuRecord.from_json(kv.value)
+                                             for kv in (await store.get_prefix(keys.GPUS)).items)}
+
+
+async def _instances(store: Any) -> list[InstanceRecord]:
+    return [InstanceRecord.from_json(kv.value) for kv in (await store.get_prefix(keys.INSTANCES)).items]
+
+
+async def _wait_job(stub: profiler_pb2_grpc.ProfilerServiceStub, job_id: str, timeout_s: float,
+                    during: Any = None) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = (await call(stub.GetProfilingJob(profiler_pb2.GetProfilingJobRequest(job_id=job_id)))).job
+        if got.state in (PJ.State.STATE_SUCCEEDED, PJ.State.STATE_FAILED):
+            return got
+        if during is not None:
+            await during()
+        assert time.monotonic() < deadline, "profiling job did not finish"
+        await asyncio.sleep(0.3)
+
+
+# Time scale 1: a 1B model's fixed_s (15 ms) is recovered within a few % only at wall speed (see
+# flowmaker.profiling.measure); the harness overhead of the emulated engine is still calibrated and removed.
+async def test_measured_through_the_deployer_accounts_memory_and_recovers_the_profile(
+        start_service: Any, etcd: Any, etcd_namespace: str, etcd_store: Any) -> None:
+    deployer = await _deployer(start_service, etcd, etcd_namespace, 1.0)
+    _app, stub, ch = await _profiler(start_service, etcd_store, deployer_address=deployer, engine_time_scale=1.0)
+    model, gpu = "Llama-3.2-1B-Instruct", get_gpu_type("A6000")
+    truth = analytic_profile(get_model(model), gpu, 1, 1)
+    async with ch, grpc.aio.insecure_channel(deployer) as dch:
+        dstub = deployer_pb2_grpc.DeployerServiceStub(dch)
+        await call(stub.RegisterModel(profiler_pb2.RegisterModelRequest(catalog_name=model)))
+        # No gpu_type: the cluster's (the deployer's node record says A6000).
+        job = (await call(stub.ProfileModel(profiler_pb2.ProfileModelRequest(
+            model_id=model, configs=[profiler_pb2.ParallelConfig(tp=1, pp=1)])))).job
+        assert job.gpu_type == "A6000"
+        seen: dict[str, Any] = {}
+
+        async def during() -> None:
+            # The sweep's engine is a cluster instance: placed by the deployer, its memory reserved on a GPU.
+            listed = await call(dstub.ListInstances(deployer_pb2.ListInstancesRequest(task_id=f"profiling-{job.id}")))
+            for inst in await _instances(etcd_store):
+                if inst.id in [i.id for i in listed.instances]:
+                    seen["instance"] = inst
+                    seen["memory"] = await _gpu_memory(etcd_store)
+            pc = (await call(stub.GetProfiles(profiler_pb2.GetProfilesRequest(
+                model_id=model, configs=[profiler_pb2.ParallelConfig(tp=1, pp=1)])))).configs[0]
+            if pc.state == PC.State.STATE_MEASURING:
+                seen["progress"] = max(seen.get("progress", 0.0), pc.progress)
+                assert pc.job_id == job.id and not pc.HasField("measured")
+
+        got = await _wait_job(stub, job.id, 180, during)
+        assert got.state == PJ.State.STATE_SUCCEEDED, got.failure.message
+        inst = seen.get("instance")
+        assert inst is not None, "no deployer instance seen for the sweep"
+        assert inst.model_id == model and (inst.tp, inst.pp) == (1, 1) and inst.engine == "emulated"
+        assert inst.memory_gb_per_gpu == pytest.approx(truth.memory_gb_per_gpu, rel=1e-3)
+        assert seen["memory"][inst.gpu_ids[0]] == pytest.approx(inst.memory_gb_per_gpu)
+        assert 0.0 < seen.get("progress", 0.0) <= 1.0
+        # Released after the sweep: no instance left, memory back to zero.
+        assert await _instances(etcd_store) == []
+        assert all(v == 0.0 for v in (await _gpu_memory(etcd_store)).values())
+
+        pc = (await call(stub.GetProfiles(profiler_pb2.GetProfilesRequest(
+            model_id=model, configs=[profiler_pb2.ParallelConfig(tp=1, pp=1)])))).configs[0]
+        assert pc.state == PC.State.STATE_MEASURED and pc.job_id == job.id
+        analytic, measured = convert.profile_from_proto(pc.analytic), convert.profile_from_proto(pc.measured)
+        assert measured.source is ProfileSource.MEASURED and analytic.source is ProfileSource.ANALYTIC
+        for f in ("fixed_s", "prefill_s_per_token", "decode_s_per_token", "max_output_tokens_per_s",
+                  "memory_gb_per_gpu"):
+            assert getattr(measured, f) == pytest.approx(getattr(truth, f), rel=0.10), f
+            assert getattr(analytic, f) == pytest.approx(getattr(truth, f), rel=1e-6), f
+        kv = await etcd_store.get(keys.profile("A6000", model, 1, 1, "MEASURED"))
+        assert kv is not None and kv.value["memory_source"] == "engine" and kv.value["overhead_s"] > 0
+
+
+async def test_time_scale_mismatch_with_the_deployer_fails_the_job_naming_the_setting(
+        start_service: Any, etcd: Any, etcd_namespace: str, etcd_store: Any) -> None:
+    # The deployer's engines run at 3x; the profiler is told 1x (what the launcher leaves it at by default).
+    deployer = await _deployer(start_service, etcd, etcd_namespace, 3.0)
+    _app, stub, ch = await _profiler(start_service, etcd_store, deployer_address=deployer, engine_time_scale=1.0,
+                                     sweep_repeats=1, sweep_input_tokens="32,512")
+    model = "Llama-3.2-1B-Instruct"
+    async with ch:
+        await call(stub.RegisterModel(profiler_pb2.RegisterModelRequest(catalog_name=model)))
+        job = (await call(stub.ProfileModel(profiler_pb2.ProfileModelRequest(
+            model_id=model, configs=[profiler_pb2.ParallelConfig(tp=1, pp=1)])))).job
+        got = await _wait_job(stub, job.id, 120)
+        assert got.state == PJ.State.STATE_FAILED
+        assert got.failure.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        assert "TIME_SCALE_MISMATCH" in got.failure.message
+        assert "FLOWMAKER_PROFILER_ENGINE_TIME_SCALE" in got.failure.message
+        seen = re.search(r"about ([0-9.]+)x wall time", got.failure.message)
+        assert seen is not None and 2.4 < float(seen.group(1)) < 3.6, got.failure.message
+        pc = (await call(stub.GetProfiles(profiler_pb2.GetProfilesRequest(
+            model_id=model, configs=[profiler_pb2.ParallelConfig(tp=1, pp=1)])))).configs[0]
+        assert pc.state == PC.State.STATE_MEASURE_FAILED and pc.job_id == job.id and not pc.HasField("measured")
+        # Nothing measured was stored, and the instance was released.
+        assert await etcd_store.get(keys.profile("A6000", model, 1, 1, "MEASURED")) is None
+        assert await _instances(etcd_store) == []

@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$flowmaker/profiler/v1/profiler.proto\x12\x15\x66lowmaker.profiler.v1\x1a!flowmaker/common/v1/cluster.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17google/rpc/status.proto\"\xa7\x01\n\x14RegisterModelRequest\x12\x16\n\x0c\x63\x61talog_name\x18\x01 \x01(\tH\x00\x12\x18\n\x0ehf_config_json\x18\x02 \x01(\tH\x00\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\x08\x61\x63\x63uracy\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05hf_id\x18\x05 \x01(\t\x12\x0e\n\x06source\x18\x06 \x01(\tB\x08\n\x06originB\x0b\n\t_accuracy\"B\n\x15RegisterModelResponse\x12)\n\x05model\x18\x01 \x01(\x0b\x32\x1a.flowmaker.common.v1.Model\"\x13\n\x11ListModelsRequest\"@\n\x12ListModelsResponse\x12*\n\x06models\x18\x01 \x03(\x0b\x32\x1a.flowmaker.common.v1.Model\"(\n\x0eParallelConfig\x12\n\n\x02tp\x18\x01 \x01(\x05\x12\n\n\x02pp\x18\x02 \x01(\x05\"\xa7\x02\n\rProfileConfig\x12\x35\n\x06\x63onfig\x18\x01 \x01(\x0b\x32%.flowmaker.profiler.v1.ParallelConfig\x12-\n\x07profile\x18\x02 \x01(\x0b\x32\x1c.flowmaker.common.v1.Profile\x12\x39\n\x05state\x18\x03 \x01(\x0e\x32*.flowmaker.profiler.v1.ProfileConfig.State\"u\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATE_ANALYTIC\x10\x01\x12\x13\n\x0fSTATE_MEASURING\x10\x02\x12\x12\n\x0eSTATE_MEASURED\x10\x03\x12\x18\n\x14STATE_MEASURE_FAILED\x10\x04\"p\n\x12GetProfilesRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08gpu_type\x18\x02 \x01(\t\x12\x36\n\x07\x63onfigs\x18\x03 \x03(\x0b\x32%.flowmaker.profiler.v1.ParallelConfig\"L\n\x13GetProfilesResponse\x12\x35\n\x07\x63onfigs\x18\x01 \x03(\x0b\x32$.flowmaker.profiler.v1.ProfileConfig\"\xd0\x03\n\x0cProfilingJob\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x10\n\x08gpu_type\x18\x03 \x01(\t\x12\x36\n\x07\x63onfigs\x18\x04 \x03(\x0b\x32%.flowmaker.profiler.v1.ParallelConfig\x12\x38\n\x05state\x18\x05 \x01(\x0e\x32).flowmaker.profiler.v1.ProfilingJob.State\x12\x14\n\x0c\x63onfigs_done\x18\x06 \x01(\x05\x12\x15\n\rconfigs_total\x18\x07 \x01(\x05\x12#\n\x07\x66\x61ilure\x18\x08 \x01(\x0b\x32\x12.google.rpc.Status\x12/\n\x0b\x63reate_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"j\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTATE_QUEUED\x10\x01\x12\x11\n\rSTATE_RUNNING\x10\x02\x12\x13\n\x0fSTATE_SUCCEEDED\x10\x03\x12\x10\n\x0cSTATE_FAILED\x10\x04\"\x81\x01\n\x13ProfileModelRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08gpu_type\x18\x02 \x01(\t\x12\x36\n\x07\x63onfigs\x18\x03 \x03(\x0b\x32%.flowmaker.profiler.v1.ParallelConfig\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\"H\n\x14ProfileModelResponse\x12\x30\n\x03job\x18\x01 \x01(\x0b\x32#.flowmaker.profiler.v1.ProfilingJob\"(\n\x16GetProfilingJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"K\n\x17GetProfilingJobResponse\x12\x30\n\x03job\x18\x01 \x01(\x0b\x32#.flowmaker.profiler.v1.ProfilingJob2\xa1\x04\n\x0fProfilerService\x12j\n\rRegisterModel\x12+.flowmaker.profiler.v1.RegisterModelRequest\x1a,.flowmaker.profiler.v1.RegisterModelResponse\x12\x61\n\nListModels\x12(.flowmaker.profiler.v1.ListModelsRequest\x1a).flowmaker.profiler.v1.ListModelsResponse\x12\x64\n\x0bGetProfiles\x12).flowmaker.profiler.v1.GetProfilesRequest\x1a*.flowmaker.profiler.v1.GetProfilesResponse\x12g\n\x0cProfileModel\x12*.flowmaker.profiler.v1.ProfileModelRequest\x1a+.flowmaker.profiler.v1.ProfileModelResponse\x12p\n\x0fGetProfilingJob\x12-.flowmaker.profiler.v1.GetProfilingJobRequest\x1a..flowmaker.profiler.v1.GetProfilingJobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$flowmaker/profiler/v1/profiler.proto\x12\x15\x66lowmaker.profiler.v1\x1a!flowmaker/common/v1/cluster.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17google/rpc/status.proto\"\xa7\x01\n\x14RegisterModelRequest\x12\x16\n\x0c\x63\x61talog_name\x18\x01 \x01(\tH\x00\x12\x18\n\x0ehf_config_json\x18\x02 \x01(\tH\x00\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\x08\x61\x63\x63uracy\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05hf_id\x18\x05 \x01(\t\x12\x0e\n\x06source\x18\x06 \x01(\tB\x08\n\x06originB\x0b\n\t_accuracy\"B\n\x15RegisterModelResponse\x12)\n\x05model\x18\x01 \x01(\x0b\x32\x1a.flowmaker.common.v1.Model\"\x13\n\x11ListModelsRequest\"@\n\x12ListModelsResponse\x12*\n\x06models\x18\x01 \x03(\x0b\x32\x1a.flowmaker.common.v1.Model\"(\n\x0eParallelConfig\x12\n\n\x02tp\x18\x01 \x01(\x05\x12\n\n\x02pp\x18\x02 \x01(\x05\"\xa9\x03\n\rProfileConfig\x12\x35\n\x06\x63onfig\x18\x01 \x01(\x0b\x32%.flowmaker.profiler.v1.ParallelConfig\x12-\n\x07profile\x18\x02 \x01(\x0b\x32\x1c.flowmaker.common.v1.Profile\x12\x39\n\x05state\x18\x03 \x01(\x0e\x32*.flowmaker.profiler.v1.ProfileConfig.State\x12.\n\x08\x61nalytic\x18\x04 \x01(\x0b\x32\x1c.flowmaker.common.v1.Profile\x12.\n\x08measured\x18\x05 \x01(\x0b\x32\x1c.flowmaker.common.v1.Profile\x12\x10\n\x08progress\x18\x06 \x01(\x01\x12\x0e\n\x06job_id\x18\x07 \x01(\t\"u\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATE_ANALYTIC\x10\x01\x12\x13\n\x0fSTATE_MEASURING\x10\x02\x12\x12\n\x0eSTATE_MEASURED\x10\x03\x12\x18\n\x14STATE_MEASURE_FAILED\x10\x04\"p\n\x12GetProfilesRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08gpu_type\x18\x02 \x01(\t\x12\x36\n\x07\x63onfigs\x18\x03 \x03(\x0b\x32%.flowmaker.profiler.v1.ParallelConfig\"L\n\x13GetProfilesResponse\x12\x35\n\x07\x63onfigs\x18\x01 \x03(\x0b\x32$.flowmaker.profiler.v1.ProfileConfig\"\xd0\x03\n\x0cProfilingJob\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x10\n\x08gpu_type\x18\x03 \x01(\t\x12\x36\n\x07\x63onfigs\x18\x04 \x03(\x0b\x32%.flowmaker.profiler.v1.ParallelConfig\x12\x38\n\x05state\x18\x05 \x01(\x0e\x32).flowmaker.profiler.v1.ProfilingJob.State\x12\x14\n\x0c\x63onfigs_done\x18\x06 \x01(\x05\x12\x15\n\rconfigs_total\x18\x07 \x01(\x05\x12#\n\x07\x66\x61ilure\x18\x08 \x01(\x0b\x32\x12.google.rpc.Status\x12/\n\x0b\x63reate_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"j\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTATE_QUEUED\x10\x01\x12\x11\n\rSTATE_RUNNING\x10\x02\x12\x13\n\x0fSTATE_SUCCEEDED\x10\x03\x12\x10\n\x0cSTATE_FAILED\x10\x04\"\x81\x01\n\x13ProfileModelRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08gpu_type\x18\x02 \x01(\t\x12\x36\n\x07\x63onfigs\x18\x03 \x03(\x0b\x32%.flowmaker.profiler.v1.ParallelConfig\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\"H\n\x14ProfileModelResponse\x12\x30\n\x03job\x18\x01 \x01(\x0b\x32#.flowmaker.profiler.v1.ProfilingJob\"(\n\x16GetProfilingJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"K\n\x17GetProfilingJobResponse\x12\x30\n\x03job\x18\x01 \x01(\x0b\x32#.flowmaker.profiler.v1.ProfilingJob2\xa1\x04\n\x0fProfilerService\x12j\n\rRegisterModel\x12+.flowmaker.profiler.v1.RegisterModelRequest\x1a,.flowmaker.profiler.v1.RegisterModelResponse\x12\x61\n\nListModels\x12(.flowmaker.profiler.v1.ListModelsRequest\x1a).flowmaker.profiler.v1.ListModelsResponse\x12\x64\n\x0bGetProfiles\x12).flowmaker.profiler.v1.GetProfilesRequest\x1a*.flowmaker.profiler.v1.GetProfilesResponse\x12g\n\x0cProfileModel\x12*.flowmaker.profiler.v1.ProfileModelRequest\x1a+.flowmaker.profiler.v1.ProfileModelResponse\x12p\n\x0fGetProfilingJob\x12-.flowmaker.profiler.v1.GetProfilingJobRequest\x1a..flowmaker.profiler.v1.GetProfilingJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,25 +45,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PARALLELCONFIG']._serialized_start=481
   _globals['_PARALLELCONFIG']._serialized_end=521
   _globals['_PROFILECONFIG']._serialized_start=524
-  _globals['_PROFILECONFIG']._serialized_end=819
-  _globals['_PROFILECONFIG_STATE']._serialized_start=702
-  _globals['_PROFILECONFIG_STATE']._serialized_end=819
-  _globals['_GETPROFILESREQUEST']._serialized_start=821
-  _globals['_GETPROFILESREQUEST']._serialized_end=933
-  _globals['_GETPROFILESRESPONSE']._serialized_start=935
-  _globals['_GETPROFILESRESPONSE']._serialized_end=1011
-  _globals['_PROFILINGJOB']._serialized_start=1014
-  _globals['_PROFILINGJOB']._serialized_end=1478
-  _globals['_PROFILINGJOB_STATE']._serialized_start=1372
-  _globals['_PROFILINGJOB_STATE']._serialized_end=1478
-  _globals['_PROFILEMODELREQUEST']._serialized_start=1481
-  _globals['_PROFILEMODELREQUEST']._serialized_end=1610
-  _globals['_PROFILEMODELRESPONSE']._serialized_start=1612
-  _globals['_PROFILEMODELRESPONSE']._serialized_end=1684
-  _globals['_GETPROFILINGJOBREQUEST']._serialized_start=1686
-  _globals['_GETPROFILINGJOBREQUEST']._serialized_end=1726
-  _globals['_GETPROFILINGJOBRESPONSE']._serialized_start=1728
-  _globals['_GETPROFILINGJOBRESPONSE']._serialized_end=1803
-  _globals['_PROFILERSERVICE']._serialized_start=1806
-  _globals['_PROFILERSERVICE']._serialized_end=2351
+  _globals['_PROFILECONFIG']._serialized_end=949
+  _globals['_PROFILECONFIG_STATE']._serialized_start=832
+  _globals['_PROFILECONFIG_STATE']._serialized_end=949
+  _globals['_GETPROFILESREQUEST']._serialized_start=951
+  _globals['_GETPROFILESREQUEST']._serialized_end=1063
+  _globals['_GETPROFILESRESPONSE']._serialized_start=1065
+  _globals['_GETPROFILESRESPONSE']._serialized_end=1141
+  _globals['_PROFILINGJOB']._serialized_start=1144
+  _globals['_PROFILINGJOB']._serialized_end=1608
+  _globals['_PROFILINGJOB_STATE']._serialized_start=1502
+  _globals['_PROFILINGJOB_STATE']._serialized_end=1608
+  _globals['_PROFILEMODELREQUEST']._serialized_start=1611
+  _globals['_PROFILEMODELREQUEST']._serialized_end=1740
+  _globals['_PROFILEMODELRESPONSE']._serialized_start=1742
+  _globals['_PROFILEMODELRESPONSE']._serialized_end=1814
+  _globals['_GETPROFILINGJOBREQUEST']._serialized_start=1816
+  _globals['_GETPROFILINGJOBREQUEST']._serialized_end=1856
+  _globals['_GETPROFILINGJOBRESPONSE']._serialized_start=1858
+  _globals['_GETPROFILINGJOBRESPONSE']._serialized_end=1933
+  _globals['_PROFILERSERVICE']._serialized_start=1936
+  _globals['_PROFILERSERVICE']._serialized_end=2481
 # @@protoc_insertion_point(module_scope)

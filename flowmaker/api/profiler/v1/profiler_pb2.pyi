@@ -53,7 +53,7 @@ class ParallelConfig(_message.Message):
     def __init__(self, tp: _Optional[int] = ..., pp: _Optional[int] = ...) -> None: ...
 
 class ProfileConfig(_message.Message):
-    __slots__ = ("config", "profile", "state")
+    __slots__ = ("config", "profile", "state", "analytic", "measured", "progress", "job_id")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[ProfileConfig.State]
@@ -69,10 +69,18 @@ class ProfileConfig(_message.Message):
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    ANALYTIC_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     config: ParallelConfig
     profile: _cluster_pb2.Profile
     state: ProfileConfig.State
-    def __init__(self, config: _Optional[_Union[ParallelConfig, _Mapping]] = ..., profile: _Optional[_Union[_cluster_pb2.Profile, _Mapping]] = ..., state: _Optional[_Union[ProfileConfig.State, str]] = ...) -> None: ...
+    analytic: _cluster_pb2.Profile
+    measured: _cluster_pb2.Profile
+    progress: float
+    job_id: str
+    def __init__(self, config: _Optional[_Union[ParallelConfig, _Mapping]] = ..., profile: _Optional[_Union[_cluster_pb2.Profile, _Mapping]] = ..., state: _Optional[_Union[ProfileConfig.State, str]] = ..., analytic: _Optional[_Union[_cluster_pb2.Profile, _Mapping]] = ..., measured: _Optional[_Union[_cluster_pb2.Profile, _Mapping]] = ..., progress: _Optional[float] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class GetProfilesRequest(_message.Message):
     __slots__ = ("model_id", "gpu_type", "configs")
