@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
+from flowmaker import telemetry
 from flowmaker.errors import DeadlineExceeded, Unavailable
 
 log = logging.getLogger(__name__)
@@ -22,18 +24,24 @@ class Completion:
     text: str
     prompt_tokens: int
     completion_tokens: int
+    model: str = ""  # the model the engine says answered ("" when it did not say)
+    finish_reason: str = ""
 
 
 class EngineClient:
-    """One connection pool for every engine (created lazily inside the running loop)."""
+    """One connection pool for every engine (created lazily inside the running loop). Each call is a
+    `chat <model>` CLIENT span (gen_ai.* attributes) whose HTTP request carries the W3C trace context.
+    `trace_configs` are aiohttp's request hooks (tests use one to read the headers that went out)."""
 
-    def __init__(self, pool_size: int = 100) -> None:
+    def __init__(self, pool_size: int = 100, *, trace_configs: Sequence[aiohttp.TraceConfig] = ()) -> None:
         self.pool_size = pool_size
+        self.trace_configs = list(trace_configs)
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.pool_size))
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.pool_size),
+                                                  trace_configs=self.trace_configs or None)
         return self._session
 
     async def close(self) -> None:
@@ -48,33 +56,53 @@ class EngineClient:
         body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
                                 "max_tokens": max_tokens}
         if on_delta is not None:
+            # include_usage: the final chunk carries `usage` (vLLM, SGLang, TRT-LLM), so the span's token
+            # counts are the engine's, not a word count.
             body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
         url = endpoint.rstrip("/") + "/v1/chat/completions"
         what = f"instance {instance_id or endpoint} ({model})"
-        try:
-            async with self._http().post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                if r.status != 200:
-                    detail = (await r.text())[:500]
-                    raise Unavailable(f"{what} answered HTTP {r.status}: {detail}", reason="ENGINE_ERROR",
-                                      metadata={"instance_id": instance_id, "status": str(r.status)})
-                if on_delta is None:
-                    data = await r.json()
-                    text = data["choices"][0]["message"].get("content") or ""
-                    usage = data.get("usage") or {}
-                    return Completion(text, int(usage.get("prompt_tokens", 0)),
-                                      int(usage.get("completion_tokens", len(text.split()))))
-                return await self._read_stream(r, on_delta)
-        except TimeoutError:
-            raise DeadlineExceeded(f"{what} did not answer within {timeout_s:.3g}s (the request's deadline)",
-                                   metadata={"instance_id": instance_id}) from None
-        except aiohttp.ClientError as e:
-            raise Unavailable(f"{what} unreachable at {endpoint}: {e}", reason="ENGINE_UNREACHABLE",
-                              metadata={"instance_id": instance_id}) from None
+        attrs = {telemetry.FLOWMAKER_INSTANCE: instance_id} if instance_id else None
+        with telemetry.llm_span(model, max_tokens=max_tokens, server_address=urlsplit(url).hostname,
+                                attributes=attrs) as span:
+            # Injected inside the span: the engine's own spans (vLLM --otlp-traces-endpoint) hang under it.
+            headers = telemetry.inject_http_headers()
+            try:
+                async with self._http().post(url, json=body, headers=headers,
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                    if r.status != 200:
+                        detail = (await r.text())[:500]
+                        raise Unavailable(f"{what} answered HTTP {r.status}: {detail}", reason="ENGINE_ERROR",
+                                          metadata={"instance_id": instance_id, "status": str(r.status)})
+                    if on_delta is None:
+                        c = self._parse(await r.json())
+                    else:
+                        c = await self._read_stream(r, on_delta)
+            except TimeoutError:
+                raise DeadlineExceeded(f"{what} did not answer within {timeout_s:.3g}s (the request's deadline)",
+                                       metadata={"instance_id": instance_id}) from None
+            except aiohttp.ClientError as e:
+                raise Unavailable(f"{what} unreachable at {endpoint}: {e}", reason="ENGINE_UNREACHABLE",
+                                  metadata={"instance_id": instance_id}) from None
+            telemetry.record_llm_usage(span, input_tokens=c.prompt_tokens, output_tokens=c.completion_tokens,
+                                       response_model=c.model, finish_reasons=[c.finish_reason] if c.finish_reason
+                                       else [])
+            return c
+
+    @staticmethod
+    def _parse(data: dict[str, Any]) -> Completion:
+        choice = data["choices"][0]
+        text = choice["message"].get("content") or ""
+        usage = data.get("usage") or {}
+        return Completion(text, int(usage.get("prompt_tokens", 0)),
+                          int(usage.get("completion_tokens", len(text.split()))),
+                          str(data.get("model") or ""), str(choice.get("finish_reason") or ""))
 
     @staticmethod
     async def _read_stream(r: aiohttp.ClientResponse, on_delta: OnDelta) -> Completion:
         parts: list[str] = []
         usage: dict[str, Any] = {}
+        model = finish = ""
         async for raw in r.content:
             line = raw.decode(errors="replace").strip()
             if not line.startswith("data:"):
@@ -87,11 +115,13 @@ class EngineClient:
             except json.JSONDecodeError:
                 continue
             usage = chunk.get("usage") or usage
+            model = chunk.get("model") or model
             for ch in chunk.get("choices") or ():
+                finish = ch.get("finish_reason") or finish
                 piece = (ch.get("delta") or {}).get("content") or ""
                 if piece:
                     parts.append(piece)
                     await on_delta(piece)
         text = "".join(parts)
         return Completion(text, int(usage.get("prompt_tokens", 0)),
-                          int(usage.get("completion_tokens", len(text.split()))))
+                          int(usage.get("completion_tokens", len(text.split()))), str(model), str(finish))

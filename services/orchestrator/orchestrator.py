@@ -20,7 +20,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from flowmaker import convert
+from opentelemetry import trace
+
+from flowmaker import convert, telemetry
 from flowmaker.api.common.v1 import cluster_pb2, selection_pb2
 from flowmaker.api.deployer.v1 import deployer_pb2
 from flowmaker.api.selector.v1 import selector_pb2
@@ -52,6 +54,28 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 OnEvent = Callable[[str, Any], Awaitable[None]]  # ("delta", (stage_id, text)) or ("stage_done", StageResult)
+
+# Span attributes of the orchestrator's own steps (the shared ones, flowmaker.task/stage/instance/workflow
+# and gen_ai.*, are in flowmaker.telemetry).
+ATTR_ATTEMPT = "flowmaker.commit.attempt"  # 1-based select-and-commit attempt
+ATTR_CONFLICT = "flowmaker.commit.conflict"  # the txn lost a race (or the view no longer fit): select again
+ATTR_CONFLICT_KEYS = "flowmaker.commit.failed_keys"
+ATTR_GENERATOR = "flowmaker.generator"  # "generator-service" (gRPC) or "templates" (in process)
+ATTR_CANDIDATES = "flowmaker.candidates"  # the candidate workflow ids
+ATTR_STRATEGY = "flowmaker.strategy"
+ATTR_FEASIBLE = "flowmaker.feasible"
+ATTR_REASON = "flowmaker.reason"
+ATTR_NEW_INSTANCES = "flowmaker.new_instances"
+ATTR_REUSED = "flowmaker.reused_instances"
+ATTR_INSTANCES = "flowmaker.instances"  # a list: the instances a deploy starts/waits for, a release stopped
+ATTR_MODEL = "flowmaker.model"
+ATTR_NODE = "flowmaker.node"
+ATTR_GPUS = "flowmaker.gpus"
+ATTR_STAGE_KIND = "flowmaker.stage.kind"
+
+
+def _tracer() -> trace.Tracer:
+    return telemetry.tracer()
 
 
 def _slug(text: str, default: str) -> str:
@@ -182,18 +206,28 @@ class Orchestrator:
             if w.id in ids:
                 raise InvalidSpec(f"duplicate workflow id {w.id!r}", field=f"workflows[{i}].id")
             ids.add(w.id)
-        candidates = tuple(workflows) or await self.clients.generator.generate(
-            description, max_workflows or self.settings.max_workflows)
-        if not candidates:
-            raise NoCapacity("the generator proposed no workflow for this description", field="description",
-                             reason="NO_CANDIDATES")
-        now = time.time()
         tid = f"{_slug(name or description, 'task')}-{uuid.uuid4().hex[:8]}"
-        rec = TaskRecord(tid, description, slo, name=name, candidates=candidates,
-                         state=TaskState.AWAITING_APPROVAL, create_time=now, update_time=now)
-        rev = await self.store.create(keys.task(tid), rec.to_json())
+        with _tracer().start_as_current_span("task.create", attributes={telemetry.FLOWMAKER_TASK: tid}) as span:
+            candidates = tuple(workflows) or await self._generate(description,
+                                                                  max_workflows or self.settings.max_workflows)
+            if not candidates:
+                raise NoCapacity("the generator proposed no workflow for this description", field="description",
+                                 reason="NO_CANDIDATES")
+            span.set_attribute(ATTR_CANDIDATES, [w.id for w in candidates])
+            now = time.time()
+            rec = TaskRecord(tid, description, slo, name=name, candidates=candidates,
+                             state=TaskState.AWAITING_APPROVAL, create_time=now, update_time=now)
+            rev = await self.store.create(keys.task(tid), rec.to_json())
         log.info("task %s created with %d candidate(s): %s", tid, len(candidates), [w.id for w in candidates])
         return TaskView(rec, rev, rec.state, None)
+
+    async def _generate(self, description: str, n: int) -> tuple[Workflow, ...]:
+        gen = self.clients.generator
+        with _tracer().start_as_current_span("task.generate", attributes={ATTR_GENERATOR: gen.name}) as span:
+            # Over gRPC, the channel's OpenTelemetry interceptor makes the call a CLIENT span under this one.
+            out = await gen.generate(description, n)
+            span.set_attribute(ATTR_CANDIDATES, [w.id for w in out])
+            return out
 
     # ---- ApproveWorkflows ------------------------------------------------------------------------
 
@@ -251,18 +285,27 @@ class Orchestrator:
             if t.state is not TaskState.SELECTING:
                 log.info("task %s left SELECTING (%s) during selection; stopping", task_id, t.state.value)
                 return None
-            view = await read_live_cluster(self.store)
-            req = selector_pb2.SelectVariantRequest(
-                slo=convert.slo_to_proto(t.slo),
-                workflows=[convert.workflow_to_proto(w) for w in t.candidates if w.id in t.approved_workflow_ids],
-                cluster=convert.cluster_to_proto(view.cluster), strategy=t.strategy)
-            if options is not None:
-                req.options.CopyFrom(options)
-            try:
-                resp = await call(self.clients.selector.SelectVariant(req, timeout=self.settings.select_timeout_s))
-            except (InvalidSpec, NotFound) as e:
-                raise _Rejected(e) from e
-            result = convert.selection_result_from_proto(resp)
+            with _tracer().start_as_current_span("task.select", attributes={
+                    telemetry.FLOWMAKER_TASK: task_id, ATTR_ATTEMPT: attempt, ATTR_STRATEGY: t.strategy}) as span:
+                view = await read_live_cluster(self.store)
+                req = selector_pb2.SelectVariantRequest(
+                    slo=convert.slo_to_proto(t.slo),
+                    workflows=[convert.workflow_to_proto(w) for w in t.candidates if w.id in t.approved_workflow_ids],
+                    cluster=convert.cluster_to_proto(view.cluster), strategy=t.strategy)
+                if options is not None:
+                    req.options.CopyFrom(options)
+                try:
+                    resp = await call(self.clients.selector.SelectVariant(req, timeout=self.settings.select_timeout_s))
+                except (InvalidSpec, NotFound) as e:
+                    raise _Rejected(e) from e
+                result = convert.selection_result_from_proto(resp)
+                span.set_attribute(ATTR_FEASIBLE, result.variant is not None)
+                if result.variant is not None:
+                    span.set_attributes({telemetry.FLOWMAKER_WORKFLOW: result.variant.workflow_id,
+                                         ATTR_NEW_INSTANCES: len(result.variant.new_instances),
+                                         ATTR_REUSED: len(result.variant.reuse)})
+                elif result.reason is not None:
+                    span.set_attribute(ATTR_REASON, result.reason.value)
             if result.variant is None:
                 reason = result.reason.value if result.reason else "NO_FEASIBLE_VARIANT"
                 await self._fail(task_id, Failure("NoCapacity", reason,
@@ -270,19 +313,25 @@ class Orchestrator:
                 return None
             v = result.variant
             plan = plan_commit(task_id, v, [new_instance_id(n.model_id) for n in v.new_instances])
-            tkv, t = await self._get(task_id)
-            if t.state is not TaskState.SELECTING:
-                return None
-            now = time.time()
-            deploying = t.moved(TaskState.DEPLOYING, now, variant=v, strategy=result.strategy or t.strategy,
-                                stage_instances=plan.stage_instances, new_instances=plan.deploy,
-                                predicted_latency_s=v.latency_s)
-            try:
-                compares, puts = commit_ops(plan, view, tkv, deploying, now)
-            except NoCapacity as e:  # the view moved under the selector's feet; select again
-                last = str(e)
-                continue
-            res = await self.store.txn(compares, puts)
+            with _tracer().start_as_current_span("task.commit", attributes={
+                    telemetry.FLOWMAKER_TASK: task_id, ATTR_ATTEMPT: attempt, ATTR_CONFLICT: False}) as span:
+                tkv, t = await self._get(task_id)
+                if t.state is not TaskState.SELECTING:
+                    return None
+                now = time.time()
+                deploying = t.moved(TaskState.DEPLOYING, now, variant=v, strategy=result.strategy or t.strategy,
+                                    stage_instances=plan.stage_instances, new_instances=plan.deploy,
+                                    predicted_latency_s=v.latency_s)
+                try:
+                    compares, puts = commit_ops(plan, view, tkv, deploying, now)
+                except NoCapacity as e:  # the view moved under the selector's feet; select again
+                    last = str(e)
+                    span.set_attributes({ATTR_CONFLICT: True, ATTR_REASON: last})
+                    continue
+                res = await self.store.txn(compares, puts)
+                span.set_attribute(ATTR_CONFLICT, not res.succeeded)
+                if not res.succeeded:
+                    span.set_attribute(ATTR_CONFLICT_KEYS, list(res.failed))
             if res.succeeded:
                 log.info("committed (attempt %d) %s", attempt, plan.describe())
                 return plan
@@ -303,25 +352,35 @@ class Orchestrator:
         return out
 
     async def _deploy_one(self, task_id: str, d: DeployedInstance, nodes: dict[str, str]) -> None:
-        endpoint = nodes.get(d.node)
-        if not endpoint:
-            raise Unavailable(f"node {d.node} of instance {d.instance_id} is not alive", reason="NODE_LOST")
-        resp = await call(self.clients.deployer(endpoint).Deploy(deployer_pb2.DeployRequest(
-            model_id=d.model_id, tp=d.tp, pp=d.pp, gpu_ids=list(d.gpu_ids), memory_gb_per_gpu=d.memory_gb_per_gpu,
-            task_id=task_id, request_id=d.instance_id), timeout=self.settings.deploy_timeout_s))
-        if resp.instance.state != cluster_pb2.Instance.STATE_READY:
-            raise Unavailable(f"instance {d.instance_id} is {cluster_pb2.Instance.State.Name(resp.instance.state)} "
-                              f"after Deploy: {resp.instance.failure.message}", reason="INSTANCE_NOT_READY")
+        with _tracer().start_as_current_span("task.deploy_instance", attributes={
+                telemetry.FLOWMAKER_TASK: task_id, telemetry.FLOWMAKER_INSTANCE: d.instance_id,
+                ATTR_MODEL: d.model_id, ATTR_NODE: d.node, ATTR_GPUS: list(d.gpu_ids)}):
+            endpoint = nodes.get(d.node)
+            if not endpoint:
+                raise Unavailable(f"node {d.node} of instance {d.instance_id} is not alive", reason="NODE_LOST")
+            resp = await call(self.clients.deployer(endpoint).Deploy(deployer_pb2.DeployRequest(
+                model_id=d.model_id, tp=d.tp, pp=d.pp, gpu_ids=list(d.gpu_ids),
+                memory_gb_per_gpu=d.memory_gb_per_gpu, task_id=task_id, request_id=d.instance_id),
+                timeout=self.settings.deploy_timeout_s))
+            if resp.instance.state != cluster_pb2.Instance.STATE_READY:
+                raise Unavailable(f"instance {d.instance_id} is "
+                                  f"{cluster_pb2.Instance.State.Name(resp.instance.state)} after Deploy: "
+                                  f"{resp.instance.failure.message}", reason="INSTANCE_NOT_READY")
 
     async def _deploy(self, task_id: str) -> None:
         """Start every new instance of the committed plan, and wait for the reused ones that are not READY
         yet (another task's new instance, still PENDING or STARTING: Deploy by its id is idempotent and
         waits for the start, or starts it); ACTIVE once all serve, or roll back and FAILED."""
-        _, t = await self._get(task_id)
-        nodes = await self._node_endpoints()
-        todo = list(t.new_instances) + await self._reused_not_ready(t)
-        results = await asyncio.gather(*(self._deploy_one(task_id, d, nodes) for d in todo), return_exceptions=True)
-        errs = [(d, r) for d, r in zip(todo, results, strict=True) if isinstance(r, BaseException)]
+        with _tracer().start_as_current_span("task.deploy", attributes={telemetry.FLOWMAKER_TASK: task_id}) as span:
+            _, t = await self._get(task_id)
+            nodes = await self._node_endpoints()
+            todo = list(t.new_instances) + await self._reused_not_ready(t)
+            span.set_attribute(ATTR_INSTANCES, [d.instance_id for d in todo])
+            results = await asyncio.gather(*(self._deploy_one(task_id, d, nodes) for d in todo),
+                                           return_exceptions=True)
+            errs = [(d, r) for d, r in zip(todo, results, strict=True) if isinstance(r, BaseException)]
+            if errs:
+                telemetry.mark_error(span, errs[0][1])
         if not errs:
             def active(x: TaskRecord) -> TaskRecord | None:
                 return x.moved(TaskState.ACTIVE, time.time()) if x.state is TaskState.DEPLOYING else None
@@ -367,6 +426,12 @@ class Orchestrator:
 
     async def _release_all(self, t: TaskRecord) -> list[str]:
         """Drop every reference the task holds; return the ids of instances stopped (no other user)."""
+        with _tracer().start_as_current_span("task.release", attributes={telemetry.FLOWMAKER_TASK: t.id}) as span:
+            stopped = await self._release_refs(t)
+            span.set_attribute(ATTR_INSTANCES, stopped)
+            return stopped
+
+    async def _release_refs(self, t: TaskRecord) -> list[str]:
         refs = [keys.parse_reuse(kv.key) for kv in (await self.store.get_prefix(keys.REUSE)).items]
         mine = {iid for iid, tid in refs if tid == t.id}
         ids = set(t.instance_ids) | {d.instance_id for d in t.new_instances} | mine
@@ -436,6 +501,9 @@ class Orchestrator:
 
     async def invoke(self, task_id: str, text: str, *, max_output_tokens: int = 0,
                      on_event: OnEvent | None = None) -> Execution:
+        # The RPC's SERVER span is the request's root: it names the task, and each stage gets a child span.
+        root = trace.get_current_span()
+        root.set_attribute(telemetry.FLOWMAKER_TASK, task_id)
         if max_output_tokens < 0:
             raise InvalidSpec(f"must be >= 0 (0 = the stage's output_tokens), got {max_output_tokens}",
                               field="max_output_tokens")
@@ -446,6 +514,7 @@ class Orchestrator:
         wf = t.workflow
         if wf is None:
             raise FailedPrecondition(f"task {task_id} has no selected workflow", field="task_id")
+        root.set_attribute(telemetry.FLOWMAKER_WORKFLOW, wf.id)
         insts: dict[str, InstanceRecord] = {}
         for iid in t.instance_ids:
             kv = await self.store.get(keys.instance(iid))
@@ -458,6 +527,14 @@ class Orchestrator:
             insts[iid] = rec
 
         async def run_stage(stage: Stage, prompt: str) -> StageResult:
+            attrs = {telemetry.FLOWMAKER_TASK: task_id, telemetry.FLOWMAKER_WORKFLOW: wf.id,
+                     telemetry.FLOWMAKER_STAGE: stage.id, ATTR_STAGE_KIND: stage.kind.value}
+            if stage.is_llm:
+                attrs[telemetry.FLOWMAKER_INSTANCE] = t.stage_instances[stage.id]
+            with _tracer().start_as_current_span(f"stage {stage.id}", attributes=attrs):
+                return await stage_io(stage, prompt)
+
+        async def stage_io(stage: Stage, prompt: str) -> StageResult:
             if not stage.is_llm:
                 # TOOL stages are emulated: they take their declared latency and pass their filled
                 # prompt through as output (no real tool runs).
