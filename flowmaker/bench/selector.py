@@ -280,6 +280,8 @@ def _plots(result: dict[str, Any], out_dir: Path) -> list[str]:
     d = result["depth"]
     for s in STRATEGIES:
         ax.plot([r["stages"] for r in d], [1e3 * r[s]["time_s"] for r in d], marker="o", label=s)
+    ax.axhline(1e3 * result["config"]["depth_budget_s"], color="grey", linestyle="--", linewidth=0.8,
+               label="time budget (exhaustive, bayesopt stop here)")
     ax.set_yscale("log")
     ax.set_xlabel("LLM stages in the chain")
     ax.set_ylabel("solver time (ms, log)")
