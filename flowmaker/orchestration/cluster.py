@@ -3,8 +3,9 @@
 Two readers used by both the selector and the orchestrator:
 
 * `read_live_cluster(store)` -> the deployer's `ClusterView` (alive nodes' GPUs with memory_used, their
-  PENDING/STARTING/READY instances, and the etag of every key read) with each instance's load replaced
-  by the sum of its reuse mappings (`keys.reuse(instance, task)` values), the source of truth for load.
+  PENDING/STARTING/READY instances, and the etag of every key read) with each instance's load set by
+  the load rule (`effective_load`): max(planned load = the sum of its reuse mappings
+  (`keys.reuse(instance, task)` values), observed load = the deployer's measurement, when fresh).
 * `read_profiles(store, gpu_type, models)` -> one profile per deployable (model, tp, pp): MEASURED
   records from the store win over ANALYTIC ones, and models with no stored profile at all get the
   analytic roofline profiles (`flowmaker.profiling.analytic.profiles_for`).
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import fields, replace
 
 from flowmaker.domain import Cluster, Model, Profile, ProfileSource
 from flowmaker.state import keys
-from flowmaker.state.records import ClusterView, read_cluster, reuse_load
+from flowmaker.state.records import ClusterView, InstanceRecord, read_cluster, reuse_load
 from flowmaker.state.store import KeyValue, StateStore
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,12 @@ log = logging.getLogger(__name__)
 _SOURCE_RANK = {ProfileSource.ANALYTIC: 0, ProfileSource.MEASURED: 1}
 _PROFILE_FIELDS = {f.name for f in fields(Profile)}
 _CAMEL = re.compile(r"(?<=.)([A-Z])")
+
+# How old (wall seconds, by the record's `observed_load_at`) an observed load may be and still count. The
+# deployer scrapes every 2 s and rewrites a non-zero observation at least every 5 s
+# (FLOWMAKER_DEPLOYER_LOAD_REPORT_MAX_INTERVAL_S), so 15 s tolerates two missed writes; older means the
+# scrapes fail (a hung engine) and the last value can no longer be trusted.
+OBSERVED_LOAD_MAX_AGE_S = 15.0
 
 
 def loads_from_reuse(items: Iterable[KeyValue]) -> dict[str, float]:
@@ -45,22 +53,58 @@ def loads_from_reuse(items: Iterable[KeyValue]) -> dict[str, float]:
     return out
 
 
-def with_loads(view: ClusterView, loads: dict[str, float]) -> ClusterView:
-    """The view with each instance's load = the sum of its reuse mappings (0 when it has none)."""
-    insts = {iid: replace(rec, load_output_tokens_per_s=loads.get(iid, 0.0)) for iid, rec in view.instances.items()}
-    cluster = Cluster(view.cluster.gpus, tuple(insts[i.id].to_domain() for i in view.cluster.instances))
-    return replace(view, cluster=cluster, instances=insts)
+def fresh_observed_load(rec: InstanceRecord, now: float, max_age_s: float = OBSERVED_LOAD_MAX_AGE_S) -> float | None:
+    """The record's observed load (output tokens/s, model seconds) if it was measured at most `max_age_s`
+    ago, else None. A timestamp slightly in the future (clock skew between nodes) counts as fresh;
+    `max_age_s <= 0` ignores observations altogether (the plan-only rule)."""
+    if max_age_s <= 0 or rec.observed_load_at <= 0 or now - rec.observed_load_at > max_age_s:
+        return None
+    return max(0.0, rec.observed_load_output_tokens_per_s)
 
 
-async def read_live_cluster(store: StateStore) -> ClusterView:
-    """Alive GPUs and instances (with etags for the commit) and loads from the reuse mappings.
+def effective_load(planned: float, observed: float | None) -> float:
+    """The load the selector must assume on a running instance: max(planned, observed).
+
+    Planned (the sum of the tasks' reuse loads) alone misses traffic above plan: measured loads have
+    been seen ~9x the plan (1,672 vs 182 tok/s), and an instance full by measurement must not be
+    offered to one more task. Observed alone would hand out capacity already promised to tasks whose
+    traffic has not arrived yet (a task just approved, or a bursty one between bursts). The max keeps
+    both promises; `None` (no fresh observation) falls back to the plan."""
+    planned = max(0.0, planned)
+    return planned if observed is None else max(planned, observed)
+
+
+def with_loads(view: ClusterView, loads: dict[str, float], *, now: float | None = None,
+               observed_max_age_s: float = OBSERVED_LOAD_MAX_AGE_S) -> ClusterView:
+    """The view with each instance's load set by the load rule. `loads` are the planned loads (the sum of
+    the reuse mappings; 0 when an instance has none). The domain `cluster` carries the effective load
+    (what the selector checks capacity against); the `instances` records carry the planned one, which
+    is what a commit adds the new task's planned load to (`commit_ops`), so the stored plan never
+    absorbs a transient measurement."""
+    now = time.time() if now is None else now
+    planned = {iid: loads.get(iid, 0.0) for iid in view.instances}
+    observed = {iid: o for iid, rec in view.instances.items()
+                if (o := fresh_observed_load(rec, now, observed_max_age_s)) is not None}
+    insts = {iid: replace(rec, load_output_tokens_per_s=planned[iid]) for iid, rec in view.instances.items()}
+    cluster = Cluster(view.cluster.gpus, tuple(
+        replace(insts[i.id].to_domain(), load_output_tokens_per_s=effective_load(planned[i.id], observed.get(i.id)))
+        for i in view.cluster.instances))
+    return replace(view, cluster=cluster, instances=insts, planned_loads=planned, observed_loads=observed)
+
+
+async def read_live_cluster(store: StateStore, *, observed_max_age_s: float = OBSERVED_LOAD_MAX_AGE_S,
+                            now: float | None = None) -> ClusterView:
+    """Alive GPUs and instances (with etags for the commit), each instance's load = max(planned from the
+    reuse mappings, observed by its deployer if at most `observed_max_age_s` old; 0 = plan only).
 
     The reuse keys are read after the instances: a commit that adds or drops a reuse mapping also
     rewrites the instance's record, so a mapping changed in between moves the instance's etag and
-    aborts any commit based on this view."""
+    aborts any commit based on this view. The deployer's load reports also rewrite the record, so a
+    commit reusing an instance whose measured load moved meanwhile aborts and selects again on the
+    new measurement."""
     view = await read_cluster(store)
     reuse = await store.get_prefix(keys.REUSE)
-    return with_loads(view, loads_from_reuse(reuse.items))
+    return with_loads(view, loads_from_reuse(reuse.items), now=now, observed_max_age_s=observed_max_age_s)
 
 
 def cluster_gpu_type(cluster: Cluster, default: str) -> str:

@@ -124,7 +124,7 @@ class InstanceRecord:
     endpoint: str = ""  # base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:41234
     reason: str = ""  # why FAILED (human-readable)
     failure_reason: str = ""  # why FAILED (stable UPPER_SNAKE, e.g. ENGINE_EXITED, ENGINE_START_FAILED)
-    load_output_tokens_per_s: float = 0.0  # sum of the reuse loads of the tasks using it
+    load_output_tokens_per_s: float = 0.0  # PLANNED load: the sum of the reuse loads of the tasks using it
     engine: str = ""  # backend name ("emulated", "vllm", "trtllm")
     memory_reserved: bool = True  # False once its GPU memory has been given back (FAILED / released)
     created_at: float = 0.0  # unix time
@@ -132,6 +132,13 @@ class InstanceRecord:
     # engine its previous life left running, once `flowmaker.launcher.procs.is_same_alive` confirms it.
     engine_pid: int = 0
     engine_identity: str = ""  # procs.identity(engine_pid): "<boot id>/<start time>"
+    # OBSERVED load, written by the node agent from the engine's /metrics (docs/state.md "Load"): output
+    # tokens/s in MODEL seconds (the unit of Profile.max_output_tokens_per_s), EWMA-smoothed, and the highest
+    # per-scrape rate of the recent window. `observed_load_at` is the unix time of that measurement (0 =
+    # never measured); readers ignore an observation older than their max age.
+    observed_load_output_tokens_per_s: float = 0.0
+    observed_load_peak_output_tokens_per_s: float = 0.0
+    observed_load_at: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -158,6 +165,11 @@ class ClusterView:
     `etags` maps every GPU and instance key read to its mod_revision at `revision`:
     a selection commit adds `Compare.unchanged(key, etags[key])` for each GPU it places
     on and each instance it reuses, so a concurrent change aborts the commit.
+
+    Loads (see `flowmaker.orchestration.cluster.read_live_cluster`): `cluster`'s instances carry the load
+    the selector must assume (max of planned and fresh observed), while the `instances` records keep the
+    PLANNED load (the sum of the reuse mappings), which is what a commit adds a task's planned load to.
+    `planned_loads` / `observed_loads` show both inputs per instance id (observed: fresh ones only).
     """
 
     cluster: Cluster
@@ -166,6 +178,8 @@ class ClusterView:
     gpus: dict[str, GpuRecord] = field(default_factory=dict)  # by GPU id
     instances: dict[str, InstanceRecord] = field(default_factory=dict)  # by instance id (alive only)
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    planned_loads: dict[str, float] = field(default_factory=dict)  # by instance id
+    observed_loads: dict[str, float] = field(default_factory=dict)  # by instance id, fresh observations only
 
 
 async def read_cluster(store: StateStore) -> ClusterView:

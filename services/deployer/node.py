@@ -6,7 +6,10 @@ Every state change is an etcd transaction guarded by the mod_revisions it read:
   on any failure the memory is given back and the instance marked FAILED with the reason;
 - an engine exiting on its own -> FAILED, memory given back (crash watcher of the backend);
 - Release drops a task's reference (`keys.reuse`) and, when none is left, DRAINING -> stop the
-  engine -> give the memory back and delete the instance.
+  engine -> give the memory back and delete the instance;
+- every `load_scrape_interval_s` each READY engine's /metrics is scraped and its output-token rate
+  (model seconds, EWMA-smoothed, plus the recent peak: `LoadMeter`) written into its record by a CAS
+  that only touches the observed-load fields of a record still READY (docs/state.md "Load").
 The node key is bound to the lease, so when this agent dies its node (and with it its GPUs and
 instances, for every reader using `read_cluster`) drops out of the live cluster after the TTL.
 """
@@ -16,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
@@ -56,6 +60,69 @@ log = logging.getLogger(__name__)
 
 # Waiting for a previous agent's node key (same node name) to expire, as a multiple of the TTL.
 _STALE_NODE_WAIT_TTLS = 1.5
+
+
+# An observed-load change smaller than this (output tokens/s) is never worth a write: noise.
+_MIN_REPORT_CHANGE_TOK_S = 1.0
+
+
+class LoadMeter:
+    """Turns successive readings of an engine's generation-token counter into an output-token rate.
+
+    The rate is in MODEL seconds, the unit of `Profile.max_output_tokens_per_s`: tokens per wall second
+    divided by `time_scale`, the engine's model seconds per wall second (the emulated engine's
+    `--time-scale`; 1 for real engines, whose model clock is the wall clock). Each reading after the
+    first gives one interval rate; the smoothed rate is an EWMA whose weight follows the interval's
+    length, alpha = 1 - 2^(-dt / half_life), so a missed scrape (a longer interval) counts for as much
+    wall time as it covers and a step in traffic shows half after `half_life_s` whatever the cadence.
+    `peak` is the highest interval rate over the last `peak_window_s`. Pure: time is passed in."""
+
+    def __init__(self, time_scale: float = 1.0, half_life_s: float = 5.0, peak_window_s: float = 60.0) -> None:
+        if not time_scale > 0:
+            raise InvalidSpec(f"must be > 0, got {time_scale}", field="time_scale")
+        self.time_scale = time_scale
+        self.half_life_s = half_life_s
+        self.peak_window_s = peak_window_s
+        self.rate: float | None = None  # the EWMA; None until two readings
+        self._last: tuple[float, float] | None = None  # (wall time, counter)
+        self._rates: deque[tuple[float, float]] = deque()  # (wall time, interval rate) within the window
+        # What was last written to the record: (value, wall time); None = nothing yet.
+        self.reported: tuple[float, float] | None = None
+
+    def add(self, t: float, tokens_total: float) -> float | None:
+        """Record a counter reading at wall time `t`; return the smoothed rate (None: not yet known)."""
+        last, self._last = self._last, (t, tokens_total)
+        if last is None or t <= last[0]:
+            return self.rate
+        dt = t - last[0]
+        if tokens_total < last[1]:  # the counter went back: a restarted engine; start over from here
+            return self.rate
+        r = (tokens_total - last[1]) / dt / self.time_scale
+        alpha = 1.0 - math.pow(2.0, -dt / self.half_life_s)
+        self.rate = r if self.rate is None else self.rate + alpha * (r - self.rate)
+        self._rates.append((t, r))
+        while self._rates and self._rates[0][0] < t - self.peak_window_s:
+            self._rates.popleft()
+        return self.rate
+
+    @property
+    def peak(self) -> float:
+        return max((r for _, r in self._rates), default=0.0)
+
+    def should_report(self, now: float, min_change: float, max_interval_s: float) -> bool:
+        """Whether the record needs rewriting: the rate moved by more than `min_change` (a fraction, and
+        at least 1 tok/s) since the last write, or a non-zero value is about to go stale (last written
+        `max_interval_s` ago). A zero needs no refresh: stale or fresh, max(planned, 0) is the plan. Writes
+        are kept rare on purpose: each one moves the instance's etag, which aborts a selection commit
+        reusing this instance that read it before."""
+        if self.rate is None:
+            return False
+        if self.reported is None:
+            return True
+        value, at = self.reported
+        if abs(self.rate - value) > max(_MIN_REPORT_CHANGE_TOK_S, min_change * max(value, self.rate)):
+            return True
+        return value > 0 and now - at >= max_interval_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +176,7 @@ class NodeAgent:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._background: set[asyncio.Task[Any]] = set()
         self._closing = False
+        self._meters: dict[str, tuple[EngineProcess, LoadMeter]] = {}  # by instance id, for the READY engines
 
     # ---- registration -------------------------------------------------------------------
 
@@ -117,6 +185,8 @@ class NodeAgent:
         self._prepare_log_dir()
         await self._claim_node()
         await self._reconcile()
+        if self.settings.load_scrape_interval_s > 0:
+            self._spawn(self._load_loop())
         log.info("node %s registered: %d x %s, backend %s", self.node, len(self.gpus), self.gpu_type,
                  self.settings.backend)
 
@@ -529,6 +599,72 @@ class NodeAgent:
                     log.warning("instance %s FAILED (%s): %s", iid, failure_reason, reason.splitlines()[0] if reason else "")
                     return
             raise Conflict(f"instance {iid}: could not record its failure (state kept changing)")
+
+    # ---- observed load ------------------------------------------------------------------
+
+    def _time_scale(self, proc: EngineProcess) -> float:
+        """Model seconds per wall second of this engine: only emulated engines run a scaled clock
+        (`--time-scale`, see `_engine_process`); real engines' model clock is the wall clock."""
+        return self.settings.engine_time_scale if proc.backend.name == "emulated" else 1.0
+
+    async def _load_loop(self) -> None:
+        """Scrape every READY engine each interval; one bad round (etcd down, a bug) never ends the loop."""
+        interval = self.settings.load_scrape_interval_s
+        while not self._closing:
+            await asyncio.sleep(interval)
+            try:
+                await self.observe_loads()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("node %s: observed-load round failed: %s", self.node, e)
+
+    async def observe_loads(self) -> None:
+        """One round: scrape the READY engines concurrently, update their meters, write what changed."""
+        ready = {iid: p for iid, p in self.procs.items() if iid not in self._starting and p.is_alive}
+        for iid in [i for i, (p, _) in self._meters.items() if ready.get(i) is not p]:
+            del self._meters[iid]  # stopped, failed or replaced by a new engine: its readings are void
+        for iid, p in ready.items():
+            if iid not in self._meters:
+                self._meters[iid] = (p, LoadMeter(self._time_scale(p), self.settings.load_half_life_s,
+                                                  self.settings.load_peak_window_s))
+        timeout = max(0.5, min(5.0, self.settings.load_scrape_interval_s))
+        await asyncio.gather(*(self._observe(iid, p, timeout) for iid, p in ready.items()))
+
+    async def _observe(self, iid: str, proc: EngineProcess, timeout_s: float) -> None:
+        try:
+            metrics = await proc.scrape_metrics(timeout_s=timeout_s)
+        except Exception as e:
+            # Keep the last value (it ages out for readers); never FAILED from here: the crash watcher
+            # owns that, and a slow /metrics under load is no reason to take an instance away.
+            log.debug("instance %s: /metrics scrape failed: %s", iid, e)
+            return
+        tokens = metrics.get("generation_tokens_total")
+        entry = self._meters.get(iid)
+        if tokens is None or entry is None or entry[0] is not proc:
+            return  # the backend exports no token counter (e.g. trtllm's JSON stats), or the engine went
+        meter = entry[1]
+        wall = time.time()
+        meter.add(time.monotonic(), tokens)
+        if not meter.should_report(wall, self.settings.load_report_min_change,
+                                   self.settings.load_report_max_interval_s):
+            return
+        rate, peak = meter.rate or 0.0, meter.peak
+
+        def observed(r: InstanceRecord) -> InstanceRecord | None:
+            # Only a record still READY and still this engine's: a concurrent release or failure wins.
+            if r.state is not InstanceState.READY or (proc.pid and r.engine_pid and r.engine_pid != proc.pid):
+                return None
+            return replace(r, observed_load_output_tokens_per_s=round(rate, 3),
+                           observed_load_peak_output_tokens_per_s=round(peak, 3), observed_load_at=wall)
+
+        try:
+            new = await self._update(iid, observed)
+        except FlowMakerError as e:  # etcd unavailable, or the record kept changing: try next round
+            log.debug("instance %s: observed load not recorded: %s", iid, e)
+            return
+        if new is not None and new.observed_load_at == wall:
+            meter.reported = (new.observed_load_output_tokens_per_s, wall)
 
     # ---- release ------------------------------------------------------------------------
 

@@ -32,6 +32,19 @@ class DeployerSettings(ServiceSettings):
     engine_log_dir: str = Field(default="", description="Directory for engine stdout logs; empty = not written.")
     lease_ttl_s: int = Field(default=10, ge=2, description="TTL of the node's etcd lease; refreshed every TTL/3.")
     commit_retries: int = Field(default=20, ge=1, description="Retries of a GPU-memory transaction that lost a race.")
+    # Observed load (the selector's "current load", docs/state.md "Load"): every READY engine's /metrics is
+    # scraped, its output-token rate smoothed and written into its instance record.
+    load_scrape_interval_s: float = Field(default=2.0, ge=0, description="How often READY engines' /metrics are "
+                                          "scraped for their output-token rate; 0 = never (load stays plan-only).")
+    load_half_life_s: float = Field(default=5.0, gt=0, description="Half-life (wall seconds) of the EWMA smoothing "
+                                    "the observed output-token rate: a step in traffic shows half after this long.")
+    load_peak_window_s: float = Field(default=60.0, gt=0, description="The recorded peak is the highest per-scrape "
+                                      "rate over this many recent wall seconds.")
+    load_report_min_change: float = Field(default=0.1, ge=0, description="The record is rewritten when the smoothed "
+                                          "rate moved by more than this fraction (and 1 tok/s) since the last write...")
+    load_report_max_interval_s: float = Field(default=5.0, gt=0, description="...or, while it is non-zero, when the "
+                                              "last write is this old; keep it well under the readers' "
+                                              "observed_load_max_age_s (flowmaker.orchestration.cluster, 15 s).")
 
     @property
     def advertise_address_host(self) -> str:

@@ -186,3 +186,80 @@ def test_profile_records_parse_in_either_spelling() -> None:
     assert a is not None and a == b
     assert (a.model_id, a.tp, a.pp, a.gpu_type, a.source) == ("m/1", 2, 1, "A6000", ProfileSource.MEASURED)
     assert profile_from_record(KeyValue(key, {"fixed_s": "x"}, 1, 1)) is None
+
+
+def test_load_rule_is_max_of_planned_and_fresh_observed() -> None:
+    from flowmaker.orchestration.cluster import effective_load, fresh_observed_load
+
+    assert effective_load(182.0, None) == 182.0  # nothing measured: the plan
+    assert effective_load(182.0, 1672.0) == 1672.0  # traffic above plan counts
+    assert effective_load(300.0, 40.0) == 300.0  # promised capacity stays held before traffic arrives
+    assert effective_load(-1.0, None) == 0.0
+    rec = InstanceRecord("i0", "m", 1, 1, "n0", ("g0",), 2.0, InstanceState.READY,
+                         observed_load_output_tokens_per_s=50.0, observed_load_at=1000.0)
+    assert fresh_observed_load(rec, now=1010.0, max_age_s=15.0) == 50.0
+    assert fresh_observed_load(rec, now=998.0, max_age_s=15.0) == 50.0  # a little clock skew: still fresh
+    assert fresh_observed_load(rec, now=1015.5, max_age_s=15.0) is None  # too old: scrapes stopped
+    assert fresh_observed_load(rec, now=1010.0, max_age_s=0.0) is None  # 0 = plan only
+    never = InstanceRecord("i1", "m", 1, 1, "n0", ("g0",), 2.0, InstanceState.READY)
+    assert fresh_observed_load(never, now=1.0) is None
+    # Old records (no observed fields) still parse, with the defaults.
+    old = {k: v for k, v in rec.to_json().items() if not k.startswith("observed_")}
+    assert InstanceRecord.from_json(old).observed_load_at == 0.0
+
+
+async def test_live_cluster_uses_observed_load_but_commits_add_to_the_plan() -> None:
+    store = MemoryStore()
+    await _seed(store)
+    now = time.time()
+    kv = await store.get(keys.instance("i0"))
+    assert kv is not None
+    busy = InstanceRecord.from_json(kv.value)
+    busy = InstanceRecord.from_json({**busy.to_json(), "observed_load_output_tokens_per_s": 9.0,
+                                     "observed_load_peak_output_tokens_per_s": 12.0, "observed_load_at": now})
+    await store.put(keys.instance("i0"), busy.to_json())
+    await store.put(keys.reuse("i0", "t0"), {"instance_id": "i0", "task_id": "t0", "load_output_tokens_per_s": 1.5})
+
+    view = await read_live_cluster(store, now=now + 1)
+    assert {i.id: i.load_output_tokens_per_s for i in view.cluster.instances} == {"i0": 9.0}
+    assert view.planned_loads == {"i0": 1.5} and view.observed_loads == {"i0": 9.0}
+    assert view.instances["i0"].load_output_tokens_per_s == 1.5  # the record keeps the plan
+    # Stale observation, or observations switched off: back to the plan.
+    stale = await read_live_cluster(store, now=now + 60)
+    assert stale.cluster.instances[0].load_output_tokens_per_s == 1.5 and stale.observed_loads == {}
+    off = await read_live_cluster(store, now=now + 1, observed_max_age_s=0)
+    assert off.cluster.instances[0].load_output_tokens_per_s == 1.5
+    # Observed below plan: the plan holds.
+    await store.put(keys.reuse("i0", "t0"), {"instance_id": "i0", "task_id": "t0", "load_output_tokens_per_s": 20.0})
+    assert (await read_live_cluster(store, now=now + 1)).cluster.instances[0].load_output_tokens_per_s == 20.0
+
+    # A commit reusing i0 adds its planned 2.0 to the PLANNED 20.0, not to the effective load.
+    view = await read_live_cluster(store, now=now + 1)
+    plan = plan_commit("t1", _variant(6.0), ["new-a"])
+    tkv = await store.get(keys.task("t1"))
+    assert tkv is not None
+    assert (await store.txn(*commit_ops(plan, view, tkv, TaskRecord.from_json(tkv.value), 0.0))).succeeded
+    rec = InstanceRecord.from_json((await store.get(keys.instance("i0"))).value)  # type: ignore[union-attr]
+    assert rec.load_output_tokens_per_s == 22.0
+    assert rec.observed_load_output_tokens_per_s == 9.0  # the measurement is carried, not folded in
+
+
+def test_selector_skips_an_instance_busy_by_measurement() -> None:
+    """The point of the rule: an instance that fits by plan but is busy by measurement is not reused."""
+    from flowmaker.domain import Cluster, Gpu, Instance, Model, Profile, SelectionRequest
+    from flowmaker.selection import select
+
+    prof = Profile("m", 1, 1, 4.0, 0.01, 1e-4, 0.01, 100.0)
+    model = Model("m", 0.9, 1.0, 1.0)
+    wf = Workflow("w", (Stage("s", StageKind.LLM, (), 10, 10, 1),))  # 1 rps x 10 output tokens = 10 tok/s
+    gpus = (Gpu("g0", "n0", 24.0, 4.0), Gpu("g1", "n0", 24.0, 0.0))
+
+    def chosen(load: float) -> Variant:
+        cluster = Cluster(gpus, (Instance("i0", "m", 1, 1, ("g0",), load),))
+        res = select(SelectionRequest(Slo(0.5, 5.0, 1.0), (wf,), (model,), (prof,), cluster))
+        assert res.variant is not None
+        return res.variant
+
+    assert [iid for iid, _ in chosen(5.0).reuse] == ["i0"]  # by plan: 5 + 10 <= 100, reuse
+    busy = chosen(95.0)  # by measurement: 95 + 10 > 100, a new instance instead
+    assert busy.reuse == () and len(busy.new_instances) == 1
