@@ -114,10 +114,11 @@ async def test_register_list_and_analytic_profiles(start_service: Any, etcd_stor
         assert e8.value.field == "job_id"
 
 
-# Time scale 4: the emulator's timers have ~1 ms of wall-clock jitter, which the scale multiplies; at 4 the
+# Time scale 2-4: the emulator's timers have ~1 ms of wall-clock jitter, which the scale multiplies; at 4 the
 # fixed_s of a 7-8B model (25 ms) is recovered to a few %, at 20 only to ~25% (see flowmaker.profiling.measure).
 async def test_measured_sweep_within_10_percent(start_service: Any, etcd_store: Any) -> None:
-    _app, stub, ch = await _profiler(start_service, etcd_store)
+    # Time scale 2: a busy CI machine's timer jitter, multiplied by 4, pushed fixed_s 11% off once.
+    _app, stub, ch = await _profiler(start_service, etcd_store, engine_time_scale=2.0)
     model, gpu = "Llama-3.1-8B-Instruct", get_gpu_type("A6000")
     async with ch:
         await call(stub.RegisterModel(profiler_pb2.RegisterModelRequest(catalog_name=model)))
