@@ -672,6 +672,9 @@ def instance_record_to_proto(rec: InstanceRecord, task_ids: Sequence[str] = (), 
         state=_INSTANCE_STATES[state], node=rec.node, engine=rec.engine, task_ids=list(task_ids))
     if rec.created_at:
         m.create_time.CopyFrom(_timestamp(rec.created_at))
+    if rec.observed_load_at:
+        m.observed_load_output_tokens_per_s = rec.observed_load_output_tokens_per_s
+        m.observed_time.CopyFrom(_timestamp(rec.observed_load_at))
     if state is InstanceState.FAILED:
         # Not an error of any call: the instance's own status, so it is UNAVAILABLE with the reason.
         info = error_details_pb2.ErrorInfo(reason=reason or "FAILED", domain=DOMAIN, metadata={"instance_id": rec.id})

@@ -396,11 +396,13 @@ def instances(
         _print_json({"instances": to_json(insts).get("instances", []), "gpus": to_json(gpus).get("gpus", [])})
         return
     tab = Table(title=f"{len(insts.instances)} instance(s)")
-    for c in ("id", "model", "tp x pp", "state", "GPUs", "load tok/s", "tasks", "endpoint"):
-        tab.add_column(c, justify="right" if c in ("load tok/s", "tp x pp") else "left")
+    for c in ("id", "model", "tp x pp", "state", "GPUs", "planned tok/s", "observed tok/s", "tasks", "endpoint"):
+        tab.add_column(c, justify="right" if c.endswith("tok/s") or c == "tp x pp" else "left")
     for i in insts.instances:
         tab.add_row(i.id, i.model_id, f"{i.tp}x{i.pp}", _state_name(cluster_pb2.Instance.State, i.state),
-                    ",".join(i.gpu_ids), f"{i.load_output_tokens_per_s:.1f}", ",".join(i.task_ids) or "-",
+                    ",".join(i.gpu_ids), f"{i.load_output_tokens_per_s:.1f}",
+                    f"{i.observed_load_output_tokens_per_s:.1f}" if i.HasField("observed_time") else "-",
+                    ",".join(i.task_ids) or "-",
                     i.endpoint or "-")
     out.print(tab)
     out.print(_gpu_table(gpus.gpus))

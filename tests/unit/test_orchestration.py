@@ -4,6 +4,7 @@ machine, and commit planning (one guarded txn; a stale view loses) against the i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -263,3 +264,16 @@ def test_selector_skips_an_instance_busy_by_measurement() -> None:
     assert [iid for iid, _ in chosen(5.0).reuse] == ["i0"]  # by plan: 5 + 10 <= 100, reuse
     busy = chosen(95.0)  # by measurement: 95 + 10 > 100, a new instance instead
     assert busy.reuse == () and len(busy.new_instances) == 1
+
+
+def test_instance_shows_planned_and_observed_load() -> None:
+    from flowmaker.convert import instance_record_to_proto
+
+    rec = InstanceRecord("i1", "m", 1, 1, "node0", ("node0-gpu0",), 10.0, state=InstanceState.READY,
+                         load_output_tokens_per_s=50.0)
+    never = instance_record_to_proto(rec)
+    assert never.load_output_tokens_per_s == 50.0 and not never.HasField("observed_time")
+    seen = instance_record_to_proto(dataclasses.replace(rec, observed_load_output_tokens_per_s=180.0,
+                                                        observed_load_at=1_700_000_000.5))
+    assert seen.observed_load_output_tokens_per_s == 180.0
+    assert seen.observed_time.seconds == 1_700_000_000

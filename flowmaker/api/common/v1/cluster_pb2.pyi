@@ -127,7 +127,7 @@ class Gpu(_message.Message):
     def __init__(self, id: _Optional[str] = ..., node: _Optional[str] = ..., memory_total_gb: _Optional[float] = ..., memory_used_gb: _Optional[float] = ..., gpu_type: _Optional[str] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("id", "model_id", "tp", "pp", "gpu_ids", "load_output_tokens_per_s", "endpoint", "state", "node", "engine", "task_ids", "create_time", "failure")
+    __slots__ = ("id", "model_id", "tp", "pp", "gpu_ids", "load_output_tokens_per_s", "endpoint", "state", "node", "engine", "task_ids", "create_time", "failure", "observed_load_output_tokens_per_s", "observed_time")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Instance.State]
@@ -155,6 +155,8 @@ class Instance(_message.Message):
     TASK_IDS_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_LOAD_OUTPUT_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_TIME_FIELD_NUMBER: _ClassVar[int]
     id: str
     model_id: str
     tp: int
@@ -168,7 +170,9 @@ class Instance(_message.Message):
     task_ids: _containers.RepeatedScalarFieldContainer[str]
     create_time: _timestamp_pb2.Timestamp
     failure: _status_pb2.Status
-    def __init__(self, id: _Optional[str] = ..., model_id: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., load_output_tokens_per_s: _Optional[float] = ..., endpoint: _Optional[str] = ..., state: _Optional[_Union[Instance.State, str]] = ..., node: _Optional[str] = ..., engine: _Optional[str] = ..., task_ids: _Optional[_Iterable[str]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+    observed_load_output_tokens_per_s: float
+    observed_time: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., model_id: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., load_output_tokens_per_s: _Optional[float] = ..., endpoint: _Optional[str] = ..., state: _Optional[_Union[Instance.State, str]] = ..., node: _Optional[str] = ..., engine: _Optional[str] = ..., task_ids: _Optional[_Iterable[str]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., observed_load_output_tokens_per_s: _Optional[float] = ..., observed_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Cluster(_message.Message):
     __slots__ = ("gpus", "instances")
