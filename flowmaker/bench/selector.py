@@ -35,6 +35,7 @@ from flowmaker.domain import (
     Workflow,
 )
 from flowmaker.eval.tasks import EVAL_TASKS
+from flowmaker.eval.traces import quantile
 from flowmaker.profiling.analytic import profiles_for
 from flowmaker.selection import select
 
@@ -117,13 +118,6 @@ def _gap(res: SelectionResult, ref: SelectionResult) -> float | None:
     return (res.variant.cost - base) / base
 
 
-def _pct(xs: Sequence[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-
 # ------------------------------------------------------------------ experiments
 
 
@@ -177,7 +171,7 @@ def paper_scale(cfg: BenchConfig, progress: Progress) -> dict[str, Any]:
         same = [r["same_variant"] for r in rs if r["same_variant"] is not None]
         summary[s] = {
             "runs": len(rs), "median_ms": 1e3 * statistics.median(r["time_s"] for r in rs),
-            "p95_ms": 1e3 * _pct([r["time_s"] for r in rs], 0.95),
+            "p95_ms": 1e3 * quantile(sorted(r["time_s"] for r in rs), 0.95),
             "median_variants": statistics.median(r["variants_evaluated"] for r in rs),
             "max_gap": max((g for g in gaps if math.isfinite(g)), default=None),
             "no_answer": sum(1 for r in rs if not r["feasible"] and r["gap"] is not None),

@@ -36,6 +36,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 from flowmaker.errors import InvalidSpec, NotFound
 from flowmaker.eval.trace_stats import TRACE_KINDS, TRACE_STATS, TokenStats
 
@@ -174,14 +176,9 @@ def _check_kind(kind: str) -> str:
 # ---- statistics ------------------------------------------------------------------------------
 
 
-def _quantile(sorted_vals: Sequence[float], q: float) -> float:
-    """Linear-interpolation quantile (numpy's default) of an ascending sequence."""
-    if not sorted_vals:
-        return math.nan
-    pos = q * (len(sorted_vals) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_vals) - 1)
-    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+def quantile(sorted_vals: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default); NaN for no values."""
+    return float(np.quantile(sorted_vals, q)) if len(sorted_vals) else math.nan
 
 
 def _token_stats(vals: Iterable[int]) -> TokenStats:
@@ -189,7 +186,7 @@ def _token_stats(vals: Iterable[int]) -> TokenStats:
     n = len(v)
     mean = sum(v) / n
     std = math.sqrt(sum((x - mean) ** 2 for x in v) / n)
-    q = [_quantile(v, x) for x in (0.10, 0.25, 0.5, 0.75, 0.90, 0.95, 0.99)]
+    q = [quantile(v, x) for x in (0.10, 0.25, 0.5, 0.75, 0.90, 0.95, 0.99)]
     return TokenStats(v[0], q[0], q[1], q[2], mean, q[3], q[4], q[5], q[6], v[-1], std)
 
 
@@ -204,7 +201,7 @@ def trace_stats(trace: Trace) -> dict[str, object]:
     return {
         "kind": trace.kind, "source": trace.source, "n_requests": n, "duration_s": dur,
         "mean_rate_rps": (n / dur) if dur > 0 else math.nan,
-        "interarrival_mean_s": gmean, "interarrival_median_s": _quantile(gaps, 0.5),
+        "interarrival_mean_s": gmean, "interarrival_median_s": quantile(gaps, 0.5),
         "interarrival_cv": (gstd / gmean) if gaps and gmean > 0 else math.nan,
         "context": _asdict(_token_stats(r.context_tokens for r in reqs)),
         "generated": _asdict(_token_stats(r.generated_tokens for r in reqs)),

@@ -35,7 +35,7 @@ from flowmaker.domain import Gpu, GpuType, Model, Profile, Workflow
 from flowmaker.engine import EngineModel
 from flowmaker.errors import InvalidSpec
 from flowmaker.eval.tasks import EvalTask
-from flowmaker.eval.traces import Arrival
+from flowmaker.eval.traces import Arrival, quantile
 from flowmaker.selection.placement import EPS_GB
 
 # KV budget and batch limit of one instance: what the analytic profiles reserve memory for
@@ -171,15 +171,6 @@ class SimResult:
         return {k: getattr(self, k) for k in (
             "requests", "completed", "rejected", "good", "goodput", "mean_latency_s", "p50_latency_s",
             "p99_latency_s", "cost_usd", "instances", "gb_reserved", "gpus_used", "residence_s")}
-
-
-def _pct(sorted_vals: Sequence[float], q: float) -> float:
-    if not sorted_vals:
-        return math.nan
-    pos = q * (len(sorted_vals) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_vals) - 1)
-    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
 
 
 @dataclass(slots=True)
@@ -379,8 +370,8 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
         g = sum(1 for a, lt in flags if a and lt)
         per_task.append(TaskMetrics(
             name, n, len(rs), rej, g, sum(1 for a, _ in flags if a), sum(1 for _, lt in flags if lt),
-            g / n if n else math.nan, sum(lats) / len(lats) if lats else math.nan, _pct(lats, 0.5),
-            _pct(lats, 0.99)))
+            g / n if n else math.nan, sum(lats) / len(lats) if lats else math.nan, quantile(lats, 0.5),
+            quantile(lats, 0.99)))
     lats = sorted(r.finish - r.arrival.time_s for r in done)
     n_good = sum(t.good for t in per_task)
     n_all = len(done) + len(rejected)
@@ -397,8 +388,8 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     return SimResult(
         requests=n_all, completed=len(done), rejected=len(rejected), good=n_good,
         goodput=n_good / n_all if n_all else math.nan,
-        mean_latency_s=sum(lats) / len(lats) if lats else math.nan, p50_latency_s=_pct(lats, 0.5),
-        p99_latency_s=_pct(lats, 0.99), cost_usd=cost, instances=len(instances),
+        mean_latency_s=sum(lats) / len(lats) if lats else math.nan, p50_latency_s=quantile(lats, 0.5),
+        p99_latency_s=quantile(lats, 0.99), cost_usd=cost, instances=len(instances),
         gb_reserved=sum(i.memory_gb for i in instances), gpus_used=sum(1 for u in used.values() if u > 0),
         residence_s=residence, per_task=tuple(per_task), unplaced=tuple(sorted(unplaced.items())),
         peak_gpu_memory_gb=tuple((gid, used[gid], total_mem[gid]) for gid in sorted(used)),

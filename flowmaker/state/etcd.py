@@ -22,6 +22,7 @@ from aetcd import utils as autils
 
 from flowmaker.errors import AlreadyExists, Conflict, InvalidSpec, NotFound, Unavailable
 from flowmaker.state.store import (
+    CasOps,
     Compare,
     EventKind,
     Json,
@@ -84,7 +85,7 @@ def _raise_mapped(e: BaseException, what: str) -> NoReturn:
 _ETCD_ERRORS = (aerr.ClientError, grpc.aio.AioRpcError, OSError, TimeoutError)
 
 
-class EtcdStore:
+class EtcdStore(CasOps):
     """StateStore on etcd. Every key is prefixed with `namespace` (tests and parallel stacks
     get disjoint key spaces; `keys.*` stays absolute), and it is stripped again on reads."""
 
@@ -184,22 +185,9 @@ class EtcdStore:
             raise AlreadyExists(f"{key} already exists", field="key", metadata={"key": key})
         return res.revision
 
-    async def cas(self, key: str, value: Json, *, etag: int, lease: int = 0) -> int:
-        res = await self.txn([Compare.unchanged(key, etag)], [Put(key, value, lease)])
-        if not res.succeeded:
-            if etag and await self.get(key) is None:
-                raise NotFound(f"{key} no longer exists", metadata={"key": key})
-            raise Conflict(f"{key} changed since it was read (etag {etag}); re-read and retry",
-                           metadata={"key": key, "etag": str(etag)})
-        return res.revision
-
     async def delete(self, key: str, *, etag: int | None = None) -> bool:
         if etag is not None:
-            res = await self.txn([Compare.unchanged(key, etag)], deletes=[key])
-            if not res.succeeded:
-                raise Conflict(f"{key} changed since it was read (etag {etag}); re-read and retry",
-                               metadata={"key": key, "etag": str(etag)})
-            return True
+            return await self._delete_unchanged(key, etag)
         try:
             r = await (await self._c()).delete(self._k(key))
         except _ETCD_ERRORS as e:

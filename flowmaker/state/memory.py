@@ -9,8 +9,9 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from flowmaker.errors import AlreadyExists, Conflict, NotFound
+from flowmaker.errors import AlreadyExists, NotFound
 from flowmaker.state.store import (
+    CasOps,
     Compare,
     EventKind,
     Json,
@@ -29,7 +30,7 @@ class _Lease:
     deadline: float
 
 
-class MemoryStore:
+class MemoryStore(CasOps):
     """Single global revision, mod/create revisions per key, leases expiring on the loop clock
     (checked on every call, or force with `expire_lease`), prefix watches with history replay."""
 
@@ -107,22 +108,9 @@ class MemoryStore:
             raise AlreadyExists(f"{key} already exists", field="key", metadata={"key": key})
         return res.revision
 
-    async def cas(self, key: str, value: Json, *, etag: int, lease: int = 0) -> int:
-        res = await self.txn([Compare.unchanged(key, etag)], [Put(key, value, lease)])
-        if not res.succeeded:
-            if etag and key not in self._data:
-                raise NotFound(f"{key} no longer exists", metadata={"key": key})
-            raise Conflict(f"{key} changed since it was read (etag {etag}); re-read and retry",
-                           metadata={"key": key, "etag": str(etag)})
-        return res.revision
-
     async def delete(self, key: str, *, etag: int | None = None) -> bool:
         if etag is not None:
-            res = await self.txn([Compare.unchanged(key, etag)], deletes=[key])
-            if not res.succeeded:
-                raise Conflict(f"{key} changed since it was read (etag {etag}); re-read and retry",
-                               metadata={"key": key, "etag": str(etag)})
-            return True
+            return await self._delete_unchanged(key, etag)
         existed = key in self._data
         await self.txn([], deletes=[key])
         return existed

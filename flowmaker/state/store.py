@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from flowmaker.errors import FlowMakerError, InvalidSpec
+from flowmaker.errors import Conflict, FlowMakerError, InvalidSpec, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,37 @@ def check_txn_keys(puts: Sequence[Put], deletes: Sequence[str]) -> None:
         if k in seen:
             raise InvalidSpec(f"transaction writes {k!r} more than once", field="txn")
         seen.add(k)
+
+
+class CasOps:
+    """`cas` and the etag-guarded `delete`, built on `txn` + `get`: shared by every StateStore
+    implementation so the etcd store and the in-memory one fail the same way."""
+
+    async def txn(self, compares: Sequence[Compare], puts: Sequence[Put] = (),
+                  deletes: Sequence[str] = ()) -> TxnResult:
+        raise NotImplementedError
+
+    async def get(self, key: str) -> KeyValue | None:
+        raise NotImplementedError
+
+    async def cas(self, key: str, value: Json, *, etag: int, lease: int = 0) -> int:
+        res = await self.txn([Compare.unchanged(key, etag)], [Put(key, value, lease)])
+        if not res.succeeded:
+            if etag and await self.get(key) is None:
+                raise NotFound(f"{key} no longer exists", metadata={"key": key})
+            raise _changed(key, etag)
+        return res.revision
+
+    async def _delete_unchanged(self, key: str, etag: int) -> bool:
+        res = await self.txn([Compare.unchanged(key, etag)], deletes=[key])
+        if not res.succeeded:
+            raise _changed(key, etag)
+        return True
+
+
+def _changed(key: str, etag: int) -> Conflict:
+    return Conflict(f"{key} changed since it was read (etag {etag}); re-read and retry",
+                    metadata={"key": key, "etag": str(etag)})
 
 
 class LeaseKeeper:
