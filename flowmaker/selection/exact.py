@@ -477,4 +477,4 @@ def select_exact(req: SelectionRequest) -> SelectionResult:
     return pb.result("exact", search.best_at, started, search.leaves)
 
 
-__all__ = ["EPS", "select_exact", "solve", "tightest_reason"]
+__all__ = ["select_exact", "solve", "tightest_reason"]
