@@ -173,7 +173,7 @@ def paper_scale(cfg: BenchConfig, progress: Progress) -> dict[str, Any]:
             "runs": len(rs), "median_ms": 1e3 * statistics.median(r["time_s"] for r in rs),
             "p95_ms": 1e3 * quantile(sorted(r["time_s"] for r in rs), 0.95),
             "median_variants": statistics.median(r["variants_evaluated"] for r in rs),
-            "max_gap": max((g for g in gaps if math.isfinite(g)), default=None),
+            "max_gap": max(gaps, default=None),
             "no_answer": sum(1 for r in rs if not r["feasible"] and r["gap"] is not None),
             "mean_gap": (sum(g for g in gaps if math.isfinite(g)) / max(1, sum(1 for g in gaps if math.isfinite(g))))
             if gaps else None,
@@ -316,14 +316,25 @@ def run_selector_bench(out_dir: str | Path = "out/bench-selector", cfg: BenchCon
     result["catalog"] = catalog(cfg, progress)
     result["wall_s"] = time.perf_counter() - started
     result["plots"] = _plots(result, out)
-    (out / "selector.json").write_text(json.dumps(result, indent=1, default=_json_default))
+    (out / "selector.json").write_text(json.dumps(_finite(result), indent=1, allow_nan=False))
     return result
 
 
-def _json_default(o: Any) -> Any:
+def _finite(o: Any) -> Any:
+    """Strict JSON: an infinite gap (a strategy found nothing, or paid where the optimum is free) becomes "inf"."""
     if isinstance(o, float) and not math.isfinite(o):
         return str(o)
-    raise TypeError(type(o))
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def _fmt_gap(g: float | None) -> str:
+    if g is None:
+        return "-"
+    return f"{g:.1%}" if math.isfinite(g) else "inf (optimum free)"
 
 
 def _fmt_ms(x: float) -> str:
@@ -341,7 +352,7 @@ def render(result: dict[str, Any], console: Any) -> None:
         tab.add_column(c, justify="right")
     for s, v in result["paper"]["summary"].items():
         tab.add_row(s, str(v["runs"]), f"{v['median_ms']:.2f}", f"{v['p95_ms']:.2f}", f"{v['median_variants']:.0f}",
-                    str(v["missed_optimum"]), "-" if v["max_gap"] is None else f"{v['max_gap']:.1%}",
+                    str(v["missed_optimum"]), _fmt_gap(v["max_gap"]),
                     str(v["no_answer"]),
                     "-" if v["same_variant_rate"] is None else f"{v['same_variant_rate']:.0%}", str(v["timed_out"]))
     console.print(tab)
@@ -353,7 +364,7 @@ def render(result: dict[str, Any], console: Any) -> None:
     console.print(sp)
     dt = Table(title="Depth: chains of n LLM stages, 11 models (ms; * = timed out at the budget)")
     for c in ("stages", "space", "exact", "heuristic", "exhaustive", "bayesopt", "exhaustive/exact",
-              "bayesopt/exact", "exact cost", "BO cost"):
+              "bayesopt/exact", "exact cost", "heuristic cost", "BO cost"):
         dt.add_column(c, justify="right")
     for r in result["depth"]:
         def cell(s: str, r: dict[str, Any] = r) -> str:
@@ -361,8 +372,8 @@ def render(result: dict[str, Any], console: Any) -> None:
         dt.add_row(str(r["stages"]), f"{r['search_space']:.3g}", cell("exact"), cell("heuristic"),
                    cell("exhaustive"), cell("bayesopt"), f"{r['exact_vs_exhaustive']:.0f}x",
                    f"{r['exact_vs_bayesopt']:.0f}x",
-                   "-" if r["exact"]["cost"] is None else f"{r['exact']['cost']:.1f}",
-                   "-" if r["bayesopt"]["cost"] is None else f"{r['bayesopt']['cost']:.1f}")
+                   *(("-" if r[s]["cost"] is None else f"{r[s]['cost']:.1f}") for s in ("exact", "heuristic",
+                                                                                          "bayesopt")))
     console.print(dt)
     ct = Table(title="Catalog size: 3-stage chain (ms; * = timed out)")
     for c in ("models", "profiles", "space", "exact", "heuristic", "exhaustive", "exact cost", "heuristic cost"):

@@ -12,7 +12,10 @@ def test_tiny_selector_bench_writes_json_and_plots(tmp_path: Path) -> None:
     cfg = BenchConfig(repeats=1, exhaustive_budget_s=1.0, bayesopt_budget_s=1.0, bayesopt_trials=11,
                       bayesopt_states=(), depth_max=2, depth_budget_s=2.0, catalog_sizes=(11,))
     res = run_selector_bench(tmp_path, cfg)
-    saved = json.loads((tmp_path / "selector.json").read_text())
+    def no_nan(c: str) -> None:
+        raise AssertionError(f"non-strict JSON constant {c}")
+
+    saved = json.loads((tmp_path / "selector.json").read_text(), parse_constant=no_nan)
     assert saved["paper"]["summary"]["exact"]["runs"] == 21  # 7 tasks x 3 cluster states
     exact_rows = [r for r in res["paper"]["rows"] if r["strategy"] == "exact"]
     assert all(r["gap"] in (None, 0.0) or abs(r["gap"]) < 1e-9 for r in exact_rows)
