@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import grpc.aio
-
-from flowmaker.rpc.server import RunningServer, run, serve
+from flowmaker.rpc.server import run, serve
 from flowmaker.state import connect
 from services.deployer.node import NodeAgent
-from services.deployer.servicer import SERVICE_NAME, DeployerServicer
+from services.deployer.servicer import service_hooks
 from services.deployer.settings import DeployerSettings
 
 SERVICE = "deployer"
@@ -26,17 +24,7 @@ async def main(settings: DeployerSettings | None = None) -> None:
     store = connect(s.etcd_endpoint_list, namespace=s.etcd_namespace, timeout_s=s.etcd_timeout_s)
     agent = NodeAgent(store, s)
 
-    def add(server: grpc.aio.Server) -> list[str]:
-        from flowmaker.api.deployer.v1 import deployer_pb2_grpc
-
-        deployer_pb2_grpc.add_DeployerServiceServicer_to_server(DeployerServicer(agent), server)
-        return [SERVICE_NAME]
-
-    async def ready(running: RunningServer) -> None:
-        # The node record carries this deployer's address; with port 0 it is known only once bound.
-        agent.endpoint = f"{s.advertise_address_host}:{running.port}"
-        await agent.start()
-
+    add, ready = service_hooks(agent, s.advertise_address_host)
     await serve(SERVICE, add, s, on_ready=ready, on_shutdown=[agent.shutdown, store.close])
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import grpc.aio
 
 from flowmaker import convert
 from flowmaker.api.deployer.v1 import deployer_pb2, deployer_pb2_grpc
+from flowmaker.rpc.server import RunningServer
 from services.deployer.node import DeployParams, NodeAgent
 
 SERVICE_NAME = deployer_pb2.DESCRIPTOR.services_by_name["DeployerService"].full_name
@@ -38,3 +41,20 @@ class DeployerServicer(deployer_pb2_grpc.DeployerServiceServicer):
     async def ListGpus(self, request: deployer_pb2.ListGpusRequest, context: grpc.aio.ServicerContext
                        ) -> deployer_pb2.ListGpusResponse:
         return deployer_pb2.ListGpusResponse(gpus=[convert.gpu_record_to_proto(g) for g in await self.agent.list_gpus(request.node)])
+
+
+def service_hooks(agent: NodeAgent, advertise_host: str = ""
+                  ) -> tuple[Callable[[grpc.aio.Server], list[str]], Callable[[RunningServer], Awaitable[None]]]:
+    """(add_servicers, on_ready) for `serve`/`start_server`: register the servicer, then, once bound,
+    publish this deployer's address in its node record and start the agent. The address is known
+    only after binding (port 0); `advertise_host` replaces the bind host when peers must use another."""
+
+    def add(server: grpc.aio.Server) -> list[str]:
+        deployer_pb2_grpc.add_DeployerServiceServicer_to_server(DeployerServicer(agent), server)
+        return [SERVICE_NAME]
+
+    async def ready(running: RunningServer) -> None:
+        agent.endpoint = f"{advertise_host}:{running.port}" if advertise_host else running.address
+        await agent.start()
+
+    return add, ready

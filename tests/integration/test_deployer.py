@@ -32,7 +32,7 @@ from flowmaker.state import keys
 from flowmaker.state.etcd import EtcdStore
 from flowmaker.state.records import GpuRecord, InstanceRecord, InstanceState, read_cluster
 from services.deployer.node import DeployParams, NodeAgent
-from services.deployer.servicer import SERVICE_NAME, DeployerServicer
+from services.deployer.servicer import SERVICE_NAME, service_hooks
 from services.deployer.settings import DeployerSettings
 
 pytestmark = pytest.mark.integration
@@ -64,13 +64,7 @@ async def deployer(etcd, etcd_namespace: str, etcd_store: EtcdStore, start_servi
     store = EtcdStore(etcd.endpoint, namespace=etcd_namespace, timeout_s=3.0)
     agent = NodeAgent(store, settings)
 
-    def add(server: grpc.aio.Server) -> list[str]:
-        deployer_pb2_grpc.add_DeployerServiceServicer_to_server(DeployerServicer(agent), server)
-        return [SERVICE_NAME]
-
-    async def ready(running: Any) -> None:
-        agent.endpoint = running.address
-        await agent.start()
+    add, ready = service_hooks(agent)
 
     srv = await start_service("deployer", add, settings, on_ready=ready, on_shutdown=[agent.shutdown, store.close])
     async with insecure_channel(srv.address, default_timeout_s=60) as ch:

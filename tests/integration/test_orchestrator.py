@@ -17,7 +17,6 @@ import pytest
 
 from flowmaker import convert
 from flowmaker.api.common.v1 import selection_pb2, task_pb2
-from flowmaker.api.deployer.v1 import deployer_pb2_grpc
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
 from flowmaker.domain import Slo, Stage, StageKind, Workflow
@@ -29,7 +28,7 @@ from flowmaker.rpc.server import RunningServer
 from flowmaker.state import keys
 from flowmaker.state.records import GpuRecord, InstanceRecord, InstanceState
 from services.deployer.node import NodeAgent
-from services.deployer.servicer import DeployerServicer
+from services.deployer.servicer import service_hooks
 from services.deployer.settings import DeployerSettings
 from services.orchestrator.clients import Clients
 from services.orchestrator.orchestrator import Orchestrator
@@ -92,13 +91,7 @@ async def start_stack(store: Any, start_service: Any, *, gpu_count: int, gpu_mem
                             lease_ttl_s=5)
     agent = NodeAgent(store, dset)
 
-    def add_deployer(server: grpc.aio.Server) -> list[str]:
-        deployer_pb2_grpc.add_DeployerServiceServicer_to_server(DeployerServicer(agent), server)
-        return ["flowmaker.deployer.v1.DeployerService"]
-
-    async def deployer_ready(running: RunningServer) -> None:
-        agent.endpoint = running.address
-        await agent.start()
+    add_deployer, deployer_ready = service_hooks(agent)
 
     await start_service("deployer", add_deployer, dset, on_ready=deployer_ready, on_shutdown=[agent.shutdown])
     sset = SelectorSettings(host="127.0.0.1", port=0, grace_s=0.5)

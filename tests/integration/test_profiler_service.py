@@ -23,7 +23,7 @@ from flowmaker.rpc.errors import call
 from flowmaker.state import keys
 from flowmaker.state.records import GpuRecord, InstanceRecord
 from services.deployer.node import NodeAgent
-from services.deployer.servicer import SERVICE_NAME, DeployerServicer
+from services.deployer.servicer import service_hooks
 from services.deployer.settings import DeployerSettings
 from services.profiler.app import build
 from services.profiler.servicer import add_servicers
@@ -181,13 +181,7 @@ async def _deployer(start_service: Any, etcd: Any, namespace: str, time_scale: f
     store = EtcdStore(etcd.endpoint, namespace=namespace, timeout_s=3.0)
     agent = NodeAgent(store, settings)
 
-    def add(server: grpc.aio.Server) -> list[str]:
-        deployer_pb2_grpc.add_DeployerServiceServicer_to_server(DeployerServicer(agent), server)
-        return [SERVICE_NAME]
-
-    async def ready(running: Any) -> None:
-        agent.endpoint = running.address
-        await agent.start()
+    add, ready = service_hooks(agent)
 
     srv = await start_service("deployer", add, settings, on_ready=ready, on_shutdown=[agent.shutdown, store.close])
     return str(srv.address)

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
-import grpc
 import pytest
 from aiohttp import web
 from opentelemetry import trace
@@ -29,7 +28,6 @@ from opentelemetry.trace import SpanKind
 
 from flowmaker import convert, telemetry
 from flowmaker.api.common.v1 import task_pb2
-from flowmaker.api.deployer.v1 import deployer_pb2_grpc
 from flowmaker.api.generator.v1 import generator_pb2, generator_pb2_grpc
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as opb
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
@@ -38,9 +36,8 @@ from flowmaker.domain import Slo, Stage, StageKind, Workflow
 from flowmaker.generator import GeneratorSettings, make_generator
 from flowmaker.rpc.channels import insecure_channel
 from flowmaker.rpc.errors import call
-from flowmaker.rpc.server import RunningServer
 from services.deployer.node import NodeAgent
-from services.deployer.servicer import DeployerServicer
+from services.deployer.servicer import service_hooks
 from services.deployer.settings import DeployerSettings
 from services.generator.servicer import add_servicers as add_generator
 from services.orchestrator.clients import Clients
@@ -200,13 +197,7 @@ async def suite(etcd_store: Any, start_service: Any, spans: InMemorySpanExporter
                             engine_start_timeout_s=30, engine_stop_grace_s=2, lease_ttl_s=5)
     agent = NodeAgent(etcd_store, dset)
 
-    def add_deployer(server: grpc.aio.Server) -> list[str]:
-        deployer_pb2_grpc.add_DeployerServiceServicer_to_server(DeployerServicer(agent), server)
-        return ["flowmaker.deployer.v1.DeployerService"]
-
-    async def deployer_ready(running: RunningServer) -> None:
-        agent.endpoint = running.address
-        await agent.start()
+    add_deployer, deployer_ready = service_hooks(agent)
 
     await start_service("deployer", add_deployer, dset, on_ready=deployer_ready, on_shutdown=[agent.shutdown],
                         interceptors=interceptors)
