@@ -15,7 +15,7 @@ def select_cmd(request: Path = typer.Option(..., "--request", "-r", help="Select
                strategy: str | None = typer.Option(None, help="exact (default) | heuristic | exhaustive | bayesopt; "
                                                               "overrides the file's `strategy`."),
                json_out: bool = typer.Option(False, "--json", help="Print the SelectVariant response JSON.")) -> None:
-    """Pick the least-cost feasible workflow variant (see spec/selection.md and examples/README.md)."""
+    """Pick the least-cost feasible workflow variant (see docs/selection-spec.md and examples/README.md)."""
     from flowmaker.convert import select_variant_request_from_json, selection_result_to_json
     from flowmaker.selection import select
 
