@@ -136,12 +136,14 @@ class Instance(_message.Message):
         STATE_READY: _ClassVar[Instance.State]
         STATE_DRAINING: _ClassVar[Instance.State]
         STATE_FAILED: _ClassVar[Instance.State]
+        STATE_LOST: _ClassVar[Instance.State]
     STATE_UNSPECIFIED: Instance.State
     STATE_PENDING: Instance.State
     STATE_STARTING: Instance.State
     STATE_READY: Instance.State
     STATE_DRAINING: Instance.State
     STATE_FAILED: Instance.State
+    STATE_LOST: Instance.State
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]

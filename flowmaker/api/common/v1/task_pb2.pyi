@@ -14,7 +14,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Task(_message.Message):
-    __slots__ = ("id", "name", "description", "slo", "candidates", "approved_workflow_ids", "variant", "strategy", "stage_instances", "predicted_latency_s", "observed_latency_p50_s", "observed_latency_p95_s", "requests_served", "state", "failure", "create_time", "update_time", "etag")
+    __slots__ = ("id", "name", "description", "slo", "candidates", "approved_workflow_ids", "variant", "strategy", "stage_instances", "predicted_latency_s", "observed_latency_p50_s", "observed_latency_p95_s", "requests_served", "state", "failure", "create_time", "update_time", "etag", "healing")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Task.State]
@@ -60,6 +60,7 @@ class Task(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
+    HEALING_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     description: str
@@ -78,4 +79,19 @@ class Task(_message.Message):
     create_time: _timestamp_pb2.Timestamp
     update_time: _timestamp_pb2.Timestamp
     etag: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., slo: _Optional[_Union[_workflow_pb2.Slo, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_workflow_pb2.Workflow, _Mapping]]] = ..., approved_workflow_ids: _Optional[_Iterable[str]] = ..., variant: _Optional[_Union[_selection_pb2.Variant, _Mapping]] = ..., strategy: _Optional[str] = ..., stage_instances: _Optional[_Mapping[str, str]] = ..., predicted_latency_s: _Optional[float] = ..., observed_latency_p50_s: _Optional[float] = ..., observed_latency_p95_s: _Optional[float] = ..., requests_served: _Optional[int] = ..., state: _Optional[_Union[Task.State, str]] = ..., failure: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ...) -> None: ...
+    healing: Healing
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., slo: _Optional[_Union[_workflow_pb2.Slo, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_workflow_pb2.Workflow, _Mapping]]] = ..., approved_workflow_ids: _Optional[_Iterable[str]] = ..., variant: _Optional[_Union[_selection_pb2.Variant, _Mapping]] = ..., strategy: _Optional[str] = ..., stage_instances: _Optional[_Mapping[str, str]] = ..., predicted_latency_s: _Optional[float] = ..., observed_latency_p50_s: _Optional[float] = ..., observed_latency_p95_s: _Optional[float] = ..., requests_served: _Optional[int] = ..., state: _Optional[_Union[Task.State, str]] = ..., failure: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., healing: _Optional[_Union[Healing, _Mapping]] = ...) -> None: ...
+
+class Healing(_message.Message):
+    __slots__ = ("action", "detail", "since_time", "attempts", "next_attempt_time")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SINCE_TIME_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ATTEMPT_TIME_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    detail: str
+    since_time: _timestamp_pb2.Timestamp
+    attempts: int
+    next_attempt_time: _timestamp_pb2.Timestamp
+    def __init__(self, action: _Optional[str] = ..., detail: _Optional[str] = ..., since_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempts: _Optional[int] = ..., next_attempt_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
