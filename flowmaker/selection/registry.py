@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from flowmaker.domain import SelectionRequest, SelectionResult
-from flowmaker.errors import NotFound
+from flowmaker.errors import InvalidSpec
 
 Strategy = Callable[[SelectionRequest], SelectionResult]
 
@@ -23,8 +23,8 @@ def get_strategy(name: str) -> Strategy:
     _load()
     try:
         return STRATEGIES[name]
-    except KeyError:
-        raise NotFound(f"unknown selection strategy {name!r}; known: {sorted(STRATEGIES)}",
+    except KeyError:  # a misspelt option, not a missing resource: INVALID_ARGUMENT (AIP-193)
+        raise InvalidSpec(f"unknown selection strategy {name!r}; known: {sorted(STRATEGIES)}",
                        field="strategy", reason="UNKNOWN_STRATEGY") from None
 
 

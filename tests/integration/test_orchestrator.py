@@ -286,9 +286,9 @@ async def test_generated_candidates_and_bad_input(stack: Stack) -> None:
     assert e4.value.field == "workflow_ids"
     with pytest.raises(NotFound):
         await call(stack.orch.GetTask(pb.GetTaskRequest(task_id="no-such-task")))
-    # A strategy the selector does not know is the caller's mistake: NOT_FOUND to the caller, and the
-    # task stays approvable (it used to end FAILED for good).
-    with pytest.raises(NotFound) as e5:
+    # A strategy the selector does not know is the caller's mistake: INVALID_ARGUMENT to the caller, and
+    # the task stays approvable (it used to end FAILED for good).
+    with pytest.raises(InvalidSpec) as e5:
         await call(stack.orch.ApproveWorkflows(pb.ApproveWorkflowsRequest(
             task_id=tid, workflow_ids=[r.task.candidates[0].id], strategy="no-such-strategy")))
     assert e5.value.reason == "UNKNOWN_STRATEGY"

@@ -18,7 +18,7 @@ import pytest
 from flowmaker import convert
 from flowmaker.api.selector.v1 import selector_pb2, selector_pb2_grpc
 from flowmaker.domain import Profile, ProfileSource, Slo, Stage, Workflow
-from flowmaker.errors import InvalidSpec, NotFound
+from flowmaker.errors import InvalidSpec
 from flowmaker.rpc.channels import insecure_channel
 from flowmaker.rpc.errors import call, field_violations
 from flowmaker.state import keys
@@ -117,7 +117,7 @@ async def test_bad_input_names_the_field(selector: Any) -> None:
 
     req = request(rate=1.0)
     req.strategy = "nope"
-    with pytest.raises(NotFound) as e3:
+    with pytest.raises(InvalidSpec) as e3:  # a bad option value, not a missing resource
         await call(selector.SelectVariant(req))
     assert e3.value.reason == "UNKNOWN_STRATEGY"
 

@@ -332,9 +332,12 @@ def test_reuse_costs_nothing_and_respects_allow_reuse() -> None:
 
 
 def test_unknown_strategy_is_a_clear_error() -> None:
-    from flowmaker.errors import NotFound
-    with pytest.raises(NotFound, match="unknown selection strategy"):
+    from flowmaker.errors import InvalidSpec
+    from flowmaker.rpc.errors import code_of
+    with pytest.raises(InvalidSpec, match="unknown selection strategy") as e:
         select(_chain_request(), "nope")
+    assert code_of(e.value).name == "INVALID_ARGUMENT" and e.value.field == "strategy"
+    assert e.value.reason == "UNKNOWN_STRATEGY"
 
 
 def test_invalid_request_names_the_field() -> None:
