@@ -196,6 +196,7 @@ class EmulatedEngine:
         self.requests_finished = 0
         self._clock = clock
         self._t0 = clock()
+        self._created = int(time.time())  # /v1/models `created`: Unix seconds (the clock above may be monotonic)
         self._pending: dict[str, _Pending] = {}
         self._submit_times: dict[str, float] = {}
         self._ids = itertools.count()
@@ -291,7 +292,16 @@ class EmulatedEngine:
         n = body.get("n", 1)
         if n != 1:
             raise BadRequest("only n=1 is supported", "n")
+        opts = body.get("stream_options")
+        if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
+            raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
         return body, max_tokens, stream
+
+    @staticmethod
+    def _include_usage(body: dict[str, Any]) -> bool:
+        """OpenAI streams carry usage only when asked: `stream_options.include_usage` adds one last chunk
+        with empty `choices` and the usage (every other chunk then has `usage: null`)."""
+        return bool((body.get("stream_options") or {}).get("include_usage", False))
 
     @staticmethod
     def _chat_prompt_tokens(body: dict[str, Any]) -> int:
@@ -345,8 +355,9 @@ class EmulatedEngine:
                 raise BadRequest("request body is not valid JSON", None) from None
             body, max_tokens, stream = self._common(raw)
             in_tokens = self._chat_prompt_tokens(body) if chat else self._completion_prompt_tokens(body)
+            with_usage = stream and self._include_usage(body)
             if self.script is not None:
-                return await self._scripted(request, chat, in_tokens, stream)
+                return await self._scripted(request, chat, in_tokens, stream, with_usage)
             rid, p = self._submit(in_tokens, max_tokens)
         except BadRequest as e:
             return error_response(e.message, e.param, e.status, e.code)
@@ -369,19 +380,22 @@ class EmulatedEngine:
             p.changed.clear()
             for i in range(sent, p.emitted):
                 piece = words[i] if i == 0 else " " + words[i]
-                await self._send(sresp, self._chunk(chat, oid, created, piece, None, first))
+                await self._send(sresp, self._chunk(chat, oid, created, piece, None, first, with_usage=with_usage))
                 first = False
             sent = p.emitted
             if p.completion is not None:
                 break
             await p.changed.wait()
-        await self._send(sresp, self._chunk(chat, oid, created, "", "length", False, usage))
+        await self._send(sresp, self._chunk(chat, oid, created, "", "length", False, with_usage=with_usage))
+        if with_usage:
+            await self._send(sresp, self._usage_chunk(chat, oid, created, usage))
         await sresp.write(b"data: [DONE]\n\n")
         await sresp.write_eof()
         self._request_done()
         return sresp
 
-    async def _scripted(self, request: web.Request, chat: bool, in_tokens: int, stream: bool) -> web.StreamResponse:
+    async def _scripted(self, request: web.Request, chat: bool, in_tokens: int, stream: bool,
+                        with_usage: bool = False) -> web.StreamResponse:
         assert self.script is not None
         if self._script_pos >= len(self.script):
             return error_response(f"script exhausted: all {len(self.script)} responses used", None, 500, None,
@@ -403,8 +417,10 @@ class EmulatedEngine:
             resp = web.json_response(self._full(chat, oid, created, entry.content, "stop", usage))
         else:
             resp = await self._open_stream(request)
-            await self._send(resp, self._chunk(chat, oid, created, entry.content, None, True))
-            await self._send(resp, self._chunk(chat, oid, created, "", "stop", False, usage))
+            await self._send(resp, self._chunk(chat, oid, created, entry.content, None, True, with_usage=with_usage))
+            await self._send(resp, self._chunk(chat, oid, created, "", "stop", False, with_usage=with_usage))
+            if with_usage:
+                await self._send(resp, self._usage_chunk(chat, oid, created, usage))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         self._request_done()
@@ -422,8 +438,8 @@ class EmulatedEngine:
         return {"id": oid, "object": obj, "created": created, "model": self.model_name,
                 "choices": [choice], "usage": usage}
 
-    def _chunk(self, chat: bool, oid: str, created: int, piece: str, finish: str | None, first: bool,
-               usage: dict[str, int] | None = None) -> dict[str, Any]:
+    def _chunk(self, chat: bool, oid: str, created: int, piece: str, finish: str | None, first: bool, *,
+               with_usage: bool = False) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"content": piece} if piece or not finish else {}
             if first:
@@ -435,9 +451,13 @@ class EmulatedEngine:
             obj = "text_completion"
         out: dict[str, Any] = {"id": oid, "object": obj, "created": created, "model": self.model_name,
                                "choices": [choice]}
-        if usage is not None:
-            out["usage"] = usage
+        if with_usage:
+            out["usage"] = None
         return out
+
+    def _usage_chunk(self, chat: bool, oid: str, created: int, usage: dict[str, int]) -> dict[str, Any]:
+        return {"id": oid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": self.model_name, "choices": [], "usage": usage}
 
     @staticmethod
     async def _open_stream(request: web.Request) -> web.StreamResponse:
@@ -451,7 +471,17 @@ class EmulatedEngine:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": int(self._t0), "owned_by": "flowmaker"}]})
+            self._model_card()]})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "flowmaker"}
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the served model's card, or OpenAI's 404 `model_not_found`."""
+        mid = request.match_info["model"]
+        if mid != self.model_name:
+            return error_response(f"The model `{mid}` does not exist.", "model", 404, "model_not_found")
+        return web.json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="OK")
@@ -467,6 +497,7 @@ class EmulatedEngine:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.on_startup.append(self.start)

@@ -117,8 +117,19 @@ async def test_streaming_chat_and_completion(start_engine: Starter) -> None:
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in body)
     assert len(text.split()) == 7
     assert body[-1]["choices"][0]["finish_reason"] == "length"
-    assert body[-1]["usage"] == {"prompt_tokens": 1, "completion_tokens": 7, "total_tokens": 8}
+    assert all("usage" not in c for c in body)  # OpenAI: no usage on a stream unless asked for
     assert sum(1 for c in body if c["choices"][0]["delta"].get("content")) == 7  # one chunk per token
+
+    # stream_options.include_usage: `usage: null` on every chunk, then one more with empty choices and the usage
+    chunks = await stream(eng.url + "/v1/chat/completions",
+                          {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7,
+                           "stream": True, "stream_options": {"include_usage": True}})
+    assert chunks[-1] == "[DONE]"
+    body = chunks[:-1]
+    assert body[-1]["choices"] == []
+    assert body[-1]["usage"] == {"prompt_tokens": 1, "completion_tokens": 7, "total_tokens": 8}
+    assert all(c["usage"] is None for c in body[:-1])
+    assert body[-2]["choices"][0]["finish_reason"] == "length"
 
     chunks = await stream(eng.url + "/v1/completions", {"prompt": "x y", "max_tokens": 5, "stream": True})
     assert chunks[-1] == "[DONE]"
@@ -163,7 +174,17 @@ async def test_models_and_health(start_engine: Starter) -> None:
             assert r.status == 200
         async with s.get(eng.url + "/v1/models") as r:
             data = await r.json()
+        async with s.get(eng.url + "/v1/models/m1") as r:
+            assert r.status == 200
+            card = await r.json()
+        async with s.get(eng.url + "/v1/models/other") as r:
+            assert r.status == 404
+            missing = await r.json()
     assert [m["id"] for m in data["data"]] == ["m1"]
+    assert card == data["data"][0] and card["object"] == "model"
+    # `created` is a Unix timestamp (it used to be the engine's monotonic clock, e.g. 3111)
+    assert abs(card["created"] - time.time()) < 3600
+    assert missing["error"]["code"] == "model_not_found" and missing["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), [
@@ -175,6 +196,7 @@ async def test_models_and_health(start_engine: Starter) -> None:
     ("/v1/completions", {"prompt": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": []}, 400, "stream_options"),
     ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
     ("/v1/completions", [1, 2], 400, None),
 ])
@@ -214,8 +236,10 @@ async def test_script_mode_returns_canned_responses_in_order(start_engine: Start
                 await r.read()
     status, resp = await post(eng.url + "/v1/chat/completions", chat)
     assert status == 429 and resp["error"]["message"] == "rate limited"
-    chunks = await stream(eng.url + "/v1/chat/completions", {**chat, "stream": True})
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == "streamed text here"
+    chunks = await stream(eng.url + "/v1/chat/completions",
+                          {**chat, "stream": True, "stream_options": {"include_usage": True}})
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-2]) == "streamed text here"
+    assert chunks[-2]["choices"] == [] and chunks[-2]["usage"]["completion_tokens"] == 3
     status, resp = await post(eng.url + "/v1/chat/completions", chat)
     assert status == 500 and "script exhausted" in resp["error"]["message"]
 
