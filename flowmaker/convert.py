@@ -104,16 +104,16 @@ def stage_kind_to_proto(kind: StageKind) -> workflow_pb2.StageKind:
     return cast(workflow_pb2.StageKind, _enum_to_proto(kind, _STAGE_KIND))
 
 
-def stage_kind_from_proto(number: int) -> StageKind:
-    return _enum_from_proto(number, _STAGE_KIND, StageKind, "kind") or StageKind.LLM
+def stage_kind_from_proto(number: int, field: str = "kind") -> StageKind:
+    return _enum_from_proto(number, _STAGE_KIND, StageKind, field) or StageKind.LLM
 
 
 def profile_source_to_proto(source: ProfileSource) -> cluster_pb2.ProfileSource:
     return cast(cluster_pb2.ProfileSource, _enum_to_proto(source, _PROFILE_SOURCE))
 
 
-def profile_source_from_proto(number: int) -> ProfileSource:
-    return _enum_from_proto(number, _PROFILE_SOURCE, ProfileSource, "source") or ProfileSource.ANALYTIC
+def profile_source_from_proto(number: int, field: str = "source") -> ProfileSource:
+    return _enum_from_proto(number, _PROFILE_SOURCE, ProfileSource, field) or ProfileSource.ANALYTIC
 
 
 def infeasibility_to_proto(reason: Infeasibility | None) -> selection_pb2.Infeasibility:
@@ -135,9 +135,14 @@ def stage_to_proto(s: Stage) -> workflow_pb2.Stage:
     )
 
 
-def stage_from_proto(m: workflow_pb2.Stage) -> Stage:
+def _p(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def stage_from_proto(m: workflow_pb2.Stage, path: str = "") -> Stage:
+    """`path` (e.g. "workflows[0].stages[2]") prefixes the field named in any error."""
     return Stage(
-        id=m.id, kind=stage_kind_from_proto(m.kind), depends_on=tuple(m.depends_on),
+        id=m.id, kind=stage_kind_from_proto(m.kind, _p(path, "kind")), depends_on=tuple(m.depends_on),
         input_tokens=m.input_tokens, output_tokens=m.output_tokens,
         calls_per_request=m.calls_per_request or 1,  # spec: default 1
         latency_s=m.latency_s, role=m.role, prompt_template=m.prompt_template,
@@ -149,8 +154,9 @@ def workflow_to_proto(w: Workflow) -> workflow_pb2.Workflow:
                                  description=w.description, rationale=w.rationale)
 
 
-def workflow_from_proto(m: workflow_pb2.Workflow) -> Workflow:
-    return Workflow(id=m.id, stages=tuple(stage_from_proto(s) for s in m.stages),
+def workflow_from_proto(m: workflow_pb2.Workflow, path: str = "") -> Workflow:
+    return Workflow(id=m.id, stages=tuple(stage_from_proto(s, _p(path, f"stages[{i}]"))
+                                          for i, s in enumerate(m.stages)),
                     description=m.description, rationale=m.rationale)
 
 
@@ -170,7 +176,7 @@ def task_spec_to_proto(t: TaskSpec) -> workflow_pb2.TaskSpec:
 
 def task_spec_from_proto(m: workflow_pb2.TaskSpec) -> TaskSpec:
     return TaskSpec(description=m.description, slo=slo_from_proto(m.slo), name=m.name,
-                    candidates=tuple(workflow_from_proto(w) for w in m.candidates))
+                    candidates=tuple(workflow_from_proto(w, f"candidates[{i}]") for i, w in enumerate(m.candidates)))
 
 
 # --------------------------------------------------------------------------- cluster.proto
@@ -224,16 +230,16 @@ def profile_to_proto(p: Profile) -> cluster_pb2.Profile:
         model_id=p.model_id, tp=p.tp, pp=p.pp, memory_gb_per_gpu=p.memory_gb_per_gpu, fixed_s=p.fixed_s,
         prefill_s_per_token=p.prefill_s_per_token, decode_s_per_token=p.decode_s_per_token,
         max_output_tokens_per_s=p.max_output_tokens_per_s, gpu_type=p.gpu_type,
-        source=profile_source_to_proto(p.source),
+        source=profile_source_to_proto(p.source), decode_tokens_per_s=p.decode_tokens_per_s,
     )
 
 
-def profile_from_proto(m: cluster_pb2.Profile) -> Profile:
+def profile_from_proto(m: cluster_pb2.Profile, path: str = "") -> Profile:
     return Profile(
         model_id=m.model_id, tp=m.tp, pp=m.pp, memory_gb_per_gpu=m.memory_gb_per_gpu, fixed_s=m.fixed_s,
         prefill_s_per_token=m.prefill_s_per_token, decode_s_per_token=m.decode_s_per_token,
         max_output_tokens_per_s=m.max_output_tokens_per_s, gpu_type=m.gpu_type,
-        source=profile_source_from_proto(m.source),
+        source=profile_source_from_proto(m.source, _p(path, "source")), decode_tokens_per_s=m.decode_tokens_per_s,
     )
 
 
@@ -356,9 +362,9 @@ def select_variant_request_from_proto(m: selector_pb2.SelectVariantRequest) -> t
         raise InvalidSpec("is required", field="slo")
     req = SelectionRequest(
         slo=slo_from_proto(m.slo),
-        workflows=tuple(workflow_from_proto(w) for w in m.workflows),
+        workflows=tuple(workflow_from_proto(w, f"workflows[{i}]") for i, w in enumerate(m.workflows)),
         models=tuple(model_from_proto(x) for x in m.models),
-        profiles=tuple(profile_from_proto(p) for p in m.profiles),
+        profiles=tuple(profile_from_proto(p, f"profiles[{i}]") for i, p in enumerate(m.profiles)),
         cluster=cluster_from_proto(m.cluster),
         options=selection_options_from_proto(m.options),
     )
@@ -654,18 +660,19 @@ _INSTANCE_STATES = {
     InstanceState.READY: cluster_pb2.Instance.STATE_READY,
     InstanceState.DRAINING: cluster_pb2.Instance.STATE_DRAINING,
     InstanceState.FAILED: cluster_pb2.Instance.STATE_FAILED,
+    InstanceState.LOST: cluster_pb2.Instance.STATE_LOST,
 }
 
 
 def instance_record_to_proto(rec: InstanceRecord, task_ids: Sequence[str] = (), node_alive: bool = True
                              ) -> cluster_pb2.Instance:
     """An instance record as the API shows it. An instance whose node lost its lease is shown
-    FAILED (NODE_LOST) even though its record still says otherwise: nothing backs it any more."""
+    LOST (NODE_LOST) even though its record still says otherwise: nothing backs it any more."""
     from flowmaker.rpc.errors import DOMAIN
 
     state, reason, message = rec.state, rec.failure_reason, rec.reason
-    if not node_alive and state is not InstanceState.FAILED:
-        state, reason, message = InstanceState.FAILED, "NODE_LOST", f"node {rec.node} is not alive (lease expired)"
+    if not node_alive and state not in (InstanceState.FAILED, InstanceState.LOST):
+        state, reason, message = InstanceState.LOST, "NODE_LOST", f"node {rec.node} is not alive (lease expired)"
     m = cluster_pb2.Instance(
         id=rec.id, model_id=rec.model_id, tp=rec.tp, pp=rec.pp, gpu_ids=list(rec.gpu_ids),
         load_output_tokens_per_s=rec.load_output_tokens_per_s, endpoint=rec.endpoint if node_alive else "",
@@ -675,7 +682,7 @@ def instance_record_to_proto(rec: InstanceRecord, task_ids: Sequence[str] = (), 
     if rec.observed_load_at:
         m.observed_load_output_tokens_per_s = rec.observed_load_output_tokens_per_s
         m.observed_time.CopyFrom(_timestamp(rec.observed_load_at))
-    if state is InstanceState.FAILED:
+    if state in (InstanceState.FAILED, InstanceState.LOST):
         # Not an error of any call: the instance's own status, so it is UNAVAILABLE with the reason.
         info = error_details_pb2.ErrorInfo(reason=reason or "FAILED", domain=DOMAIN, metadata={"instance_id": rec.id})
         st = status_pb2.Status(code=code_pb2.UNAVAILABLE, message=message)
@@ -695,7 +702,12 @@ def task_state_to_proto(s: TaskState) -> task_pb2.Task.State:
 
 def task_state_from_proto(n: int) -> TaskState | None:
     """None for STATE_UNSPECIFIED (e.g. "any state" in ListTasks)."""
-    return None if n == 0 else TaskState(task_pb2.Task.State.Name(n).removeprefix("STATE_"))  # type: ignore[arg-type]
+    if n == 0:
+        return None
+    v = task_pb2.Task.State.DESCRIPTOR.values_by_number.get(n)
+    if v is None:
+        raise InvalidSpec(f"unknown enum value {n}", field="state", reason="INVALID_ENUM")
+    return TaskState(v.name.removeprefix("STATE_"))
 
 
 def failure_to_status_proto(f: Failure) -> status_pb2.Status:
@@ -725,6 +737,12 @@ def task_to_proto(t: TaskRecord, *, etag: int = 0, state: TaskState | None = Non
         m.create_time.CopyFrom(_timestamp(t.create_time))
     if t.update_time:
         m.update_time.CopyFrom(_timestamp(t.update_time))
+    if t.healing is not None:
+        h = t.healing
+        m.healing.CopyFrom(task_pb2.Healing(action=h.action, detail=h.detail, since_time=_timestamp(h.since),
+                                            attempts=h.attempts))
+        if h.next_attempt_at:
+            m.healing.next_attempt_time.CopyFrom(_timestamp(h.next_attempt_at))
     return m
 
 

@@ -84,7 +84,11 @@ class Profile:
     """Latency/throughput/memory of one deployable (model, tp, pp) on one GPU type.
 
     Stage latency = calls * (fixed_s + prefill_s_per_token*in + decode_s_per_token*out);
-    an instance sustains at most max_output_tokens_per_s output tokens/s.
+    an instance sustains at most max_output_tokens_per_s output tokens/s at the reference request
+    (1024 prompt / 256 output tokens: that figure already pays for the prompts' prefill).
+    `decode_tokens_per_s` is the pure-decode throughput (a full batch, prefill excluded), the rate the
+    engine model decodes at; 0 means unknown (older profiles), and `pure_decode_tokens_per_s` then
+    falls back to `max_output_tokens_per_s`.
     """
 
     model_id: str
@@ -97,6 +101,12 @@ class Profile:
     max_output_tokens_per_s: float
     gpu_type: str = ""
     source: ProfileSource = ProfileSource.ANALYTIC
+    decode_tokens_per_s: float = 0.0
+
+    @property
+    def pure_decode_tokens_per_s(self) -> float:
+        """Output tokens/s of a full batch that only decodes (no prefill); see the class doc."""
+        return self.decode_tokens_per_s if self.decode_tokens_per_s > 0 else self.max_output_tokens_per_s
 
     @property
     def gpus(self) -> int:
@@ -124,6 +134,9 @@ class Profile:
         if not (self.max_output_tokens_per_s > 0 and math.isfinite(self.max_output_tokens_per_s)):
             raise InvalidSpec(f"profile {name}: must be > 0, got {self.max_output_tokens_per_s}",
                               field=f"{path}.max_output_tokens_per_s")
+        if not (self.decode_tokens_per_s >= 0 and math.isfinite(self.decode_tokens_per_s)):
+            raise InvalidSpec(f"profile {name}: must be a finite number >= 0 (0: unknown), got "
+                              f"{self.decode_tokens_per_s}", field=f"{path}.decode_tokens_per_s")
         return self
 
 

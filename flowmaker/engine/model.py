@@ -13,20 +13,28 @@ Timing model (all numbers from a `flowmaker.domain.Profile`):
   strict FIFO order while the batch has room (`max_batch`) and the KV budget allows
   (`kv_capacity_tokens`; a request reserves `in + out` tokens for its whole life, so
   nothing is ever preempted). The head of the queue blocks the ones behind it.
-* A step in which `b` requests decode lasts `max(decode_s_per_token, b / max_output_tokens_per_s)`
-  plus `prefill_s_per_token * in` for every request admitted at its start (prefill is not
+* A step in which `b` requests decode lasts `max(decode_s_per_token, b / D)` with `D` the
+  profile's PURE-decode throughput (`Profile.pure_decode_tokens_per_s`), plus
+  `prefill_s_per_token * in` for every request admitted at its start (prefill is not
   chunked: it stalls the whole batch, as in engines without chunked prefill). Each running
   request emits one token at the end of each step; a new request's first token comes at the
   end of its admission step (prefill + first decode).
 
   The `max(...)` is the roofline: decoding is memory-bound (a step costs one per-token
-  latency) until the batch reaches `decode_s_per_token * max_output_tokens_per_s`, then
-  compute-bound (the instance emits exactly `max_output_tokens_per_s`). So per-call latency
-  stays at the profile's value while the load stays under the profile's capacity, which is
-  the assumption the selector makes (spec/selection.md, constraints 2 and 3); beyond it,
+  latency) until the batch reaches `decode_s_per_token * D`, then compute-bound. Prefill is
+  paid once, as stalls: `max_output_tokens_per_s` (which already includes the prefill of the
+  reference request, 1024 in / 256 out) is NOT used to cap decode, so at the reference shape
+  a saturated instance delivers `max_output_tokens_per_s`, with short prompts up to `D`.
+  Per-call latency stays at the profile's value while the load stays under capacity, which
+  is the assumption the selector makes (spec/selection.md, constraints 2 and 3); beyond it,
   every running request slows down together. Hence:
   - a lone request takes exactly `fixed_s + prefill_s_per_token*in + decode_s_per_token*out`;
-  - with enough concurrent requests the output rate is `max_output_tokens_per_s`.
+  - with enough concurrent requests that only decode, the output rate is `D`; with requests
+    of the reference shape, `max_output_tokens_per_s`.
+* Speed (`set_speed`): the GPU time of every step (prefill and decode) is divided by a factor
+  in (0, 1] (1 = alone on its GPUs). A simulator that co-locates instances changes it at event
+  boundaries; the step in progress is stretched from that moment on, not retroactively.
+  `fixed_s` is not GPU time and is never slowed.
 * `out_tokens >= 1` (as in vLLM, `max_tokens` must be at least 1).
 
 Interface for a discrete-event simulator: `submit()` requests, ask `next_event_time()` (void
@@ -115,6 +123,8 @@ class EngineModel:
         self._t = 0.0  # last processed step boundary (or when the engine went idle)
         self._clock = 0.0  # latest time seen by submit/advance; time never goes back
         self._kv_in_use = 0
+        self._speed = 1.0  # GPU share: every step's GPU time is divided by it (set_speed)
+        self.busy_s = 0.0  # engine seconds with a non-empty batch (steps processed), at whatever speed
         # counters (monotone)
         self.submitted = 0
         self.completed = 0
@@ -160,10 +170,37 @@ class EngineModel:
         r = self._running.get(req_id)
         return r.emitted if r is not None else 0
 
+    @property
+    def speed(self) -> float:
+        return self._speed
+
     def step_duration(self, batch: int) -> float:
-        """Length of a decode step with `batch` requests (prefill of new requests not included)."""
+        """Length of a decode step with `batch` requests at full speed (prefill of new requests not included)."""
         p = self.profile
-        return max(p.decode_s_per_token, batch / p.max_output_tokens_per_s)
+        return max(p.decode_s_per_token, batch / p.pure_decode_tokens_per_s)
+
+    def set_speed(self, speed: float, now: float) -> list[Completion]:
+        """From `now` on, run at `speed` (0 < speed <= 1) of the profile's GPU speed.
+
+        Steps ending at or before `now` are processed first (their completions are returned); the step
+        in progress keeps what it has done and its remaining GPU time is stretched (or shrunk) by
+        old/new speed, as are the steps after it."""
+        if not (0.0 < speed <= 1.0) or not math.isfinite(speed):
+            raise ValueError(f"speed: must be in (0, 1], got {speed}")
+        done = self.advance(now)
+        if speed == self._speed:
+            return done
+        ratio = self._speed / speed
+        self._speed = speed
+        run = self._run
+        if run is not None:
+            run.first_end = now + (run.first_end - now) * ratio
+            run.dur *= ratio
+            if self._waiting:  # the queue head may now join at a different boundary
+                head = self._waiting[0]
+                if self._fits(head, len(self._running), self._kv_in_use):
+                    run.k = min(run.k, self._steps_until(run.first_end, run.dur, head.ready_time))
+        return done
 
     # ---- input -------------------------------------------------------------------------
 
@@ -215,6 +252,7 @@ class EngineModel:
             while n > 1 and run.first_end + (n - 1) * run.dur > to_time:  # float guard
                 n -= 1
             boundary = run.first_end + (n - 1) * run.dur
+            self.busy_s += boundary - self._t
             self._emit(n, run.first_end, run.dur)
             self._t = boundary
             if n == run.k:
@@ -280,9 +318,9 @@ class EngineModel:
             admit += 1
             batch += 1
             kv += req.kv_tokens
-            prefill += self.profile.prefill_s_per_token * req.in_tokens
+            prefill += self.profile.prefill_s_per_token * req.in_tokens / self._speed
         assert batch > 0
-        dur = self.step_duration(batch)
+        dur = self.step_duration(batch) / self._speed
         first_end = start + prefill + dur
         k = min([r.remaining for r in self._running.values()]
                 + [self._waiting[i].out_tokens for i in range(admit)])

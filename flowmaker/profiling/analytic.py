@@ -19,7 +19,7 @@ __all__ = [
     "COMM_BW_EFFICIENCY", "COMM_HOP_LATENCY_S", "DECODE_BW_EFFICIENCY", "DECODE_STEP_OVERHEAD_S", "KV_RESERVED_TOKENS",
     "MAX_BATCH", "MEMORY_FIT_FRACTION", "PREFILL_MFU", "REF_OUTPUT_TOKENS", "REF_PROMPT_TOKENS", "RUNTIME_OVERHEAD_GB",
     "SERVER_OVERHEAD_S", "ConfigExcluded", "ProfileBreakdown", "analytic_profile", "config_set", "exclusion_reason",
-    "explain_profile", "profiles_for",
+    "capacity_from_decode", "explain_profile", "profiles_for",
 ]
 
 # ---- Efficiency constants (what fraction of the datasheet a real engine reaches) ----
@@ -127,7 +127,8 @@ class ProfileBreakdown:
                        fixed_s=self.fixed_s, prefill_s_per_token=self.prefill_s_per_token,
                        decode_s_per_token=self.decode_s_per_token,
                        max_output_tokens_per_s=self.max_output_tokens_per_s, gpu_type=self.gpu_type,
-                       source=ProfileSource.ANALYTIC).validate()
+                       source=ProfileSource.ANALYTIC,
+                       decode_tokens_per_s=self.decode_tokens_per_s_at_batch).validate()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -269,7 +270,7 @@ def explain_profile(model: Model, gpu: GpuType, tp: int, pp: int) -> ProfileBrea
     stage = max(st_mem, st_comp) + 2 * (a.layers / pp) * allreduce(m) + hop(m) + DECODE_STEP_OVERHEAD_S
     dec_tput = m / stage
     prefill_per_out = (REF_PROMPT_TOKENS / REF_OUTPUT_TOKENS) * prefill / pp
-    max_tput = 1.0 / (1.0 / dec_tput + prefill_per_out)
+    max_tput = capacity_from_decode(dec_tput, prefill, pp)
 
     return ProfileBreakdown(
         model_id=model.id, gpu_type=gpu.name, tp=tp, pp=pp, excluded=excluded,
@@ -289,6 +290,15 @@ def explain_profile(model: Model, gpu: GpuType, tp: int, pp: int) -> ProfileBrea
         prefill_s_per_output_token=prefill_per_out,
         fixed_s=fixed, prefill_s_per_token=prefill, decode_s_per_token=decode, max_output_tokens_per_s=max_tput,
     )
+
+
+def capacity_from_decode(decode_tokens_per_s: float, prefill_s_per_token: float, pp: int = 1) -> float:
+    """Output tokens/s at the reference request: a full batch decoding at `decode_tokens_per_s` that also
+    prefills REF_PROMPT_TOKENS / REF_OUTPUT_TOKENS prompt tokens per output token (pp stages pipeline them).
+
+    The same rule for analytic and measured profiles, so `max_output_tokens_per_s` means one thing."""
+    prefill_per_out = (REF_PROMPT_TOKENS / REF_OUTPUT_TOKENS) * prefill_s_per_token / pp
+    return 1.0 / (1.0 / decode_tokens_per_s + prefill_per_out)
 
 
 def analytic_profile(model: Model, gpu: GpuType, tp: int, pp: int) -> Profile:

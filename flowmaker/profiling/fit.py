@@ -15,6 +15,7 @@ import numpy as np
 
 from flowmaker.domain import Profile, ProfileSource
 from flowmaker.errors import InvalidSpec
+from flowmaker.profiling.analytic import capacity_from_decode
 
 __all__ = ["SATURATION_RATIO", "LatencySample", "ThroughputSample", "fit_latency", "fit_profile",
            "fit_saturation"]
@@ -136,7 +137,10 @@ def fit_profile(samples: Iterable[LatencySample | ThroughputSample], model_id: s
         raise InvalidSpec("must not be empty", field="model_id")
     _check_finite(memory_gb_per_gpu, "memory_gb_per_gpu", positive=True)
     fixed, prefill, decode = fit_latency(lat)
-    max_tput = fit_saturation(thr)
+    # The throughput sweep uses short prompts, so its plateau is the pure-decode throughput; the capacity at
+    # the reference request follows by the analytic profiles' rule (it pays for the reference prefill).
+    decode_tput = fit_saturation(thr)
+    max_tput = capacity_from_decode(decode_tput, prefill, pp)
     return Profile(model_id=model_id, tp=tp, pp=pp, memory_gb_per_gpu=float(memory_gb_per_gpu), fixed_s=fixed,
                    prefill_s_per_token=prefill, decode_s_per_token=decode, max_output_tokens_per_s=max_tput,
-                   gpu_type=gpu_type, source=ProfileSource.MEASURED).validate()
+                   gpu_type=gpu_type, source=ProfileSource.MEASURED, decode_tokens_per_s=decode_tput).validate()

@@ -180,3 +180,88 @@ def test_deterministic_and_independent_of_how_time_is_advanced(
     for rid, x in fa.items():
         assert fc[rid].finish_time == pytest.approx(x.finish_time, abs=1e-6)
         assert fc[rid].first_token_time == pytest.approx(x.first_token_time, abs=1e-6)
+
+
+def test_saturation_at_the_reference_shape_delivers_the_profile_capacity() -> None:
+    """At the profile's own reference request (1024 in / 256 out) a saturated instance delivers
+    max_output_tokens_per_s: prefill is paid once (as stalls), not also inside the decode rate."""
+    from flowmaker.catalog import get_gpu_type, get_model
+    from flowmaker.profiling.analytic import (
+        KV_RESERVED_TOKENS,
+        REF_OUTPUT_TOKENS,
+        REF_PROMPT_TOKENS,
+        analytic_profile,
+    )
+    for model, tp in (("Qwen2.5-7B-Instruct", 1), ("Llama-3.2-1B-Instruct", 1), ("Qwen2.5-14B-Instruct", 2)):
+        prof = analytic_profile(get_model(model), get_gpu_type("A6000"), tp, 1)
+        assert prof.decode_tokens_per_s > prof.max_output_tokens_per_s  # pure decode is faster
+        m = EngineModel(prof, kv_capacity_tokens=KV_RESERVED_TOKENS)
+        n = 400
+        for i in range(n):
+            m.submit(f"r{i}", REF_PROMPT_TOKENS, REF_OUTPUT_TOKENS, 0.0)
+        done = drain(m)
+        # steady state: between the first and the last quarter of completions (no ramp-up, no drain)
+        ends = sorted(c.finish_time for c in done)
+        a, b = ends[n // 4], ends[3 * n // 4]
+        rate = (3 * n // 4 - n // 4) * REF_OUTPUT_TOKENS / (b - a)
+        assert rate == pytest.approx(prof.max_output_tokens_per_s, rel=0.03), model
+
+
+def test_short_prompts_saturate_at_the_pure_decode_rate() -> None:
+    prof = Profile("m", 1, 1, 10.0, 0.0, 1e-4, 0.01, 500.0, decode_tokens_per_s=800.0)
+    m = EngineModel(prof, max_batch=64)
+    for i in range(640):
+        m.submit(f"r{i}", 1, 400, 0.0)
+    done = drain(m)
+    makespan = max(c.finish_time for c in done)
+    # 10 waves of 64: each wave 400 steps of 64/800 s, plus 64 x 0.1 ms of prefill
+    assert makespan == pytest.approx(10 * (400 * 64 / 800 + 64 * 1e-4), rel=1e-9)
+
+
+def test_speed_change_stretches_the_rest_of_the_work_only() -> None:
+    """Hand-computed: 100 decode steps of 20 ms; at t=1.01 (mid-step 51, 10 ms left) speed halves:
+    that 10 ms becomes 20 ms, the 49 steps left take 40 ms each -> 1.01 + 0.02 + 1.96 = 2.99."""
+    prof = Profile("m", 1, 1, 10.0, 0.0, 0.0, 0.02, 1000.0)
+    m = EngineModel(prof)
+    m.submit("a", 0, 100, 0.0)
+    assert m.set_speed(0.5, 1.01) == []
+    assert m.emitted("a") == 50
+    (c,) = drain(m)
+    assert c.finish_time == pytest.approx(2.99, abs=1e-9)
+    # back to full speed restores the profile's timing, prefill included, fixed_s never slowed
+    p2 = Profile("m", 1, 1, 10.0, 0.5, 0.001, 0.02, 1000.0)
+    m2 = EngineModel(p2)
+    m2.set_speed(0.25, 0.0)
+    m2.submit("b", 100, 10, 0.0)
+    (c2,) = drain(m2)
+    assert c2.finish_time == pytest.approx(0.5 + 4 * (0.1 + 10 * 0.02), abs=1e-9)
+    assert m2.busy_s == pytest.approx(4 * (0.1 + 10 * 0.02), abs=1e-9)
+    with pytest.raises(ValueError, match="speed"):
+        m2.set_speed(0.0, 10.0)
+    with pytest.raises(ValueError, match="speed"):
+        m2.set_speed(1.5, 10.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(reqs, st.lists(st.tuples(st.floats(0, 8), st.sampled_from([0.25, 0.5, 1.0])), max_size=6))
+def test_slower_is_never_faster_and_nothing_is_lost(trace: list[tuple[float, int, int]],
+                                                    changes: list[tuple[float, float]]) -> None:
+    """With speed changes at arbitrary times no request is lost, tokens are conserved, and no request
+    finishes earlier than at full speed alone."""
+    m = EngineModel(P)
+    events = sorted([(t, 0, i) for i, (t, _, _) in enumerate(trace)] + [(t, 1, j) for j, (t, _) in enumerate(changes)])
+    done: list[Completion] = []
+    for t, kind, i in events:
+        while (nxt := m.next_event_time()) is not None and nxt <= t:
+            done += m.advance(nxt)
+        if kind == 0:
+            done += m.advance(t)
+            m.submit(f"r{i}", trace[i][1], trace[i][2], t)
+        else:
+            done += m.set_speed(changes[i][1], t)
+    done += drain(m)
+    assert sorted(c.req_id for c in done) == sorted(f"r{i}" for i in range(len(trace)))
+    assert m.tokens_emitted == sum(n for _, _, n in trace)
+    for c in done:
+        t, n_in, n_out = trace[int(c.req_id[1:])]
+        assert c.finish_time - t >= P.call_latency_s(n_in, n_out) - 1e-9

@@ -7,11 +7,15 @@ import pytest
 
 from flowmaker.domain import Profile, ProfileSource
 from flowmaker.errors import InvalidSpec
+from flowmaker.profiling.analytic import capacity_from_decode
 from flowmaker.profiling.fit import LatencySample, ThroughputSample, fit_latency, fit_profile, fit_saturation
 
+# The throughput sweep (short prompts) plateaus at the pure-decode rate; the capacity at the reference request
+# follows from it and the prefill cost (1150 tok/s decode, 4 x 0.11 ms of prefill per output token: ~771 tok/s).
 TRUE = Profile(model_id="Llama-3.1-8B-Instruct", tp=2, pp=1, memory_gb_per_gpu=12.2, fixed_s=0.027,
-               prefill_s_per_token=1.1e-4, decode_s_per_token=0.0175, max_output_tokens_per_s=770.0,
-               gpu_type="A6000")
+               prefill_s_per_token=1.1e-4, decode_s_per_token=0.0175,
+               max_output_tokens_per_s=capacity_from_decode(1150.0, 1.1e-4), gpu_type="A6000",
+               decode_tokens_per_s=1150.0)
 
 
 def _sweep(p: Profile, noise: float, seed: int) -> list[LatencySample | ThroughputSample]:
@@ -22,8 +26,8 @@ def _sweep(p: Profile, noise: float, seed: int) -> list[LatencySample | Throughp
             lat = p.call_latency_s(i, o) * (1 + noise * rng.standard_normal())
             out.append(LatencySample(i, o, lat))
     for frac in (0.1, 0.25, 0.5, 0.75, 0.9, 1.2, 1.5, 2.0, 3.0):
-        offered = frac * p.max_output_tokens_per_s
-        achieved = min(offered, p.max_output_tokens_per_s) * (1 + noise * rng.standard_normal())
+        offered = frac * p.pure_decode_tokens_per_s
+        achieved = min(offered, p.pure_decode_tokens_per_s) * (1 + noise * rng.standard_normal())
         out.append(ThroughputSample(offered, achieved))
     return out
 
@@ -33,7 +37,8 @@ def test_noisy_sweep_recovers_profile_within_5_percent(seed: int) -> None:
     got = fit_profile(_sweep(TRUE, noise=0.02, seed=seed), TRUE.model_id, 2, 1, 12.2, "A6000")
     assert got.source is ProfileSource.MEASURED
     assert (got.model_id, got.tp, got.pp, got.gpu_type, got.memory_gb_per_gpu) == (TRUE.model_id, 2, 1, "A6000", 12.2)
-    for f in ("fixed_s", "prefill_s_per_token", "decode_s_per_token", "max_output_tokens_per_s"):
+    for f in ("fixed_s", "prefill_s_per_token", "decode_s_per_token", "max_output_tokens_per_s",
+              "decode_tokens_per_s"):
         assert getattr(got, f) == pytest.approx(getattr(TRUE, f), rel=0.05), f
 
 
@@ -42,6 +47,7 @@ def test_exact_samples_recover_exactly() -> None:
     assert got.fixed_s == pytest.approx(TRUE.fixed_s, rel=1e-9)
     assert got.decode_s_per_token == pytest.approx(TRUE.decode_s_per_token, rel=1e-9)
     assert got.max_output_tokens_per_s == pytest.approx(TRUE.max_output_tokens_per_s, rel=1e-9)
+    assert got.decode_tokens_per_s == pytest.approx(TRUE.decode_tokens_per_s, rel=1e-9)
 
 
 def test_coefficients_never_negative() -> None:

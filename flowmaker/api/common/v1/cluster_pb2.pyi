@@ -89,7 +89,7 @@ class GpuType(_message.Message):
     def __init__(self, name: _Optional[str] = ..., memory_gb: _Optional[float] = ..., mem_bw_gbps: _Optional[float] = ..., bf16_tflops: _Optional[float] = ..., interconnect_gbps: _Optional[float] = ..., interconnect: _Optional[str] = ..., price_per_hour: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
 
 class Profile(_message.Message):
-    __slots__ = ("model_id", "tp", "pp", "memory_gb_per_gpu", "fixed_s", "prefill_s_per_token", "decode_s_per_token", "max_output_tokens_per_s", "gpu_type", "source")
+    __slots__ = ("model_id", "tp", "pp", "memory_gb_per_gpu", "fixed_s", "prefill_s_per_token", "decode_s_per_token", "max_output_tokens_per_s", "gpu_type", "source", "decode_tokens_per_s")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
     PP_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class Profile(_message.Message):
     MAX_OUTPUT_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     GPU_TYPE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     tp: int
     pp: int
@@ -110,7 +111,8 @@ class Profile(_message.Message):
     max_output_tokens_per_s: float
     gpu_type: str
     source: ProfileSource
-    def __init__(self, model_id: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., memory_gb_per_gpu: _Optional[float] = ..., fixed_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., decode_s_per_token: _Optional[float] = ..., max_output_tokens_per_s: _Optional[float] = ..., gpu_type: _Optional[str] = ..., source: _Optional[_Union[ProfileSource, str]] = ...) -> None: ...
+    decode_tokens_per_s: float
+    def __init__(self, model_id: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., memory_gb_per_gpu: _Optional[float] = ..., fixed_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., decode_s_per_token: _Optional[float] = ..., max_output_tokens_per_s: _Optional[float] = ..., gpu_type: _Optional[str] = ..., source: _Optional[_Union[ProfileSource, str]] = ..., decode_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class Gpu(_message.Message):
     __slots__ = ("id", "node", "memory_total_gb", "memory_used_gb", "gpu_type")
