@@ -8,15 +8,24 @@ STAMP := .venv/.installed
 setup: $(STAMP) etcd   ## virtualenv with FlowMaker + dev extras, and an etcd server binary
 
 $(STAMP): pyproject.toml
+	@echo "==> .venv: installing FlowMaker with its dev extras (pip shows its progress; a few minutes the first time)"
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,bayesopt,otlp]'
+	$(PY) -m pip install --progress-bar on --upgrade pip
+	$(PY) -m pip install --progress-bar on -e '.[dev,bayesopt,otlp]'
 	touch $(STAMP)
+	@echo "==> .venv ready"
 
+# Another apt (unattended-upgrades, a second shell) may hold the dpkg/apt locks: wait for them instead of
+# failing. DPkg::Lock::Timeout covers dpkg's lock; the loop covers apt-get update's lists lock on older apt.
+APT_WAIT := -o DPkg::Lock::Timeout=600
+APT_RETRY_S := 10
 etcd:                  ## etcd 3.4 from Debian (tests and the local stack run a real one)
 	@command -v etcd >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server; \
-	  else sudo apt-get update -q && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server; fi; }
+	  echo "==> etcd: installing Debian's etcd-server with apt (waits for the apt lock if another apt runs)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  for i in $$(seq 60); do $$SUDO apt-get $(APT_WAIT) update -q && break; \
+	    echo "apt is busy (lock held?); retrying in $(APT_RETRY_S)s ($$i/60)"; sleep $(APT_RETRY_S); done; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get $(APT_WAIT) install -y -q etcd-server; }
 
 proto: $(STAMP)        ## regenerate flowmaker/api from protos/
 	$(PY) scripts/gen_protos.py

@@ -6,10 +6,10 @@ import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from flowmaker.catalog import default_models, get_gpu_type, get_model, gpu_types
+from flowmaker.cli.output import console, fail_from
 from flowmaker.errors import FlowMakerError
 from flowmaker.profiling.analytic import ProfileBreakdown, config_set, explain_profile
 
@@ -19,8 +19,7 @@ gpus_app = typer.Typer(help="The GPU-type catalog.", no_args_is_help=True)
 
 
 def _fail(e: FlowMakerError) -> typer.Exit:
-    Console(stderr=True).print(f"[red]error[/red] ({e.reason}): {e}")
-    return typer.Exit(code=2)
+    fail_from(e)  # prints the one error line and exits 1 (docs/cli.md, "Exit codes")
 
 
 @models_app.command("list")
@@ -52,7 +51,7 @@ def models_list(as_json: Annotated[bool, typer.Option("--json", help="Print JSON
         assert a is not None  # the packaged catalog always carries the architecture
         t.add_row(m.id, f"{m.accuracy:.4f}", f"{m.params_b:.3f}", str(a.layers), str(a.hidden), str(a.heads),
                   str(a.kv_heads), str(a.max_ctx))
-    Console().print(t)
+    console().print(t)
 
 
 @gpus_app.command("list")
@@ -72,7 +71,7 @@ def gpus_list(as_json: Annotated[bool, typer.Option("--json", help="Print JSON i
     for g in gs:
         t.add_row(g.name, f"{g.memory_gb:g}", f"{g.mem_bw_gbps:g}", f"{g.bf16_tflops:g}", g.interconnect,
                   f"{g.interconnect_gbps:g}", f"{g.price_per_hour:.2f}")
-    Console().print(t)
+    console().print(t)
 
 
 @profiles_app.command("show")
@@ -105,7 +104,7 @@ def profiles_show(
             "breakdown": [b.as_dict() for b in rows],
         }, indent=2))
         return
-    con = Console()
+    con = console()
     t = Table(title=f"{m.id} on {g.name} (analytic roofline; formulas in docs/profiles.md)")
     for c in ("tp", "pp", "GPUs", "mem/GPU GB", "fixed s", "prefill ms/tok", "decode ms/tok", "max out tok/s"):
         t.add_column(c, justify="right")

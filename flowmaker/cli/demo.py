@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from flowmaker.cli.output import console
 from flowmaker.launcher.client import RpcFailure, Stubs, call
 from flowmaker.launcher.stack import LocalStack, StackConfig, StackError
 
@@ -44,7 +44,7 @@ _SAMPLES = {
     "extract": "Extract people, companies and dates: On 3 May 2024 Ana Lopez joined Acme Corp as CTO.",
 }
 
-con = Console()
+con = console()
 
 
 @dataclass

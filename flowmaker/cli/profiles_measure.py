@@ -27,6 +27,7 @@ from rich.table import Table
 
 from flowmaker import convert
 from flowmaker.catalog import get_gpu_type, get_model
+from flowmaker.cli.output import console, fail, fail_from
 from flowmaker.domain import Profile
 from flowmaker.errors import FlowMakerError
 from flowmaker.profiling.measure import (
@@ -87,7 +88,7 @@ def measure(
     through the deployer's backends and stores nothing. On the emulated engine (built from the analytic
     profile) the difference checks the measurement pipeline.
     """
-    err = Console(stderr=True)
+    err = console(stderr=True)
     if not local:
         from flowmaker.launcher.client import resolve, settings
 
@@ -103,9 +104,8 @@ def measure(
             _print(rows, as_json)
             return
         if profiler or s.profiler_addr:
-            err.print(f"error: UNAVAILABLE: cannot reach the profiler at {addr}; is `flowmaker up` running? "
-                      "(--local measures without a stack)", markup=False, highlight=False, soft_wrap=True)
-            raise typer.Exit(code=1)
+            fail("UNAVAILABLE", f"cannot reach the profiler at {addr}; is `flowmaker up` running? "
+                 "(--local measures without a stack)")
         err.print(f"no FlowMaker stack reachable (no profiler at {addr}): measuring on a local engine instead "
                   "(nothing is stored; --local skips this check)", markup=False, highlight=False, soft_wrap=True)
     _measure_locally(model, gpu or LOCAL_GPU, tp, pp, backend or "emulated", time_scale, repeats, as_json, err)
@@ -246,8 +246,7 @@ def _measure_locally(model: str, gpu: str, tp: int, pp: int, backend: str, time_
 
         results = asyncio.run(measure_model(m, g, [(tp, pp)], launcher, plan, on_progress=progress))
     except FlowMakerError as e:
-        err.print(f"[red]error[/red] ({e.reason}): {e}")
-        raise typer.Exit(code=2) from None
+        fail_from(e)
     rows = [_row(r, backend, time_scale) for r in results]
     _print(rows, as_json)
 
@@ -269,7 +268,7 @@ def _print(rows: list[dict[str, Any]], as_json: bool) -> None:
         typer.echo(json.dumps(rows, indent=2))
         return
     for r in rows:
-        Console().print(_table(r))
+        console().print(_table(r))
 
 
 def _table(r: dict[str, Any]) -> Table:

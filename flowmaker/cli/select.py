@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from flowmaker.cli.output import console, fail, fail_from
 from flowmaker.errors import FlowMakerError
 
 
@@ -19,22 +19,19 @@ def select_cmd(request: Path = typer.Option(..., "--request", "-r", help="Select
     from flowmaker.convert import select_variant_request_from_json, selection_result_to_json
     from flowmaker.selection import select
 
-    err = Console(stderr=True)
     try:
         text = request.read_text()
     except OSError as e:
-        err.print(f"[red]error[/]: --request: cannot read {request}: {e.strerror}")
-        raise typer.Exit(2) from None
+        fail("INVALID_ARGUMENT", f"cannot read {request}: {e.strerror}", field="--request")
     try:
         req, file_strategy = select_variant_request_from_json(text)
         res = select(req, strategy or file_strategy or "exact")
     except FlowMakerError as e:
-        err.print(f"[red]error[/] {e.reason}: {e}")
-        raise typer.Exit(2) from None
+        fail_from(e)
     if json_out:
         typer.echo(selection_result_to_json(res))
         return
-    con = Console()
+    con = console()
     if res.variant is None:
         con.print(f"[yellow]no feasible variant[/]: {res.reason.value if res.reason else '?'} — {res.reason_detail}")
     else:

@@ -2,7 +2,7 @@
 
 Client commands talk gRPC to a running stack (see `flowmaker.launcher.client` for how they find
 it); a failed call prints one line `error: <CODE> <REASON>: <field>: <message>` on stderr and
-exits 1 — never a traceback.
+exits 1 — never a traceback — and so does a task that ends FAILED (exit codes: `flowmaker.cli.output`).
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from flowmaker.cli.output import EXIT_FAILED, console, error_line
 from flowmaker.launcher.client import RpcFailure, Stubs, call, failure_of, resolve, settings, to_json
 from flowmaker.launcher.stack import LocalStack, StackConfig, StackError, read_state, write_state
 
 T = TypeVar("T")
 
-out = Console()
-err = Console(stderr=True)
+out = console()
+err = console(stderr=True)
 
 task_app = typer.Typer(help="Deploy, approve, invoke, inspect and delete tasks (talks to the orchestrator).",
                        no_args_is_help=True)
@@ -167,7 +168,8 @@ def _print_task(t: Any) -> None:
         out.print(_variant_table(t))
         out.print(f"  predicted latency {_s(t.predicted_latency_s or v.latency_s)} (SLO {slo.max_latency_s:g}s), "
                   f"observed p50 {_s(t.observed_latency_p50_s)} p95 {_s(t.observed_latency_p95_s)} over "
-                  f"{t.requests_served} request(s); accuracy {v.accuracy:.3f}; cost {v.cost:.3f}; "
+                  f"{t.requests_served} request(s); accuracy {v.accuracy:.3f}; cost {v.cost:.3f} GB·s "
+                  f"(new GPU memory x latency); "
                   f"new GPUs {v.new_gpus}, new memory {v.new_memory_gb:.1f} GB")
     elif t.candidates:
         out.print(_candidates_table(t))
@@ -179,6 +181,57 @@ def _approve_ids(t: Any, approve: str) -> list[str]:
     if approve.strip().lower() == "all":
         return [w.id for w in t.candidates]
     return [x.strip() for x in approve.split(",") if x.strip()]
+
+
+def _check_strategy(strategy: str) -> None:
+    """An unknown --strategy is refused before anything is created (the selector runs the same registry)."""
+    if not strategy:
+        return
+    from flowmaker.selection import registry
+
+    registry._load()
+    if strategy not in registry.STRATEGIES:
+        _die(error_line("INVALID_ARGUMENT", f"unknown selection strategy {strategy!r}; known: "
+                        f"{', '.join(sorted(registry.STRATEGIES))}", reason="UNKNOWN_STRATEGY", field="--strategy"))
+
+
+def _check_approve(approve: str | None, strategy: str, known_ids: list[str] | None) -> None:
+    """--approve and --strategy are checked before DeployTask: a typo must not leave an orphan task behind.
+    `known_ids`: the candidate ids when they are known up front (--workflows), else None."""
+    if strategy and approve is None:
+        _die(error_line("INVALID_ARGUMENT", "--strategy applies to the approval; add --approve all|ID,...",
+                        field="--strategy"))
+    _check_strategy(strategy)
+    if approve is None:
+        return
+    if approve.strip().lower() != "all" and not [x for x in approve.split(",") if x.strip()]:
+        _die(error_line("INVALID_ARGUMENT", f"expected 'all' or candidate ids separated by commas, got {approve!r}",
+                        field="--approve"))
+    if known_ids is not None and approve.strip().lower() != "all":
+        unknown = [x.strip() for x in approve.split(",") if x.strip() and x.strip() not in known_ids]
+        if unknown:
+            _die(error_line("INVALID_ARGUMENT", f"not among the --workflows ids {known_ids}: {unknown}",
+                            field="--approve"))
+
+
+def _exit_if_failed(t: Any) -> None:
+    """A task that ended FAILED is a failed command: the task was printed, now one error line and exit 1."""
+    from flowmaker.api.common.v1 import task_pb2
+
+    if t.state != task_pb2.Task.STATE_FAILED:
+        return
+    import grpc
+
+    code = next((c.name for c in grpc.StatusCode if c.value[0] == t.failure.code), "UNKNOWN")
+    reason = ""
+    for d in t.failure.details:
+        from google.rpc import error_details_pb2
+
+        info = error_details_pb2.ErrorInfo()
+        if d.Unpack(info):
+            reason = info.reason
+    _die(error_line(code, f"task {t.id} is FAILED: {t.failure.message or 'no reason recorded'}", reason=reason),
+         EXIT_FAILED)
 
 
 @task_app.command("deploy")
@@ -215,6 +268,7 @@ def task_deploy(
                 json_format.ParseDict(w, req.workflows.add())
         except (OSError, ValueError, json_format.ParseError) as e:
             _die(f"error: INVALID_ARGUMENT: --workflows: cannot read {workflows_file}: {e}")
+    _check_approve(approve, strategy, [w.id for w in req.workflows] if workflows_file is not None else None)
 
     async def go(stubs: Stubs) -> Any:
         orch = stubs.orchestrator()
@@ -222,6 +276,11 @@ def task_deploy(
             t = (await call(orch.DeployTask(req), stubs.orchestrator_addr)).task
         if approve is not None:
             ids = _approve_ids(t, approve)
+            unknown = [i for i in ids if i not in {w.id for w in t.candidates}]
+            if unknown:  # generated ids are known only now: delete the task rather than leave it orphaned
+                await call(orch.DeleteTask(pb.DeleteTaskRequest(task_id=t.id)), stubs.orchestrator_addr)
+                raise RpcFailure("INVALID_ARGUMENT", "", f"not candidates of the task (deleted {t.id}): {unknown}; "
+                                 f"its candidates were {[w.id for w in t.candidates]}", "--approve")
             if not as_json:
                 err.print(f"task {t.id}: {len(t.candidates)} candidate(s); approving {', '.join(ids)}")
             with err.status("selecting the variant and deploying its instances…"):
@@ -233,6 +292,7 @@ def task_deploy(
     _emit(t, as_json, _print_task)
     if approve is None and not as_json:
         out.print(f"approve with: flowmaker task approve {t.id} [IDS...]  (no ids = all)")
+    _exit_if_failed(t)
 
 
 @task_app.command("approve")
@@ -246,6 +306,8 @@ def task_approve(
     """Approve candidate workflows: the selector picks the best variant and the deployer starts it."""
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
 
+    _check_strategy(strategy)
+
     async def go(stubs: Stubs) -> Any:
         orch = stubs.orchestrator()
         ids = [x.strip() for w in workflow_ids or [] for x in w.split(",") if x.strip()]  # "a,b" or "a b"
@@ -256,7 +318,9 @@ def task_approve(
             return (await call(orch.ApproveWorkflows(pb.ApproveWorkflowsRequest(
                 task_id=task_id, workflow_ids=ids, strategy=strategy)), stubs.orchestrator_addr)).task
 
-    _emit(_run(_with_stubs(go, orchestrator=orchestrator)), as_json, _print_task)
+    t = _run(_with_stubs(go, orchestrator=orchestrator))
+    _emit(t, as_json, _print_task)
+    _exit_if_failed(t)
 
 
 @task_app.command("invoke")
@@ -275,6 +339,7 @@ def task_invoke(
     async def streamed(stubs: Stubs) -> None:
         final: Any = None
         current = ""
+        streamed: dict[str, str] = {}  # text printed per stage (LLM stages stream; TOOL stages do not)
         try:
             async for chunk in stubs.orchestrator().InvokeStream(pb.InvokeStreamRequest(
                     task_id=task_id, input=text, max_output_tokens=max_output_tokens)):
@@ -286,6 +351,7 @@ def task_invoke(
                         current = chunk.stage_id
                         out.print(f"\n[bold]{current}>[/bold] ", end="")
                     out.print(chunk.delta, end="", markup=False, highlight=False)
+                    streamed[current] = streamed.get(current, "") + chunk.delta
                 elif kind == "stage_done":
                     sd = chunk.stage_done
                     err.print(f"\n[dim]stage {sd.stage_id} done in {sd.latency_s:.3f}s "
@@ -295,6 +361,11 @@ def task_invoke(
         except Exception as e:
             raise failure_of(e, stubs.orchestrator_addr) from None
         if final is not None and not as_json:
+            if final.output and final.output != streamed.get(current):
+                # The last stage did not stream (a TOOL stage): its output is the answer, print it.
+                last = final.stages[-1].stage_id if final.stages else "output"
+                out.print(f"\n[bold]{last}>[/bold] ", end="")
+                out.print(final.output, end="", markup=False, highlight=False)
             out.print(f"\n[bold]done[/bold] in {final.latency_s:.3f}s (request {final.request_id})")
 
     if stream:

@@ -8,9 +8,9 @@ import urllib.request
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from flowmaker.cli.output import console, fail, fail_from
 from flowmaker.errors import FlowMakerError
 from flowmaker.eval.trace_stats import TRACE_KINDS
 from flowmaker.eval.traces import TRACE_FILES, TRACE_URL, load_trace, synthesize, trace_stats, write_trace
@@ -49,9 +49,10 @@ def download_cmd(dest: Path = typer.Option(Path("traces"), "--dest", help="Direc
         raise typer.BadParameter(f"unknown trace kind(s) {bad}; known: {list(TRACE_KINDS)}", param_hint="--kind")
     try:
         paths = download(dest, tuple(kind))
-    except (RuntimeError, FlowMakerError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+    except FlowMakerError as e:
+        fail_from(e)
+    except RuntimeError as e:
+        fail("UNAVAILABLE", str(e), reason="DOWNLOAD_FAILED")
     for p in paths:
         typer.echo(f"wrote {p}")
 
@@ -77,12 +78,11 @@ def stats_cmd(file: Path = typer.Argument(..., help="A trace CSV."),
     try:
         st = trace_stats(load_trace(file))
     except FlowMakerError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+        fail_from(e)
     if as_json:
         typer.echo(json.dumps(st, indent=2))
         return
-    con = Console()
+    con = console()
     con.print(f"[bold]{file}[/] kind={st['kind']} requests={st['n_requests']} duration={st['duration_s']:.1f}s "
               f"rate={st['mean_rate_rps']:.3f} req/s inter-arrival mean={st['interarrival_mean_s']:.4f}s "
               f"median={st['interarrival_median_s']:.4f}s CV={st['interarrival_cv']:.2f}")
