@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from flowmaker.cancel import offload
 from flowmaker.domain import Workflow
 from flowmaker.generator.settings import GeneratorSettings
 from flowmaker.generator.templates import generate_from_templates
@@ -29,7 +30,8 @@ class TemplateGenerator:
     name = "templates"
 
     async def generate(self, description: str, max_candidates: int = 3) -> tuple[Workflow, ...]:
-        return generate_from_templates(description, max_candidates)
+        # Classifying a description is CPU work proportional to its length: off the event loop.
+        return await offload(generate_from_templates, description, max_candidates)
 
     async def close(self) -> None:
         return None

@@ -14,11 +14,13 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from flowmaker import telemetry
+from flowmaker.cancel import offload
 from flowmaker.domain import Workflow
 from flowmaker.errors import FailedPrecondition, InvalidSpec, Unavailable
 from flowmaker.generator.schema import ParsedAnswer, candidates_schema, parse_answer, structure_key, workflow_to_json
 from flowmaker.generator.settings import GeneratorSettings
 from flowmaker.generator.templates import family
+from flowmaker.redact import scrub
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,7 @@ REASON_UNREACHABLE = "GENERATOR_UNREACHABLE"  # no answer at all: connection ref
 REASON_TIMEOUT = "GENERATOR_TIMEOUT"  # no answer at all: every attempt ran past llm_timeout_s
 REASON_REJECTED = "GENERATOR_REJECTED"  # the endpoint refused the request (4xx): retrying cannot help
 
+_MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # of one chat completion; a larger answer is not read
 _FEEDBACK_ECHO_CHARS = 6000  # how much of a bad answer to echo back; long answers would crowd the context
 
 
@@ -118,6 +121,9 @@ class LlmGenerator:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _scrub(self, text: str) -> str:
+        return scrub(text, [self.settings.llm_api_key.get_secret_value()])
+
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession()
@@ -154,7 +160,8 @@ class LlmGenerator:
                 if n < self.settings.llm_max_attempts and e.outcome == "unreachable":
                     await asyncio.sleep(min(0.2 * 2 ** (n - 1), 2.0))  # let a restarting endpoint come back
                 continue
-            parsed = parse_answer(content, max_candidates)
+            # Parsing and validating an answer is CPU work on model-sized text: off the event loop.
+            parsed = await offload(parse_answer, content, max_candidates)
             if cut_off:  # truncated JSON: say why, so that the model shortens its answer
                 parsed = ParsedAnswer(parsed.workflows, (
                     f"the answer was cut off at max_tokens={self.settings.llm_max_tokens}; propose fewer or "
@@ -225,18 +232,24 @@ class LlmGenerator:
             try:
                 async with self._http().post(self.url, json=body, headers=headers,
                                              timeout=aiohttp.ClientTimeout(total=s.llm_timeout_s)) as resp:
-                    text = await resp.text()
+                    raw = await resp.content.read(_MAX_RESPONSE_BYTES + 1)
                     status = resp.status
+                if len(raw) > _MAX_RESPONSE_BYTES:
+                    raise _Transport("bad_response", f"the answer exceeds {_MAX_RESPONSE_BYTES} bytes")
+                text = raw.decode("utf-8", "replace")
             # (leaving the span with an exception marks it as an error)
             except TimeoutError:
                 raise _Transport("timeout", f"timed out after {s.llm_timeout_s:g} s") from None
             except aiohttp.ClientError as e:
-                raise _Transport("unreachable", f"{type(e).__name__}: {e}") from None
+                raise _Transport("unreachable", self._scrub(f"{type(e).__name__}: {e}")) from None
             if status == 408 or status == 429 or status >= 500:
-                raise _Transport("unreachable", f"HTTP {status}: {text[:300]}")
+                raise _Transport("unreachable", f"HTTP {status}: {self._scrub(text[:2000])[:300]}")
             if status >= 400:
+                # The body may echo our request, Authorization header included: scrubbed before it is
+                # relayed to the caller or logged.
                 raise FailedPrecondition(
-                    f"the LLM endpoint {self.url} refused the request with HTTP {status}: {text[:500]} "
+                    f"the LLM endpoint {self.url} refused the request with HTTP {status}: "
+                    f"{self._scrub(text[:2000])[:500]} "
                     "(does it serve the model and support response_format json_schema?)",
                     reason=REASON_REJECTED, metadata={"status": str(status), "model": s.llm_model})
             try:
@@ -246,7 +259,8 @@ class LlmGenerator:
                 if not isinstance(content, str):
                     raise TypeError(f"content is {type(content).__name__}")
             except (ValueError, KeyError, IndexError, TypeError) as e:
-                raise _Transport("bad_response", f"not an OpenAI chat completion response ({e!r}): {text[:300]}") from None
+                raise _Transport("bad_response", f"not an OpenAI chat completion response ({e!r}): "
+                                 f"{self._scrub(text[:2000])[:300]}") from None
             usage = doc.get("usage") or {}
             telemetry.record_llm_usage(span, input_tokens=usage.get("prompt_tokens"),
                                        output_tokens=usage.get("completion_tokens"),

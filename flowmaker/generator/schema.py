@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowmaker.domain import Stage, StageKind, Workflow
+from flowmaker.cancel import checkpoint
 from flowmaker.errors import InvalidSpec
+from flowmaker.limits import check_prompt_template
 
 STAGE_FIELDS = ("id", "kind", "depends_on", "input_tokens", "output_tokens", "calls_per_request", "latency_s",
                 "role", "prompt_template")
@@ -160,6 +162,7 @@ def _check_templates(wf: Workflow, path: str) -> None:
         if bad:
             raise InvalidSpec(f"stage {st.id!r}: placeholders {bad} are neither {{input}} nor a stage in its "
                               f"depends_on {list(st.depends_on)}", field=f)
+        check_prompt_template(st.prompt_template, f)  # plain {input}/{stage id} only, as the API requires
 
 
 def workflow_from_json(obj: Any, path: str) -> Workflow:
@@ -199,6 +202,7 @@ def parse_answer(content: str, max_candidates: int) -> ParsedAnswer:
     wfs: list[Workflow] = []
     errors: list[str] = []
     for i, c in enumerate(cands[:max_candidates]):
+        checkpoint()  # runs in a worker (flowmaker.cancel.offload): stop when the caller has gone
         try:
             wfs.append(workflow_from_json(c, f"candidates[{i}]"))
         except InvalidSpec as e:

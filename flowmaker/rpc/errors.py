@@ -5,6 +5,12 @@ Server side, `ErrorInterceptor` turns any `FlowMakerError` a servicer raises int
 metadata)` and, when the error names a field, a `BadRequest.FieldViolation`. Anything else becomes
 INTERNAL with a generic message; its traceback is logged, never sent.
 
+Before a handler runs, the same interceptor answers INVALID_ARGUMENT for a request that does not
+decode (bad wire format, bad UTF-8) or breaks a rule of `flowmaker.rpc.validate` (unknown enum
+value, non-finite number, a bound of the limits table), and RESOURCE_EXHAUSTED for a caller that
+already has `concurrent_calls_per_caller` RPCs in flight on this server. Messages and metadata
+echoed back are truncated, so a huge id never comes back whole.
+
 Client side, `from_rpc_error(e)` rebuilds the typed exception, so a service calling another one
 handles `NoCapacity`, `Conflict`... exactly as if the call had been local.
 """
@@ -12,6 +18,7 @@ handles `NoCapacity`, `Conflict`... exactly as if the call had been local.
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import inspect
 import logging
 import time
@@ -21,9 +28,11 @@ from typing import Any
 import grpc
 import grpc.aio
 from google.protobuf import any_pb2
+from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from flowmaker import cancel as _cancel
 from flowmaker.errors import (
     AlreadyExists,
     Conflict,
@@ -35,6 +44,8 @@ from flowmaker.errors import (
     NotFound,
     Unavailable,
 )
+from flowmaker.limits import LIMITS
+from flowmaker.rpc.validate import validate_request
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +69,8 @@ _BY_CODE: dict[grpc.StatusCode, type[FlowMakerError]] = {code: cls for cls, code
 INTERNAL_REASON = "INTERNAL"
 
 # Absolute deadline (time.monotonic()) of the RPC being served, so outgoing calls made while
-# serving it never outlive it (see flowmaker.rpc.channels).
-incoming_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("incoming_deadline", default=None)
+# serving it never outlive it (see flowmaker.rpc.channels) and offloaded work stops with it.
+incoming_deadline = _cancel.incoming_deadline
 
 
 def code_of(e: FlowMakerError) -> grpc.StatusCode:
@@ -69,17 +80,27 @@ def code_of(e: FlowMakerError) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN  # a bare FlowMakerError: expected, but of no known kind
 
 
+MAX_MESSAGE_CHARS = 1024  # of a status message; trailers must stay well under the default 8 KiB
+MAX_METADATA_CHARS = 256  # of each ErrorInfo metadata value and of a field path
+
+
+def truncate(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 20] + f"...[{len(text) - n + 20} more]"
+
+
 def to_status_proto(e: FlowMakerError) -> status_pb2.Status:
-    """The google.rpc.Status a FlowMakerError is sent as."""
+    """The google.rpc.Status a FlowMakerError is sent as (texts truncated: they may echo user input)."""
     code = code_of(e)
-    metadata = {str(k): str(v) for k, v in e.metadata.items()}
-    if e.field:
-        metadata.setdefault("field", e.field)
+    metadata = {truncate(str(k), 64): truncate(str(v), MAX_METADATA_CHARS) for k, v in list(e.metadata.items())[:16]}
+    field = truncate(e.field, MAX_METADATA_CHARS) if e.field else None
+    if field:
+        metadata.setdefault("field", field)
     details = [_pack(error_details_pb2.ErrorInfo(reason=e.reason, domain=DOMAIN, metadata=metadata))]
-    if e.field:
+    if field:
         details.append(_pack(error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=e.field, description=e.message)])))
-    return status_pb2.Status(code=code.value[0], message=str(e), details=details)
+            error_details_pb2.BadRequest.FieldViolation(field=field, description=truncate(e.message,
+                                                                                         MAX_MESSAGE_CHARS))])))
+    return status_pb2.Status(code=code.value[0], message=truncate(str(e), MAX_MESSAGE_CHARS), details=details)
 
 
 def _pack(msg: Any) -> any_pb2.Any:
@@ -165,7 +186,7 @@ async def call(awaitable: Awaitable[Any]) -> Any:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, FlowMakerError):
-        log.info("%s -> %s %s: %s", method, code_of(exc).name, exc.reason, exc)
+        log.info("%s -> %s %s: %s", method, code_of(exc).name, exc.reason, truncate(str(exc), MAX_MESSAGE_CHARS))
         await context.abort_with_status(to_grpc_status(exc))  # type: ignore[attr-defined]
     if isinstance(exc, NotImplementedError):  # what generated base servicers raise for a missing method
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
@@ -178,10 +199,93 @@ def _set_deadline(context: grpc.aio.ServicerContext) -> contextvars.Token[float 
     return incoming_deadline.set(None if remaining is None else time.monotonic() + remaining)
 
 
-def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+class Undecodable:
+    """What the request deserializer returns for bytes that are not a valid message, so the
+    handler wrapper can answer INVALID_ARGUMENT (grpc itself would answer UNKNOWN)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _safe_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as e:  # DecodeError, bad UTF-8, RecursionError on absurd nesting
+            return Undecodable(f"{type(e).__name__}: {e}")
+    return parse
+
+
+def _check_request(request: Any) -> None:
+    """The edge checks, before any handler code: decodable, then valid (flowmaker.rpc.validate)."""
+    if isinstance(request, Undecodable):
+        raise InvalidSpec(f"the request is not a valid protobuf message ({truncate(request.error, 200)})",
+                          field="(request)", reason="UNDECODABLE_REQUEST")
+    if isinstance(request, Message):
+        validate_request(request)
+
+
+def caller_of(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling, for per-caller limits: the TLS client certificate's name, else a digest of
+    the bearer token, else the peer's address without its port."""
+    try:
+        auth: Any = context.auth_context() or {}
+    except Exception:
+        auth = {}
+    cn = list(auth.get("x509_common_name") or ())
+    if cn:
+        return "cert:" + cn[0].decode(errors="replace")
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str):
+            return "token:" + hashlib.sha256(value.encode()).hexdigest()[:16]
+    peer = context.peer() or ""
+    return "peer:" + peer.rsplit(":", 1)[0]
+
+
+class CallerLimiter:
+    """At most `limit` RPCs in flight per caller on one server; the next is RESOURCE_EXHAUSTED at once
+    (no queueing: a caller flooding a service gets told, and everyone else keeps being served)."""
+
+    def __init__(self, limit: int = LIMITS.concurrent_calls_per_caller) -> None:
+        self.limit = limit
+        self.in_flight: dict[str, int] = {}
+
+    def enter(self, caller: str) -> None:
+        n = self.in_flight.get(caller, 0)
+        if n >= self.limit:
+            raise NoCapacity(f"too many concurrent requests from this caller: at most {self.limit} "
+                             "(limit concurrent_calls_per_caller)", reason="TOO_MANY_REQUESTS",
+                             metadata={"limit": "concurrent_calls_per_caller", "max": str(self.limit)})
+        self.in_flight[caller] = n + 1
+
+    def exit(self, caller: str) -> None:
+        n = self.in_flight.get(caller, 1) - 1
+        if n <= 0:
+            self.in_flight.pop(caller, None)
+        else:
+            self.in_flight[caller] = n
+
+
+_UNLIMITED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
+
+
+def _wrap_unary(behavior: Callable[..., Any], method: str, limiter: CallerLimiter | None = None,
+                check: bool = True) -> Callable[..., Any]:
     async def wrapper(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         token = _set_deadline(context)
+        caller: str | None = None
         try:
+            if check:
+                _check_request(request_or_iterator)
+            if limiter is not None:
+                c = caller_of(context)
+                limiter.enter(c)
+                caller = c
             result = behavior(request_or_iterator, context)
             return (await result) if inspect.isawaitable(result) else result
         except grpc.aio.AbortError:
@@ -189,15 +293,25 @@ def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]
         except Exception as e:
             await _abort(context, e, method)
         finally:
+            if caller is not None and limiter is not None:
+                limiter.exit(caller)
             incoming_deadline.reset(token)
     return wrapper
 
 
-def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+def _wrap_stream(behavior: Callable[..., Any], method: str, limiter: CallerLimiter | None = None,
+                 check: bool = True) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(behavior):
         async def gen_wrapper(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             token = _set_deadline(context)
+            caller: str | None = None
             try:
+                if check:
+                    _check_request(request_or_iterator)
+                if limiter is not None:
+                    c = caller_of(context)
+                    limiter.enter(c)
+                    caller = c
                 async for item in behavior(request_or_iterator, context):
                     yield item
             except grpc.aio.AbortError:
@@ -205,14 +319,21 @@ def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any
             except Exception as e:
                 await _abort(context, e, method)
             finally:
+                if caller is not None and limiter is not None:
+                    limiter.exit(caller)
                 incoming_deadline.reset(token)
         return gen_wrapper
     # A coroutine handler that writes with context.write() (or a sync iterator): same as unary.
-    return _wrap_unary(behavior, method)
+    return _wrap_unary(behavior, method, limiter, check)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Applies the error map to every RPC of the server (unary and streaming alike)."""
+    """The one server interceptor of every service: undecodable or invalid requests become
+    INVALID_ARGUMENT before the handler runs, per-caller concurrency is bounded, and the error map
+    applies to every RPC (unary and streaming alike)."""
+
+    def __init__(self, max_calls_per_caller: int = LIMITS.concurrent_calls_per_caller) -> None:
+        self.limiter = CallerLimiter(max_calls_per_caller) if max_calls_per_caller > 0 else None
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
@@ -220,16 +341,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
+        limiter = None if method.startswith(_UNLIMITED_PREFIXES) else self.limiter
+        deser = _safe_deserializer(handler.request_deserializer)
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method),
-                                                       handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method, limiter),
+                                                       deser, handler.response_serializer)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, method),
-                                                        handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, method, limiter),
+                                                        deser, handler.response_serializer)
+        # Client streaming: the request is an iterator; its messages are the handler's to check.
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, method),
-                                                        handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary, method, limiter, check=False),
+                handler.request_deserializer, handler.response_serializer)
         if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, method),
-                                                         handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_stream(handler.stream_stream, method, limiter, check=False),
+                handler.request_deserializer, handler.response_serializer)
         return handler

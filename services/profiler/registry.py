@@ -8,16 +8,20 @@ sweep's provenance beside the Profile fields (readers ignore unknown fields).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import quote
 
 from flowmaker.domain import GpuType, Model, ModelArch, Profile, ProfileSource
-from flowmaker.errors import AlreadyExists, NotFound
+from flowmaker.errors import AlreadyExists, InvalidSpec, NotFound
+from flowmaker.limits import check_model
 from flowmaker.profiling.analytic import config_set, explain_profile
 from flowmaker.state import Put, StateStore, keys
 from flowmaker.state.records import NodeRecord
+
+log = logging.getLogger(__name__)
 
 # Key builders the shared key module does not have yet (to move into flowmaker.state.keys).
 MODELS = keys.ROOT + "models/"
@@ -75,6 +79,12 @@ class Registry:
         """Store the model and its analytic profiles. An id already taken is AlreadyExists, unless
         `exist_ok` and the stored model is the same (catalog preload at every start)."""
         model.validate()
+        check_model(model)
+        for gpu in self.analytic_gpu_types:  # a model the analytic model cannot profile fails before it is stored
+            try:
+                explain_profile(model, gpu, 1, 1)
+            except (ArithmeticError, ValueError) as e:
+                raise InvalidSpec(f"cannot be profiled: {e}", field="model") from None
         try:
             await self.store.create(model_key(model.id), model_to_json(model))
         except AlreadyExists:
@@ -92,8 +102,19 @@ class Registry:
         return model_from_json(kv.value)
 
     async def list_models(self) -> list[Model]:
+        """Every registered model. A record that no longer passes the limits (stored by an older
+        version, or by hand) is skipped with a warning: one bad record must not fail every caller."""
         listing = await self.store.get_prefix(MODELS)
-        return sorted((model_from_json(kv.value) for kv in listing.items), key=lambda m: m.id)
+        out = []
+        for kv in listing.items:
+            try:
+                m = model_from_json(kv.value)
+                check_model(m)
+            except Exception as e:
+                log.warning("skipping unusable model record %s: %s", kv.key[:200], str(e)[:200])
+                continue
+            out.append(m)
+        return sorted(out, key=lambda m: m.id)
 
     # ---- profiles ----
 

@@ -16,6 +16,7 @@ from flowmaker.api.profiler.v1 import profiler_pb2, profiler_pb2_grpc
 from flowmaker.catalog import get_gpu_type, get_model, model_from_hf_config
 from flowmaker.domain import GpuType, Model
 from flowmaker.errors import FailedPrecondition, InvalidSpec
+from flowmaker.limits import check_hf_config, check_model
 from flowmaker.profiling.analytic import ConfigExcluded, explain_profile
 from services.profiler.jobs import ACTIVE_STATES, JobRunner, config_name, new_job
 from services.profiler.registry import Registry, profile_from_json
@@ -83,19 +84,26 @@ class ProfilerServicer(profiler_pb2_grpc.ProfilerServiceServicer):
                 raise InvalidSpec("required with hf_config_json", field="model_id")
             if accuracy is None:
                 raise InvalidSpec("required with hf_config_json (0..1 scale of Slo.min_accuracy)", field="accuracy")
+            # Size and depth were checked at the edge (limits hf_config_bytes, hf_config_depth).
             try:
                 cfg = json.loads(request.hf_config_json)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
                 raise InvalidSpec(f"not valid JSON: {e}", field="hf_config_json") from None
+            if isinstance(cfg, dict):
+                check_hf_config(cfg, "hf_config_json")
             try:
                 model = model_from_hf_config(cfg, request.model_id, accuracy)
             except InvalidSpec as e:
                 if e.field and not e.field.startswith(("model_id", "accuracy")):
                     e.field = f"hf_config_json.{e.field.removeprefix('config.')}"
                 raise
+            except (ArithmeticError, ValueError, TypeError) as e:  # numbers the analytic model cannot use
+                raise InvalidSpec(f"config.json describes no usable architecture: {e}",
+                                  field="hf_config_json") from None
         else:
             raise InvalidSpec("set catalog_name or hf_config_json", field="origin")
         model = dataclasses.replace(model, hf_id=request.hf_id or model.hf_id, source=request.source or model.source)
+        check_model(model, "model")  # nothing out of the limits table is ever stored
         await self.registry.register(model)
         log.info("registered model %s (accuracy %.4f, %.2fB params)", model.id, model.accuracy, model.params_b)
         return profiler_pb2.RegisterModelResponse(model=convert.model_to_proto(model))
