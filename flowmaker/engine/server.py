@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import itertools
 import json
 import os
@@ -45,8 +46,12 @@ from prometheus_client.registry import Collector
 
 from flowmaker.domain import Profile, ProfileSource
 from flowmaker.engine.model import Completion, EngineModel
+from flowmaker.limits import json_depth
 
+API_KEY_ENV = "FLOWMAKER_ENGINE_API_KEY"  # vLLM reads VLLM_API_KEY the same way
 DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_MODEL_LEN = 131_072  # prompt + completion tokens of one request (vLLM's --max-model-len)
+MAX_JSON_DEPTH = 64  # of a request body; deeper nesting is refused before parsing
 CRASH_EXIT_CODE = 17
 _FILLER = ("the quick brown fox jumps over a lazy dog while seven engines emulate "
            "continuous batching of tokens for flowmaker").split()
@@ -183,10 +188,15 @@ class EmulatedEngine:
 
     def __init__(self, model_name: str, profile: Profile, *, time_scale: float = 1.0, max_batch: int = 256,
                  kv_capacity_tokens: int | None = None, script: list[ScriptEntry] | None = None,
-                 crash_after: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 crash_after: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, api_key: str = "") -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale: must be > 0, got {time_scale}")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len: must be >= 1, got {max_model_len}")
         self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.api_key = api_key
         self.profile = profile
         self.model = EngineModel(profile, max_batch=max_batch, kv_capacity_tokens=kv_capacity_tokens)
         self.time_scale = time_scale
@@ -285,7 +295,10 @@ class EmulatedEngine:
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise BadRequest(f"'{pname}' must be an integer >= 1, got {max_tokens!r}", pname)
+            raise BadRequest(f"'{pname}' must be an integer >= 1, got {str(max_tokens)[:40]}", pname)
+        if max_tokens > self.max_model_len:
+            raise BadRequest(f"'{pname}' is {max_tokens}, more than this model's maximum context length "
+                             f"of {self.max_model_len} tokens", pname)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("'stream' must be a boolean", "stream")
@@ -349,12 +362,24 @@ class EmulatedEngine:
 
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
+            if not self._authorized(request):
+                return error_response("invalid or missing API key", None, 401, "invalid_api_key")
             try:
-                raw = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
+                text = await request.text()
+            except UnicodeDecodeError:
+                raise BadRequest("request body is not valid JSON", None) from None
+            if json_depth(text) > MAX_JSON_DEPTH:  # json.loads would recurse until RecursionError
+                raise BadRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels", None)
+            try:
+                raw = json.loads(text)
+            except (json.JSONDecodeError, RecursionError):
                 raise BadRequest("request body is not valid JSON", None) from None
             body, max_tokens, stream = self._common(raw)
             in_tokens = self._chat_prompt_tokens(body) if chat else self._completion_prompt_tokens(body)
+            if in_tokens + max_tokens > self.max_model_len:
+                raise BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                 f"you requested {in_tokens + max_tokens} tokens ({in_tokens} in the messages, "
+                                 f"{max_tokens} in the completion).", "max_tokens")
             with_usage = stream and self._include_usage(body)
             if self.script is not None:
                 return await self._scripted(request, chat, in_tokens, stream, with_usage)
@@ -470,6 +495,8 @@ class EmulatedEngine:
         await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
     async def models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return error_response("invalid or missing API key", None, 401, "invalid_api_key")
         return web.json_response({"object": "list", "data": [
             self._model_card()]})
 
@@ -478,10 +505,20 @@ class EmulatedEngine:
 
     async def get_model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id}: the served model's card, or OpenAI's 404 `model_not_found`."""
+        if not self._authorized(request):
+            return error_response("invalid or missing API key", None, 401, "invalid_api_key")
         mid = request.match_info["model"]
         if mid != self.model_name:
             return error_response(f"The model `{mid}` does not exist.", "model", 404, "model_not_found")
         return web.json_response(self._model_card())
+
+    def _authorized(self, request: web.Request) -> bool:
+        """With an API key (the deployer's per-instance key), /v1/* needs `Authorization: Bearer <key>`,
+        as vLLM's --api-key does; /health and /metrics stay open to the node's probes."""
+        if not self.api_key:
+            return True
+        got = request.headers.get("Authorization", "")
+        return hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode())
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="OK")
@@ -546,6 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-capacity-tokens", type=int, default=None)
     ap.add_argument("--script", help="JSON list of canned responses, returned in order")
     ap.add_argument("--crash-after", type=int, default=None, help="exit abruptly after N completion responses")
+    ap.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
+                    help="most prompt + completion tokens of one request")
     return ap
 
 
@@ -560,8 +599,11 @@ def engine_from_args(args: argparse.Namespace) -> EmulatedEngine:
         raise ValueError("--profile-json: required unless --script is given")
     if args.crash_after is not None and args.crash_after < 1:
         raise ValueError("--crash-after: must be >= 1")
+    # The key comes in the environment (set by the deployer for this instance only), never on the
+    # command line, where any local user could read it.
     return EmulatedEngine(args.model, profile, time_scale=args.time_scale, max_batch=args.max_batch,
-                          kv_capacity_tokens=args.kv_capacity_tokens, script=script, crash_after=args.crash_after)
+                          kv_capacity_tokens=args.kv_capacity_tokens, script=script, crash_after=args.crash_after,
+                          max_model_len=args.max_model_len, api_key=os.environ.get(API_KEY_ENV, ""))
 
 
 def main(argv: list[str] | None = None) -> None:

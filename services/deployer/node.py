@@ -54,6 +54,7 @@ from flowmaker.state.records import (
 )
 from flowmaker.state.store import Compare, KeyValue, LeaseKeeper, Put, StateStore
 from services.deployer.backends import EngineBackend, EngineProcess, EngineSpec, get_backend
+from services.deployer.backends.base import engine_log_path
 from services.deployer.settings import DeployerSettings, GpuInfo, gpu_id, gpu_inventory
 
 log = logging.getLogger(__name__)
@@ -488,7 +489,7 @@ class NodeAgent:
         log_path = None
         if self.settings.engine_log_dir:
             self._prepare_log_dir()  # removed since start (a cleaned-up temp dir): recreate, never hang
-            log_path = os.path.join(self.settings.engine_log_dir, f"{rec.id}.log")
+            log_path = engine_log_path(self.settings.engine_log_dir, rec.id)  # never outside the dir
         return EngineProcess(backend, spec, on_exit=self._on_engine_exit, log_path=log_path)
 
     async def _start_engine(self, rec: InstanceRecord, backend: EngineBackend, profile: Profile) -> InstanceRecord:

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import time
 from abc import ABC, abstractmethod
@@ -20,12 +21,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
+from urllib.parse import quote
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from flowmaker.domain import Profile
 from flowmaker.errors import InvalidSpec, Unavailable
+from flowmaker.limits import check_id
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class EngineSpec:
     def validate(self) -> EngineSpec:
         if not self.instance_id:
             raise InvalidSpec("must not be empty", field="spec.instance_id")
+        check_id(self.instance_id, "spec.instance_id")  # it names the log file and the process
         if not self.model_id:
             raise InvalidSpec("must not be empty", field="spec.model_id")
         if self.tp < 1 or self.pp < 1:
@@ -127,6 +131,29 @@ def parse_vllm_prometheus(text: str) -> dict[str, float]:
 
 ExitCallback = Callable[["EngineProcess", int], Awaitable[None] | None]
 
+# Environment variables an engine never gets: credentials of other components (the generator's LLM
+# API key, tokens of this suite). Engines that download weights keep the Hugging Face token.
+_SECRET_NAME = re.compile(r"(?i)(API_?KEY|SECRET|PASSWORD|TOKEN|CREDENTIAL|PRIVATE_?KEY)")
+_ENGINE_NEEDS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_TOKEN"})
+
+
+def engine_base_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The deployer's environment minus every secret an engine does not need."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k in _ENGINE_NEEDS or not _SECRET_NAME.search(k)}
+
+
+def engine_log_path(log_dir: str, instance_id: str) -> str:
+    """`<log_dir>/<instance id>.log`, never outside `log_dir` whatever the id holds ("../../tmp/x"):
+    the id is percent-encoded into one path component and the result checked."""
+    name = quote(instance_id, safe="") or "_"
+    if name.startswith("."):
+        name = "%2E" + name[1:]
+    path = os.path.join(log_dir, name + ".log")
+    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(log_dir):
+        raise InvalidSpec(f"instance id {instance_id[:64]!r} cannot name a log file", field="request_id")
+    return path
+
 
 class EngineProcess:
     """One running engine. `on_exit(proc, returncode)` is called when the process ends without
@@ -180,7 +207,7 @@ class EngineProcess:
         if self._proc is not None:
             raise RuntimeError("already started")
         argv = self.backend.build_command(self.spec)
-        env = {**os.environ, **self.backend.build_env(self.spec), **self._env}
+        env = {**engine_base_env(), **self.backend.build_env(self.spec), **self._env}
         log.info("starting %s engine %s: %s", self.backend.name, self.spec.instance_id, " ".join(argv))
         try:
             self._proc = await asyncio.create_subprocess_exec(
