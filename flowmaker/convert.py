@@ -638,6 +638,15 @@ def selection_result_to_json(r: SelectionResult) -> str:
     return _to_json(selection_result_to_proto(r), print_defaults=True)
 
 
+def selection_options_to_json(m: selection_pb2.SelectionOptions) -> str:
+    """Approval options as stored in a task record (proto3 JSON), so a resumed selection uses them."""
+    return json.dumps(json_format.MessageToDict(m, preserving_proto_field_name=True))
+
+
+def selection_options_from_json(text: str) -> selection_pb2.SelectionOptions:
+    return _parse_json(text, selection_pb2.SelectionOptions())
+
+
 def selection_result_from_json(text: str | bytes) -> SelectionResult:
     """Parse a SelectVariant response written by selection_result_to_json (or the server)."""
     return selection_result_from_proto(_parse_json(text, selector_pb2.SelectVariantResponse()))

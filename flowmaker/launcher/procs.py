@@ -8,12 +8,47 @@ clock ticks since boot, boot id) is: the same triple can never name two processe
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+_PR_SET_PDEATHSIG = 1
+# prctl is looked up here, in the parent: between fork and exec a child of a threaded process must not
+# dlopen (another thread may have held the loader's lock at the fork).
+try:
+    _prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+_SETPRIV = shutil.which("setpriv")  # util-linux: always there on Debian/Ubuntu
+
+
+def exec_dying_with_parent(argv: list[str], sig: str = "KILL") -> list[str]:
+    """`argv` run so that it gets SIG<sig> when the process that started it dies (PR_SET_PDEATHSIG via
+    util-linux `setpriv`, which then execs argv: same pid, same process group). For children of threaded
+    async servers, where a Python `preexec_fn` is not safe. Without setpriv: argv unchanged (a restarted
+    deployer still reaps what its previous life left, by recorded pid and identity)."""
+    if _SETPRIV is None:
+        return list(argv)
+    return [_SETPRIV, f"--pdeathsig={sig}", "--", *argv]
+
+
+def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> Callable[[], None]:
+    """A `preexec_fn` that makes the child get `sig` when its parent dies (PR_SET_PDEATHSIG): engines
+    never outlive their deployer, services never outlive their launcher, even after a SIGKILL. Survives
+    exec; a no-op where prctl does not exist."""
+    prctl = _prctl
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(sig))
+    return preexec
 
 
 def _stat_fields(pid: int) -> list[str] | None:

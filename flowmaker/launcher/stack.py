@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -45,7 +44,7 @@ from types import TracebackType
 from typing import IO, Any
 
 from flowmaker.errors import Unavailable
-from flowmaker.launcher.procs import descendants, identity, start_time
+from flowmaker.launcher.procs import descendants, die_with_parent, identity, start_time
 
 # Start order; stop order is the reverse with the deployer held back until the others are gone.
 SERVICES: tuple[str, ...] = ("deployer", "profiler", "generator", "selector", "orchestrator")
@@ -94,6 +93,9 @@ class StackConfig:
     python: str = field(default_factory=lambda: sys.executable)
     # Which services to start (all five by default; a subset is for tests of one service).
     services: tuple[str, ...] = SERVICES
+    # The OpenAI-compatible HTTP gateway (`services.gateway`) in front of the orchestrator; its base URL
+    # is `LocalStack.gateway_url` and the state file's "gateway".
+    gateway: bool = True
 
 
 def service_env(svc: str, *, host: str, port: int, addrs: Mapping[str, str], etcd_endpoint: str,
@@ -123,12 +125,7 @@ def service_env(svc: str, *, host: str, port: int, addrs: Mapping[str, str], etc
 
 # ---- processes -----------------------------------------------------------------------------
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+_set_pdeathsig = die_with_parent(signal.SIGTERM)  # services get SIGTERM: they stop their engines cleanly
 
 
 # Kept under their old names: the e2e tests (and anyone checking for orphans) import them from here.
@@ -189,6 +186,7 @@ class LocalStack:
         self.etcd_endpoint = ""
         self._children: dict[str, _Child] = {}
         self.addresses: dict[str, str] = {}
+        self.gateway_url = ""  # http://host:port/v1 once the gateway serves
         self._tmp: Path | None = None
         self.work_dir: Path | None = None
         self.started_at = 0.0
@@ -205,7 +203,7 @@ class LocalStack:
         """What `flowmaker up` writes to its state file (and prints as JSON)."""
         return {"pid": os.getpid(), "etcd": self.etcd_endpoint, "services": dict(self.addresses),
                 "work_dir": str(self.work_dir or ""), "gpus": self.config.gpus, "gpu_type": self.config.gpu_type,
-                "node": self.config.node, "time_scale": self.config.time_scale,
+                "node": self.config.node, "time_scale": self.config.time_scale, "gateway": self.gateway_url,
                 "pids": {n: c.proc.pid for n, c in self._children.items()}}
 
     def start(self) -> LocalStack:
@@ -221,6 +219,8 @@ class LocalStack:
         try:
             self._start_etcd()
             self._start_services()
+            if cfg.gateway and "orchestrator" in cfg.services:
+                self._start_gateway()
         except BaseException:
             self.stop()
             raise
@@ -235,7 +235,7 @@ class LocalStack:
         with contextlib.suppress(Exception):
             atexit.unregister(self.stop)
         t = self.config.stop_timeout_s
-        front = [self._children[n] for n in reversed(SERVICES) if n in self._children and n != "deployer"]
+        front = [self._children[n] for n in ("gateway", *reversed(SERVICES)) if n in self._children and n != "deployer"]
         back = [self._children[n] for n in ("deployer",) if n in self._children]
         for group in (front, back):
             if group:
@@ -348,6 +348,39 @@ class LocalStack:
                 raise StackError(f"not SERVING within {cfg.startup_timeout_s:g}s: {names}\n{tails}",
                                  field=sorted(waiting)[0])
             time.sleep(0.2)
+
+    def _start_gateway(self) -> None:
+        """The HTTP gateway on a free port, told the orchestrator's address; ready when GET /health answers."""
+        cfg = self.config
+        port = free_port(cfg.host)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "OTEL_TRACES_EXPORTER": os.environ.get("OTEL_TRACES_EXPORTER", "none"),
+               "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")) if p),
+               "FLOWMAKER_GATEWAY_HOST": cfg.host, "FLOWMAKER_GATEWAY_PORT": str(port),
+               "FLOWMAKER_GATEWAY_ORCHESTRATOR_ADDRESS": self.addresses["orchestrator"],
+               "FLOWMAKER_GATEWAY_LOG_LEVEL": cfg.log_level, "FLOWMAKER_GATEWAY_GRACE_S": "2", **cfg.extra_env}
+        self._progress("gateway", "starting")
+        child = _spawn("gateway", [cfg.python, "-m", "services.gateway"], env, self.log_dir / "gateway.log")
+        child.address = f"{cfg.host}:{port}"
+        self._children["gateway"] = child
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        while True:
+            if child.proc.poll() is not None:
+                raise StackError(f"gateway exited with code {child.proc.returncode} during start-up; last log "
+                                 f"lines of {child.log_path}:\n{child.log_tail()}", field="gateway")
+            try:
+                with urllib.request.urlopen(f"http://{child.address}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise StackError(f"gateway not answering on {child.address} within {cfg.startup_timeout_s:g}s; "
+                                 f"last log lines:\n{child.log_tail(10)}", field="gateway")
+            time.sleep(0.2)
+        self.gateway_url = f"http://{child.address}/v1"
+        self._progress("gateway", f"ready on {self.gateway_url} (OpenAI-compatible)")
 
     # -- stop -----------------------------------------------------------------------------
 

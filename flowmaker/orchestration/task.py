@@ -2,7 +2,9 @@
 
 A task moves AWAITING_APPROVAL -> SELECTING -> DEPLOYING -> ACTIVE (or FAILED), and DELETING at the end.
 DEGRADED is never stored: it is derived when the task is read (`derive_state`) from the live state of its
-instances and its observed latency, so it can never go stale.
+instances, its observed latency and whether the reconciler is healing it (`healing`), so it can never go stale.
+Healing moves a task ACTIVE -> SELECTING -> DEPLOYING -> ACTIVE again (re-selection against the live cluster);
+a healing deploy that fails goes back to SELECTING (retried with backoff) instead of FAILED.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
     TaskState.AWAITING_APPROVAL: frozenset({TaskState.SELECTING, TaskState.DELETING}),
     TaskState.SELECTING: frozenset({TaskState.DEPLOYING, TaskState.FAILED, TaskState.AWAITING_APPROVAL,
                                     TaskState.DELETING}),
-    TaskState.DEPLOYING: frozenset({TaskState.ACTIVE, TaskState.FAILED, TaskState.DELETING}),
-    TaskState.ACTIVE: frozenset({TaskState.DELETING}),
+    TaskState.DEPLOYING: frozenset({TaskState.ACTIVE, TaskState.FAILED, TaskState.DELETING, TaskState.SELECTING}),
+    TaskState.ACTIVE: frozenset({TaskState.DELETING, TaskState.SELECTING}),
     TaskState.FAILED: frozenset({TaskState.DELETING}),
     TaskState.DELETING: frozenset(),
     TaskState.DEGRADED: frozenset(),
@@ -70,6 +72,32 @@ class Failure:
         if not (isinstance(cls, type) and issubclass(cls, errors.FlowMakerError)):
             cls = errors.FlowMakerError
         return cls(self.message, reason=self.reason)
+
+
+class HealAction(enum.Enum):
+    RESTARTING_INSTANCE = "RESTARTING_INSTANCE"  # an engine is restarted in place (same GPUs)
+    RESELECTING = "RESELECTING"  # a new variant is selected against the live cluster and deployed
+    WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY"  # re-selection found nothing feasible yet; retried
+
+
+@dataclass(frozen=True, slots=True)
+class Healing:
+    """What the reconciler is doing to a task that stopped serving, why, and since when."""
+
+    action: str
+    detail: str
+    since: float
+    attempts: int = 0
+    next_attempt_at: float = 0.0  # unix time; 0 = now
+
+    def to_json(self) -> dict[str, Any]:
+        return {"action": self.action, "detail": self.detail, "since": self.since, "attempts": self.attempts,
+                "next_attempt_at": self.next_attempt_at}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Healing:
+        return Healing(str(d.get("action", "")), str(d.get("detail", "")), float(d.get("since", 0.0)),
+                       int(d.get("attempts", 0)), float(d.get("next_attempt_at", 0.0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +134,10 @@ class TaskRecord:
     failure: Failure | None = None
     create_time: float = 0.0
     update_time: float = 0.0
+    healing: Healing | None = None
+    # The approval's SelectionOptions as proto3 JSON ("" = none): a selection resumed after a crash or an
+    # etcd outage, or a re-selection while healing, uses what the user approved with.
+    options_json: str = ""
 
     @property
     def workflow(self) -> Workflow | None:
@@ -156,6 +188,8 @@ class TaskRecord:
             "failure": None if self.failure is None else {"error": self.failure.error, "reason": self.failure.reason,
                                                           "message": self.failure.message},
             "create_time": self.create_time, "update_time": self.update_time,
+            "healing": None if self.healing is None else self.healing.to_json(),
+            "options_json": self.options_json,
         }
 
     @staticmethod
@@ -176,6 +210,8 @@ class TaskRecord:
             requests_served=int(d.get("requests_served", 0)),
             failure=Failure(f["error"], f["reason"], f["message"]) if f else None,
             create_time=float(d.get("create_time", 0.0)), update_time=float(d.get("update_time", 0.0)),
+            healing=Healing.from_json(d["healing"]) if d.get("healing") else None,
+            options_json=str(d.get("options_json", "")),
         )
 
 
@@ -184,7 +220,12 @@ def derive_state(task: TaskRecord, instance_states: dict[str, str | None], *,
     """The state a reader sees. `instance_states` maps each of the task's instance ids to its live state
     name ("READY", "FAILED", ...), or None when the instance or its node is gone. A stored ACTIVE task is
     DEGRADED when one of its instances is not READY, or when its median observed latency (over at least
-    `min_samples` requests) exceeds the latency SLO."""
+    `min_samples` requests) exceeds the latency SLO. A task the reconciler is healing (stored ACTIVE,
+    SELECTING or DEPLOYING with `healing` set) is DEGRADED, and its failure says what is being done."""
+    if task.healing is not None and task.state in (TaskState.ACTIVE, TaskState.SELECTING, TaskState.DEPLOYING):
+        h = task.healing
+        return TaskState.DEGRADED, Failure("Unavailable", "TASK_HEALING",
+                                           f"healing ({h.action}, attempt {h.attempts}): {h.detail}")
     if task.state is not TaskState.ACTIVE:
         return task.state, task.failure
     bad = sorted((iid, st) for iid, st in instance_states.items() if st != "READY")

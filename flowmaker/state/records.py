@@ -26,6 +26,10 @@ class InstanceState(enum.Enum):
     READY = "READY"  # engine answers /health; endpoint is usable
     DRAINING = "DRAINING"  # release in progress: no new work, engine being stopped
     FAILED = "FAILED"  # could not start or exited; `reason` says why; its memory is already freed
+    # Its node's lease expired for longer than the reconciler's grace: presumed dead, its tasks re-selected.
+    # Memory stays counted on the node's GPUs (out of the live view anyway) until the node's agent comes
+    # back and stops it (`NodeAgent._reconcile`).
+    LOST = "LOST"
 
 
 # States whose GPU memory counts as used and which a selection may reuse (DRAINING: neither).
@@ -37,6 +41,14 @@ def new_instance_id(model_id: str) -> str:
     """A fresh instance id: the model's slug and 8 random hex digits (`llama-3-2-1b-instruct-1a2b3c4d`)."""
     slug = re.sub(r"[^a-z0-9]+", "-", model_id.lower()).strip("-")[:40].strip("-") or "instance"
     return f"{slug}-{uuid.uuid4().hex[:8]}"
+
+
+# Reuse references whose "task" id starts with this belong to profiling jobs (services/profiler), not tasks:
+# the profiler releases them itself, so the orchestrator's reconciler never takes them for leaks.
+PROFILING_OWNER_PREFIX = "profiling-"
+# The task id the reconciler releases an unreferenced instance with: it names no task, so the deployer stops
+# the instance only if no reference is left when it looks (a concurrent reuse commit keeps it alive).
+ORPHAN_GC_TASK_ID = "reconciler-orphan-gc"
 
 
 def reuse_value(instance_id: str, task_id: str, load: float = 0.0) -> dict[str, Any]:

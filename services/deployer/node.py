@@ -11,7 +11,13 @@ Every state change is an etcd transaction guarded by the mod_revisions it read:
   (model seconds, EWMA-smoothed, plus the recent peak: `LoadMeter`) written into its record by a CAS
   that only touches the observed-load fields of a record still READY (docs/state.md "Load").
 The node key is bound to the lease, so when this agent dies its node (and with it its GPUs and
-instances, for every reader using `read_cluster`) drops out of the live cluster after the TTL.
+instances, for every reader using `read_cluster`) drops out of the live cluster after the TTL. Engines get
+PR_SET_PDEATHSIG=SIGKILL, so they never outlive this agent; a restarted agent stops whatever a previous
+life left and marks it FAILED, for the orchestrator's reconciler to restart in place.
+
+Every `resync_interval_s` the agent also reconciles its own records with its processes (`resync`): a
+STARTING/READY/LOST record with no engine of ours -> FAILED (memory given back); an engine whose record is
+gone, FAILED or LOST -> stopped; GPU accounting that drifted from the instances holding memory -> rewritten.
 """
 
 from __future__ import annotations
@@ -188,6 +194,8 @@ class NodeAgent:
         await self._reconcile()
         if self.settings.load_scrape_interval_s > 0:
             self._spawn(self._load_loop())
+        if self.settings.resync_interval_s > 0:
+            self._spawn(self._resync_loop())
         log.info("node %s registered: %d x %s, backend %s", self.node, len(self.gpus), self.gpu_type,
                  self.settings.backend)
 
@@ -246,6 +254,8 @@ class NodeAgent:
             try:
                 await self._claim_node()
                 log.warning("node %s re-registered after losing its lease", self.node)
+                with contextlib.suppress(FlowMakerError):
+                    await self.resync()  # instances the reconciler marked LOST meanwhile
                 return
             except FlowMakerError as e:
                 log.warning("node %s: re-registration failed (%s); retrying in %.1fs", self.node, e, delay)
@@ -265,7 +275,8 @@ class NodeAgent:
             mine = [(kv, InstanceRecord.from_json(kv.value)) for kv in inst_l.items]
             mine = [(kv, rec) for kv, rec in mine if rec.node == self.node]
             orphans = [rec for _, rec in mine if rec.state in (InstanceState.STARTING, InstanceState.READY,
-                                                               InstanceState.DRAINING) and rec.id not in self.procs]
+                                                               InstanceState.DRAINING, InstanceState.LOST)
+                       and rec.id not in self.procs]
             await asyncio.gather(*(self._kill_leftover(rec) for rec in orphans))
             orphan_ids = {rec.id for rec in orphans}
             for kv, rec in mine:
@@ -523,7 +534,18 @@ class NodeAgent:
             return replace(r, state=InstanceState.READY, endpoint=proc.base_url) if r.state is InstanceState.STARTING \
                 else None
 
-        done = await self._update(rec.id, ready)
+        try:
+            done = await self._update(rec.id, ready)
+        except BaseException as e:
+            # etcd failed us (or we were cancelled) after the engine came up: the engine must not outlive a
+            # record that does not say READY. FAILED if etcd lets us; otherwise the record stays STARTING
+            # and the next resync (no engine behind it) marks it FAILED and gives its memory back.
+            self.procs.pop(rec.id, None)
+            await proc.stop(grace_s=2.0)
+            if not isinstance(e, asyncio.CancelledError):
+                with contextlib.suppress(FlowMakerError):
+                    await self._fail(rec.id, f"could not record READY: {e}", "ENGINE_START_FAILED")
+            raise
         if done is None or done.state is not InstanceState.READY:
             # Released or failed while starting: this engine must not outlive its record.
             self.procs.pop(rec.id, None)
@@ -587,19 +609,89 @@ class NodeAgent:
     async def _fail(self, iid: str, reason: str, failure_reason: str) -> None:
         """-> FAILED with the reason, memory given back. Idempotent."""
         async with self._locks[iid]:
-            for _ in range(self.settings.commit_retries):
+            await self._fail_locked(iid, reason, failure_reason)
+
+    async def _fail_locked(self, iid: str, reason: str, failure_reason: str) -> None:
+        for _ in range(self.settings.commit_retries):
+            kv = await self.store.get(keys.instance(iid))
+            if kv is None:
+                return
+            rec = InstanceRecord.from_json(kv.value)
+            if rec.state is InstanceState.FAILED and not rec.memory_reserved:
+                return
+            new = replace(rec, state=InstanceState.FAILED, reason=reason[-2000:], failure_reason=failure_reason,
+                          endpoint="")
+            if await self._free_txn(kv, rec, new):
+                log.warning("instance %s FAILED (%s): %s", iid, failure_reason, reason.splitlines()[0] if reason else "")
+                return
+        raise Conflict(f"instance {iid}: could not record its failure (state kept changing)")
+
+    # ---- resync --------------------------------------------------------------------------
+
+    async def _resync_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.settings.resync_interval_s)
+            try:
+                await self.resync()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # etcd down: the next round
+                log.warning("node %s: resync failed: %s", self.node, e)
+
+    async def resync(self) -> None:
+        """One round of reconciling this node's records with its engine processes (module docstring)."""
+        if self._closing or self.keeper is None:
+            return
+        listing = await self.store.get_prefix(keys.INSTANCES)
+        mine = {r.id: r for r in (InstanceRecord.from_json(kv.value) for kv in listing.items) if r.node == self.node}
+        for iid in mine:
+            # Under the instance's lock (Deploy and Release hold it too), on a fresh read: the listing may be
+            # older than a Deploy that has just reserved the instance.
+            async with self._locks[iid]:
                 kv = await self.store.get(keys.instance(iid))
-                if kv is None:
-                    return
+                if kv is None or iid in self._starting:
+                    continue
                 rec = InstanceRecord.from_json(kv.value)
-                if rec.state is InstanceState.FAILED and not rec.memory_reserved:
-                    return
-                new = replace(rec, state=InstanceState.FAILED, reason=reason[-2000:], failure_reason=failure_reason,
-                              endpoint="")
-                if await self._free_txn(kv, rec, new):
-                    log.warning("instance %s FAILED (%s): %s", iid, failure_reason, reason.splitlines()[0] if reason else "")
-                    return
-            raise Conflict(f"instance {iid}: could not record its failure (state kept changing)")
+                proc = self.procs.get(iid)
+                if rec.state in (InstanceState.STARTING, InstanceState.READY) and (proc is None or not proc.is_alive):
+                    if proc is None:
+                        await self._kill_leftover(rec)
+                    await self._fail_locked(iid, "no engine backs this instance on its node (the deployer "
+                                            "restarted, or a start was cut short)", "NODE_RESTARTED")
+                elif rec.state is InstanceState.LOST or (rec.state is InstanceState.FAILED and proc is not None):
+                    if proc is not None:
+                        self.procs.pop(iid, None)
+                        await proc.stop(grace_s=self.settings.engine_stop_grace_s)
+                    else:
+                        await self._kill_leftover(rec)
+                    await self._fail_locked(iid, rec.reason or f"stopped: its record says {rec.state.value}",
+                                            rec.failure_reason or "NODE_LOST")
+        for iid in [i for i in self.procs if i not in mine and i not in self._starting]:
+            async with self._locks[iid]:
+                proc = self.procs.pop(iid, None)
+                if proc is not None:
+                    log.warning("instance %s: its record is gone; stopping its engine", iid)
+                    await proc.stop(grace_s=self.settings.engine_stop_grace_s)
+        await self._fix_accounting()
+
+    async def _fix_accounting(self) -> None:
+        """Rewrite GPU memory_used where it differs from the sum over this node's instances holding memory,
+        in one txn guarded by every GPU key (every memory change writes one, so a concurrent change aborts it)."""
+        gpus_l = await self.store.get_prefix(keys.gpus_of_node(self.node))
+        inst_l = await self.store.get_prefix(keys.INSTANCES)
+        held = [r for r in (InstanceRecord.from_json(kv.value) for kv in inst_l.items)
+                if r.node == self.node and r.memory_reserved]
+        compares, puts = [], []
+        for kv in gpus_l.items:
+            g = GpuRecord.from_json(kv.value)
+            used = round(sum(r.memory_gb_per_gpu for r in held if g.id in r.gpu_ids), MEMORY_DIGITS)
+            compares.append(Compare.unchanged(kv.key, kv.mod_revision))
+            if abs(g.memory_used_gb - used) > 1e-6:
+                log.warning("GPU %s: accounted %g GB used, instances hold %g GB; correcting", g.id,
+                            g.memory_used_gb, used)
+                puts.append(Put(kv.key, replace(g, memory_used_gb=used).to_json()))
+        if puts:
+            await self.store.txn(compares, puts)
 
     # ---- observed load ------------------------------------------------------------------
 

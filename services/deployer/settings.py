@@ -32,6 +32,8 @@ class DeployerSettings(ServiceSettings):
     engine_log_dir: str = Field(default="", description="Directory for engine stdout logs; empty = not written.")
     lease_ttl_s: int = Field(default=10, ge=2, description="TTL of the node's etcd lease; refreshed every TTL/3.")
     commit_retries: int = Field(default=20, ge=1, description="Retries of a GPU-memory transaction that lost a race.")
+    resync_interval_s: float = Field(default=5.0, ge=0, description="How often the agent reconciles its instance "
+                                     "records with its engine processes and GPU accounting; 0 = only at start.")
     # Observed load (the selector's "current load", docs/state.md "Load"): every READY engine's /metrics is
     # scraped, its output-token rate smoothed and written into its instance record.
     load_scrape_interval_s: float = Field(default=2.0, ge=0, description="How often READY engines' /metrics are "

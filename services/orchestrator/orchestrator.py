@@ -1,9 +1,13 @@
 """The orchestrator's I/O: carries out the core's decisions against etcd, the selector, the deployers and the engines.
 
 Everything it knows lives in etcd (task records under `keys.task`, plus the deployer's GPU, instance and
-reuse keys), so a restarted orchestrator resumes where it stopped (`resume()`): a DEPLOYING task's
-instances are deployed again (Deploy is idempotent by request_id = instance id), a DELETING task's
-release is finished, and a SELECTING task (nothing committed yet) goes back to AWAITING_APPROVAL.
+reuse keys). The reconciler (`services.orchestrator.reconciler`) compares that desired state with what runs
+and calls back in here: it resumes whatever a crash or an etcd outage left half done (a SELECTING task is
+selected again, a DEPLOYING task's instances deployed again — Deploy is idempotent by request_id = instance
+id —, a DELETING task's release finished), restarts failed engines in place, re-selects tasks whose
+instances cannot come back, and releases leaked references. At most one worker per task runs at a time
+(`start_worker`). Invoke routes through the reconciler's cache, so it needs no etcd round trip; its
+accounting is batched in the background.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from opentelemetry import trace
@@ -39,14 +43,25 @@ from flowmaker.errors import (
 from flowmaker.orchestration.cluster import read_live_cluster
 from flowmaker.orchestration.commit import CommitPlan, ReleaseAction, commit_ops, plan_commit, plan_release
 from flowmaker.orchestration.dag import Execution, StageResult, execute
-from flowmaker.orchestration.task import SERVING_STATES, DeployedInstance, Failure, TaskRecord, TaskState, derive_state
+from flowmaker.orchestration.reconcile import Policy
+from flowmaker.orchestration.task import (
+    SERVING_STATES,
+    DeployedInstance,
+    Failure,
+    HealAction,
+    Healing,
+    TaskRecord,
+    TaskState,
+    derive_state,
+)
 from flowmaker.rpc.channels import deadline_s
 from flowmaker.rpc.errors import call, incoming_deadline
 from flowmaker.state import keys
-from flowmaker.state.records import InstanceRecord, InstanceState, NodeRecord, new_instance_id
+from flowmaker.state.records import ORPHAN_GC_TASK_ID, InstanceRecord, InstanceState, NodeRecord, new_instance_id
 from flowmaker.state.store import KeyValue, StateStore
 from services.orchestrator.clients import Clients
 from services.orchestrator.engines import EngineClient, OnDelta
+from services.orchestrator.reconciler import Reconciler
 from services.orchestrator.settings import OrchestratorSettings
 
 log = logging.getLogger(__name__)
@@ -83,6 +98,15 @@ def _slug(text: str, default: str) -> str:
     return "-".join(s.split("-")[:4])[:32].strip("-") or default
 
 
+# Failures that say "not now" rather than "not this": etcd or a service unreachable. A worker hitting one
+# leaves its task where it is, for the reconciler to carry on once the outage is over.
+_TRANSIENT_REASONS = frozenset({"ETCD_UNAVAILABLE", "UNAVAILABLE"})
+
+
+def _is_transient(e: BaseException) -> bool:
+    return isinstance(e, Unavailable) and e.reason in _TRANSIENT_REASONS
+
+
 class _Rejected(Exception):
     """The selector refused the approval's request as invalid (INVALID_ARGUMENT / NOT_FOUND)."""
 
@@ -108,14 +132,59 @@ class Orchestrator:
         self.store = store
         self.clients = clients
         self.engines = engines or EngineClient(settings.http_pool_size)
-        self._obs_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._background: set[asyncio.Task[Any]] = set()
+        self._workers: dict[str, asyncio.Task[Any]] = {}  # task id -> the one worker on it
+        # Invoke latencies not yet written to their task records (flushed by `_flush_loop`).
+        self._pending_obs: defaultdict[str, list[float]] = defaultdict(list)
+        s = settings
+        self.reconciler = Reconciler(self, store, Policy(
+            restart_backoff_s=s.reconcile_restart_backoff_s, max_restarts=s.reconcile_max_restarts,
+            restart_window_s=s.reconcile_restart_window_s, node_lost_grace_s=s.reconcile_node_lost_grace_s,
+            orphan_grace_s=s.reconcile_orphan_grace_s, deploying_deadline_s=s.reconcile_deploying_deadline_s),
+            interval_s=s.reconcile_interval_s, heal=s.reconcile_heal)
+        self._started = False
+
+    async def start(self) -> None:
+        """Start the reconciler (its first pass resumes what a previous life left half done) and the
+        batched request accounting."""
+        if self._started:
+            return
+        self._started = True
+        self.reconciler.start()
+        self._spawn(self._flush_loop())
 
     async def close(self) -> None:
-        for t in tuple(self._background):
+        await self.reconciler.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._flush_observations(), 2.0)
+        for t in (*self._background, *self._workers.values()):
             t.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*self._background, *self._workers.values(), return_exceptions=True)
         await self.engines.close()
+
+    def busy_tasks(self) -> set[str]:
+        return {tid for tid, t in self._workers.items() if not t.done()}
+
+    def start_worker(self, task_id: str, coro: Awaitable[T]) -> asyncio.Task[Any]:
+        """Run `coro` as THE worker of `task_id` (selection, deploy, release, delete), unless one is already
+        on it: then `coro` is dropped and the running worker returned. Workers outlive their RPC."""
+        cur = self._workers.get(task_id)
+        if cur is not None and not cur.done():
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            return cur
+        t = self._spawn(coro)
+        self._workers[task_id] = t
+
+        def done(_t: asyncio.Task[Any]) -> None:
+            if self._workers.get(task_id) is _t:
+                del self._workers[task_id]
+            if not _t.cancelled() and _t.exception() is not None:
+                e = _t.exception()
+                log.warning("task %s: worker ended with %s: %s", task_id, type(e).__name__, e)
+            self.reconciler.kick()
+        t.add_done_callback(done)
+        return t
 
     def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
         async def run() -> T:
@@ -250,16 +319,28 @@ class Orchestrator:
             convert.selection_options_from_proto(options).validate("options")
         chosen = tuple(dict.fromkeys(workflow_ids))
         sel = t.moved(TaskState.SELECTING, time.time(), approved_workflow_ids=chosen,
-                      strategy=strategy or self.settings.default_strategy)
+                      strategy=strategy or self.settings.default_strategy,
+                      options_json="" if options is None else convert.selection_options_to_json(options))
         await self.store.cas(kv.key, sel.to_json(), etag=kv.mod_revision)  # Conflict: a concurrent approval won
         # Shielded: a client that gives up must not leave a half-committed, half-deployed task behind.
-        await asyncio.shield(self._spawn(self._select_commit_deploy(task_id, options)))
+        await asyncio.shield(self.start_worker(task_id, self.select_commit_deploy(task_id)))
         return await self.view(task_id)
 
-    async def _select_commit_deploy(self, task_id: str, options: selection_pb2.SelectionOptions | None) -> None:
+    async def select_commit_deploy(self, task_id: str) -> None:
+        """Select, commit and deploy a SELECTING task (an approval, a resumed one, or a healing re-selection)."""
+        _, t = await self._get(task_id)
+        if t.state is not TaskState.SELECTING:
+            return
+        if t.healing is not None:
+            # Re-selection: the references of the variant being replaced go first (idempotent; they may be
+            # gone already), so the new commit can reuse any instance, the old ones included.
+            await self._release_all(t)
         try:
-            plan = await self._select_and_commit(task_id, options)
+            plan = await self._select_and_commit(task_id)
         except _Rejected as r:
+            if t.healing is not None:
+                await self._wait_for_capacity(task_id, f"the selector refused the request: {r.error}")
+                return
             # The approval itself was wrong (an unknown strategy, options the selector refuses): nothing
             # was committed, so the task goes back to AWAITING_APPROVAL and the caller gets the error to
             # fix and approve again, rather than a task FAILED for good by a typo.
@@ -269,15 +350,39 @@ class Orchestrator:
                 await self._update(task_id, back)
             raise r.error from None
         except Exception as e:  # nothing is reserved before the commit: failing the task is all
+            if _is_transient(e):
+                # etcd, the selector or a deployer is unreachable: nothing is committed and the task stays
+                # SELECTING; the reconciler selects again on its next pass (after the outage).
+                log.warning("task %s: selection interrupted (%s); the reconciler retries it", task_id, e)
+                raise
             if not isinstance(e, FlowMakerError):
                 log.exception("task %s: selection failed", task_id)
+            if t.healing is not None:
+                await self._wait_for_capacity(task_id, str(e))
+                return
             await self._fail(task_id, Failure.of(e))
             return
         if plan is not None:
-            await self._deploy(task_id)
+            await self.deploy(task_id)
 
-    async def _select_and_commit(self, task_id: str, options: selection_pb2.SelectionOptions | None
-                                 ) -> CommitPlan | None:
+    async def _wait_for_capacity(self, task_id: str, why: str) -> None:
+        """A healing task found no way to serve yet: it stays SELECTING (nothing reserved) and the
+        reconciler tries again after an exponential backoff."""
+        def fn(t: TaskRecord) -> TaskRecord | None:
+            if t.state is not TaskState.SELECTING or t.healing is None:
+                return None
+            h = t.healing
+            delay = min(self.settings.reconcile_heal_backoff_max_s, 2.0 ** min(h.attempts, 10))
+            now = time.time()
+            return t.moved(TaskState.SELECTING, now, healing=Healing(
+                HealAction.WAITING_FOR_CAPACITY.value, why, h.since, h.attempts + 1, now + delay))
+        with contextlib.suppress(NotFound):
+            new = await self._update(task_id, fn)
+            if new is not None and new.healing is not None:
+                log.warning("task %s: healing waits for capacity (%s); next attempt in %.0fs", task_id, why,
+                            new.healing.next_attempt_at - time.time())
+
+    async def _select_and_commit(self, task_id: str) -> CommitPlan | None:
         """Select on a fresh view and commit it in one guarded txn; on a lost race select again."""
         last = ""
         for attempt in range(1, self.settings.commit_retries + 1):
@@ -285,6 +390,7 @@ class Orchestrator:
             if t.state is not TaskState.SELECTING:
                 log.info("task %s left SELECTING (%s) during selection; stopping", task_id, t.state.value)
                 return None
+            options = convert.selection_options_from_json(t.options_json) if t.options_json else None
             with _tracer().start_as_current_span("task.select", attributes={
                     telemetry.FLOWMAKER_TASK: task_id, ATTR_ATTEMPT: attempt, ATTR_STRATEGY: t.strategy}) as span:
                 view = await read_live_cluster(self.store)
@@ -308,6 +414,9 @@ class Orchestrator:
                     span.set_attribute(ATTR_REASON, result.reason.value)
             if result.variant is None:
                 reason = result.reason.value if result.reason else "NO_FEASIBLE_VARIANT"
+                if t.healing is not None:
+                    await self._wait_for_capacity(task_id, f"no feasible variant: {result.reason_detail or reason}")
+                    return None
                 await self._fail(task_id, Failure("NoCapacity", reason,
                                                   f"no feasible variant: {result.reason_detail or reason}"))
                 return None
@@ -319,9 +428,11 @@ class Orchestrator:
                 if t.state is not TaskState.SELECTING:
                     return None
                 now = time.time()
+                healing = None if t.healing is None else Healing(
+                    HealAction.RESELECTING.value, t.healing.detail, t.healing.since, t.healing.attempts)
                 deploying = t.moved(TaskState.DEPLOYING, now, variant=v, strategy=result.strategy or t.strategy,
                                     stage_instances=plan.stage_instances, new_instances=plan.deploy,
-                                    predicted_latency_s=v.latency_s)
+                                    predicted_latency_s=v.latency_s, healing=healing)
                 try:
                     compares, puts = commit_ops(plan, view, tkv, deploying, now)
                 except NoCapacity as e:  # the view moved under the selector's feet; select again
@@ -338,9 +449,13 @@ class Orchestrator:
             last = f"changed concurrently: {', '.join(res.failed)}"
             log.info("task %s: commit attempt %d lost a race (%s); selecting again", task_id, attempt, last)
             await asyncio.sleep(random.uniform(0.005, 0.05) * attempt)
-        await self._fail(task_id, Failure("Conflict", "SELECTION_CONFLICT",
-                                          f"the cluster kept changing during {self.settings.commit_retries} "
-                                          f"select-and-commit attempts (last: {last}); approve again"))
+        msg = (f"the cluster kept changing during {self.settings.commit_retries} select-and-commit attempts "
+               f"(last: {last})")
+        _, t = await self._get(task_id)
+        if t.healing is not None:
+            await self._wait_for_capacity(task_id, msg)
+        else:
+            await self._fail(task_id, Failure("Conflict", "SELECTION_CONFLICT", f"{msg}; approve again"))
         return None
 
     async def _node_endpoints(self) -> dict[str, str]:
@@ -367,12 +482,14 @@ class Orchestrator:
                                   f"{cluster_pb2.Instance.State.Name(resp.instance.state)} after Deploy: "
                                   f"{resp.instance.failure.message}", reason="INSTANCE_NOT_READY")
 
-    async def _deploy(self, task_id: str) -> None:
+    async def deploy(self, task_id: str) -> None:
         """Start every new instance of the committed plan, and wait for the reused ones that are not READY
         yet (another task's new instance, still PENDING or STARTING: Deploy by its id is idempotent and
         waits for the start, or starts it); ACTIVE once all serve, or roll back and FAILED."""
         with _tracer().start_as_current_span("task.deploy", attributes={telemetry.FLOWMAKER_TASK: task_id}) as span:
             _, t = await self._get(task_id)
+            if t.state is not TaskState.DEPLOYING:
+                return
             nodes = await self._node_endpoints()
             todo = list(t.new_instances) + await self._reused_not_ready(t)
             span.set_attribute(ATTR_INSTANCES, [d.instance_id for d in todo])
@@ -383,7 +500,8 @@ class Orchestrator:
                 telemetry.mark_error(span, errs[0][1])
         if not errs:
             def active(x: TaskRecord) -> TaskRecord | None:
-                return x.moved(TaskState.ACTIVE, time.time()) if x.state is TaskState.DEPLOYING else None
+                return x.moved(TaskState.ACTIVE, time.time(), healing=None) if x.state is TaskState.DEPLOYING \
+                    else None
             try:
                 if await self._update(task_id, active) is not None:
                     log.info("task %s ACTIVE: %s", task_id, t.stage_instances)
@@ -392,20 +510,41 @@ class Orchestrator:
                 pass
             return  # deleted (DELETING) meanwhile: DeleteTask releases everything
         d, e = errs[0]
+        if _is_transient(e):
+            # etcd or the deployer unreachable: leave the task DEPLOYING; the reconciler deploys it again
+            # (idempotent) after the outage, or rolls it back past its deadline.
+            log.warning("task %s: deploy interrupted (%s); the reconciler retries it", task_id, e)
+            raise e
         f = Failure.of(e)
-        failure = Failure(f.error, f.reason, f"deploying instance {d.instance_id} ({d.model_id} on "
-                                             f"{'+'.join(d.gpu_ids)}) failed: {f.message}")
+        await self.rollback(task_id, f"deploying instance {d.instance_id} ({d.model_id} on "
+                                     f"{'+'.join(d.gpu_ids)}) failed: {f.message}", f)
+
+    async def rollback(self, task_id: str, why: str, failure: Failure | None = None) -> None:
+        """Give back what a DEPLOYING task's commit reserved; FAILED, or (healing) SELECTING again later."""
+        f = failure or Failure("DeadlineExceeded", "DEPLOY_DEADLINE_EXCEEDED", why)
         try:
             _, cur = await self._get(task_id)
-            if cur.state is TaskState.DEPLOYING:
-                await self._release_all(cur)
         except NotFound:
-            pass
+            return
+        if cur.state is not TaskState.DEPLOYING:
+            return
+        try:
+            await self._release_all(cur)
         except FlowMakerError as rel:
-            # FAILED all the same (nothing serves); the references left are listed on the instances, and
-            # DeleteTask releases them (it releases whatever reuse keys still name the task).
-            log.warning("task %s: rollback incomplete (%s); DeleteTask will finish it", task_id, rel)
-        await self._fail(task_id, failure)
+            # FAILED all the same (nothing serves); the reconciler releases the references left
+            # (a FAILED task holding references) once the deployer or etcd answers again.
+            log.warning("task %s: rollback incomplete (%s); the reconciler finishes it", task_id, rel)
+        if cur.healing is not None:
+            def again(x: TaskRecord) -> TaskRecord | None:
+                if x.state is not TaskState.DEPLOYING or x.healing is None:
+                    return None
+                return x.moved(TaskState.SELECTING, time.time(), healing=replace(
+                    x.healing, action=HealAction.WAITING_FOR_CAPACITY.value, detail=why))
+            with contextlib.suppress(NotFound):
+                await self._update(task_id, again)
+            await self._wait_for_capacity(task_id, why)
+            return
+        await self._fail(task_id, Failure(f.error, f.reason, why))
 
     async def _reused_not_ready(self, t: TaskRecord) -> list[DeployedInstance]:
         new = {d.instance_id for d in t.new_instances}
@@ -471,10 +610,21 @@ class Orchestrator:
             return None if t.state is TaskState.DELETING else t.moved(TaskState.DELETING, time.time())
         await self._update(task_id, deleting)
         _, t = await self._get(task_id)
-        stopped = await asyncio.shield(self._spawn(self._finish_delete(t)))
-        return t, stopped
+        # A worker already on the task (a selection, a deploy) sees DELETING and stops; the delete runs
+        # once it is done, as the task's next worker.
+        cur = self._workers.get(task_id)
+        if cur is not None and not cur.done():
+            await asyncio.wait({cur}, timeout=self.settings.release_timeout_s)
+        stopped = await asyncio.shield(self.start_worker(task_id, self.finish_delete(task_id)))
+        return t, stopped or []
 
-    async def _finish_delete(self, t: TaskRecord) -> list[str]:
+    async def finish_delete(self, task_id: str) -> list[str]:
+        try:
+            _, t = await self._get(task_id)
+        except NotFound:
+            return []
+        if t.state is not TaskState.DELETING:
+            return []
         stopped = await self._release_all(t)
         await self.store.delete(keys.task(t.id))
         log.info("task %s deleted; stopped %s", t.id, stopped or "nothing")
@@ -483,19 +633,111 @@ class Orchestrator:
     # ---- restart -------------------------------------------------------------------------------
 
     async def resume(self) -> None:
-        """Finish what a previous life of the orchestrator left half done (see the module docstring)."""
-        for kv in (await self.store.get_prefix(keys.TASKS)).items:
-            t = TaskRecord.from_json(kv.value)
-            if t.state is TaskState.SELECTING:
-                with contextlib.suppress(FlowMakerError):
-                    await self.store.cas(kv.key, t.moved(TaskState.AWAITING_APPROVAL, time.time()).to_json(),
-                                         etag=kv.mod_revision)
-                    log.warning("task %s was SELECTING when the orchestrator stopped; approve it again", t.id)
-            elif t.state is TaskState.DEPLOYING:
-                log.warning("task %s was DEPLOYING when the orchestrator stopped; resuming", t.id)
-                self._spawn(self._deploy(t.id))
-            elif t.state is TaskState.DELETING:
-                self._spawn(self._finish_delete(t))
+        """Finish what a previous life of the orchestrator left half done: the reconciler's first pass
+        does it (see the module docstring); this waits for that pass when etcd answers."""
+        await self.start()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.reconciler.synced.wait(), self.settings.reconcile_interval_s + 5.0)
+
+    # ---- healing (called by the reconciler) ------------------------------------------------------
+
+    async def reselect(self, task_id: str, why: str) -> None:
+        """An ACTIVE task whose variant cannot serve again: select a new one against the live cluster
+        (releasing the old references first), commit it with the same guarded txn as an approval, deploy."""
+        def fn(t: TaskRecord) -> TaskRecord | None:
+            if t.state is not TaskState.ACTIVE:
+                return None
+            now = time.time()
+            h = t.healing
+            return t.moved(TaskState.SELECTING, now, healing=Healing(
+                HealAction.RESELECTING.value, why, h.since if h else now, (h.attempts if h else 0) + 1))
+        if await self._update(task_id, fn) is None:
+            return
+        log.warning("task %s: re-selecting (%s)", task_id, why)
+        await self.select_commit_deploy(task_id)
+
+    async def restart_instance(self, iid: str, task_ids: Sequence[str], why: str) -> None:
+        """Restart a FAILED instance in place (same id, GPUs and memory): every task sharing it heals."""
+        for tid in task_ids:
+            def fn(t: TaskRecord) -> TaskRecord | None:
+                if t.state is not TaskState.ACTIVE:
+                    return None
+                now = time.time()
+                h = t.healing
+                return replace(t, update_time=now, healing=Healing(
+                    HealAction.RESTARTING_INSTANCE.value, why, h.since if h else now, (h.attempts if h else 0) + 1))
+            with contextlib.suppress(NotFound):
+                await self._update(tid, fn)
+        kv = await self.store.get(keys.instance(iid))
+        if kv is None:
+            return
+        rec = InstanceRecord.from_json(kv.value)
+        if rec.state is not InstanceState.FAILED:
+            return
+        endpoint = (await self._node_endpoints()).get(rec.node)
+        if not endpoint:
+            raise Unavailable(f"node {rec.node} of instance {iid} is not alive", reason="NODE_LOST")
+        with _tracer().start_as_current_span("task.restart_instance", attributes={
+                telemetry.FLOWMAKER_INSTANCE: iid, ATTR_MODEL: rec.model_id, ATTR_NODE: rec.node,
+                ATTR_GPUS: list(rec.gpu_ids)}):
+            await call(self.clients.deployer(endpoint).Deploy(deployer_pb2.DeployRequest(
+                model_id=rec.model_id, tp=rec.tp, pp=rec.pp, gpu_ids=list(rec.gpu_ids),
+                memory_gb_per_gpu=rec.memory_gb_per_gpu, task_id=task_ids[0] if task_ids else "",
+                request_id=iid, engine=rec.engine), timeout=self.settings.deploy_timeout_s))
+        log.warning("instance %s restarted in place for %s", iid, ", ".join(task_ids))
+
+    async def mark_lost(self, iid: str, why: str) -> None:
+        def fn(r: InstanceRecord) -> InstanceRecord | None:
+            if r.state not in (InstanceState.PENDING, InstanceState.STARTING, InstanceState.READY):
+                return None
+            return replace(r, state=InstanceState.LOST, endpoint="", reason=why, failure_reason="NODE_LOST")
+        for _ in range(self.settings.commit_retries):
+            kv = await self.store.get(keys.instance(iid))
+            if kv is None:
+                return
+            new = fn(InstanceRecord.from_json(kv.value))
+            if new is None:
+                return
+            if await self.store.get(keys.node(new.node)) is not None:
+                return  # the node came back meanwhile
+            try:
+                await self.store.cas(kv.key, new.to_json(), etag=kv.mod_revision)
+                return
+            except Conflict:
+                continue
+
+    async def clear_healing(self, task_id: str) -> None:
+        def fn(t: TaskRecord) -> TaskRecord | None:
+            if t.state is not TaskState.ACTIVE or t.healing is None:
+                return None
+            log.info("task %s healed after %.1fs (%s)", task_id, time.time() - t.healing.since, t.healing.action)
+            return replace(t, healing=None, update_time=time.time())
+        with contextlib.suppress(NotFound):
+            await self._update(task_id, fn)
+
+    async def release_failed(self, task_id: str) -> None:
+        """Finish the rollback of a FAILED task whose references could not all be released then."""
+        with contextlib.suppress(NotFound):
+            _, t = await self._get(task_id)
+            if t.state is TaskState.FAILED:
+                await self._release_all(t)
+
+    async def drop_reference(self, iid: str, task_id: str, node: str) -> None:
+        """A reference naming a task that does not exist (a delete or rollback cut short): drop it."""
+        endpoint = (await self._node_endpoints()).get(node) if node else ""
+        if await self.store.get(keys.task(task_id)) is not None:
+            return
+        await self._release_one(task_id, ReleaseAction(iid, node, False), {node: endpoint} if endpoint else {})
+
+    async def stop_orphan(self, iid: str, node: str) -> None:
+        """Stop an instance no reference names. The deployer stops it only if it is still unreferenced
+        when it looks (an id that names no task: a concurrent reuse commit keeps it alive)."""
+        endpoint = (await self._node_endpoints()).get(node)
+        if not endpoint:
+            return
+        await call(self.clients.deployer(endpoint).Release(
+            deployer_pb2.ReleaseRequest(instance_id=iid, task_id=ORPHAN_GC_TASK_ID),
+            timeout=self.settings.release_timeout_s))
 
     # ---- Invoke --------------------------------------------------------------------------------
 
@@ -507,8 +749,11 @@ class Orchestrator:
         if max_output_tokens < 0:
             raise InvalidSpec(f"must be >= 0 (0 = the stage's output_tokens), got {max_output_tokens}",
                               field="max_output_tokens")
-        _, t = await self._get(task_id)
+        t = await self._route_task(task_id)
         if t.state not in SERVING_STATES:
+            if t.healing is not None:
+                raise Unavailable(f"task {task_id} is healing ({t.healing.action}: {t.healing.detail}); retry "
+                                  f"shortly", field="task_id", reason="TASK_HEALING", metadata={"state": t.state.value})
             raise FailedPrecondition(f"task {task_id} is {t.state.value}; only an ACTIVE task serves requests",
                                      field="task_id", metadata={"state": t.state.value})
         wf = t.workflow
@@ -517,13 +762,16 @@ class Orchestrator:
         root.set_attribute(telemetry.FLOWMAKER_WORKFLOW, wf.id)
         insts: dict[str, InstanceRecord] = {}
         for iid in t.instance_ids:
-            kv = await self.store.get(keys.instance(iid))
-            rec = InstanceRecord.from_json(kv.value) if kv else None
+            rec = await self._route_instance(iid)
             if rec is None or rec.state is not InstanceState.READY or not rec.endpoint:
-                state = rec.state.value if rec else "gone"
-                raise Unavailable(f"task {task_id} is DEGRADED: instance {iid} is {state}"
-                                  + (f" ({rec.reason.splitlines()[0]})" if rec and rec.reason else ""),
-                                  reason="INSTANCE_FAILED", metadata={"instance_id": iid})
+                # Being healed: wait (within the request's deadline) for the replacement rather than fail.
+                rec = await self._await_replacement(task_id, iid, None)
+                if rec is None:
+                    cur = await self._route_instance(iid)
+                    state = cur.state.value if cur else "gone"
+                    raise Unavailable(f"task {task_id} is DEGRADED: instance {iid} is {state}"
+                                      + (f" ({cur.reason.splitlines()[0]})" if cur and cur.reason else ""),
+                                      reason="INSTANCE_FAILED", metadata={"instance_id": iid})
             insts[iid] = rec
 
         async def run_stage(stage: Stage, prompt: str) -> StageResult:
@@ -549,12 +797,33 @@ class Orchestrator:
                     await on_event("delta", (stage.id, piece))
             pt = ct = 0
             text = ""
+            streamed = False
+
+            async def counted(piece: str) -> None:
+                nonlocal streamed
+                streamed = True
+                if on_delta is not None:
+                    await on_delta(piece)
             # calls_per_request > 1 (e.g. sampling several answers) runs the calls one after the other,
             # as the latency model counts them; the last answer is the stage's output.
             for _ in range(max(1, stage.calls_per_request)):
-                c = await self.engines.chat(rec.endpoint, rec.model_id, prompt, max(1, max_tokens),
-                                            timeout_s=deadline_s(self.settings.invoke_timeout_s),
-                                            instance_id=rec.id, on_delta=on_delta)
+                try:
+                    c = await self.engines.chat(rec.endpoint, rec.model_id, prompt, max(1, max_tokens),
+                                                timeout_s=deadline_s(self.settings.invoke_timeout_s),
+                                                instance_id=rec.id, on_delta=counted if on_event else None)
+                except Unavailable:
+                    # The instance died under this call. A chat call has no side effect, so it is retried
+                    # once on the replacement (restarted in place, or the re-selected variant's instance),
+                    # within the request's deadline; not once output was streamed to the caller.
+                    if streamed:
+                        raise
+                    new = await self._await_replacement(task_id, rec.id, rec.endpoint, stage.id)
+                    if new is None:
+                        raise
+                    rec = new
+                    c = await self.engines.chat(rec.endpoint, rec.model_id, prompt, max(1, max_tokens),
+                                                timeout_s=deadline_s(self.settings.invoke_timeout_s),
+                                                instance_id=rec.id, on_delta=counted if on_event else None)
                 pt, ct, text = pt + c.prompt_tokens, ct + c.completion_tokens, c.text
             return StageResult(stage.id, text, rec.id, rec.model_id, pt, ct)
 
@@ -563,17 +832,81 @@ class Orchestrator:
                 await on_event("stage_done", r)
 
         ex = await execute(wf, text, run_stage, done)
-        await self._observe(task_id, ex.latency_s)
+        # Accounting is off the request's path: batched into the task record by `_flush_loop`.
+        pending = self._pending_obs[task_id]
+        pending.append(ex.latency_s)
+        del pending[:-self.settings.latency_window]
         return ex
 
-    async def _observe(self, task_id: str, latency_s: float) -> None:
-        """Account one served request (latency window + count) in the task record; best effort."""
-        def fn(t: TaskRecord) -> TaskRecord | None:
-            if t.state is not TaskState.ACTIVE:
+    # ---- routing (the reconciler's cache; etcd only when the cache has not seen the task yet) ----------
+
+    async def _route_task(self, task_id: str) -> TaskRecord:
+        if not task_id:
+            raise InvalidSpec("must not be empty", field="task_id")
+        t = self.reconciler.task(task_id) if self.reconciler.fresh else None
+        if t is not None:
+            return t
+        return (await self._get(task_id))[1]
+
+    async def _route_instance(self, iid: str) -> InstanceRecord | None:
+        rec = self.reconciler.instance(iid) if self.reconciler.fresh else None
+        if rec is not None:
+            return rec
+        kv = await self.store.get(keys.instance(iid))
+        return InstanceRecord.from_json(kv.value) if kv else None
+
+    async def _await_replacement(self, task_id: str, iid: str, old_endpoint: str | None,
+                                 stage_id: str = "") -> InstanceRecord | None:
+        """Wait, within the request's deadline and `invoke_heal_wait_s`, until the instance serving
+        `stage_id` (or `iid`) is READY at an endpoint other than `old_endpoint`: the same instance
+        restarted in place, or the re-selected variant's. None when that does not happen in time."""
+        wait = min(self.settings.invoke_heal_wait_s, deadline_s(self.settings.invoke_timeout_s) - 1.0)
+        if wait <= 0 or not self.reconciler.fresh:
+            return None
+        self.reconciler.kick()
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            t = self.reconciler.task(task_id)
+            if t is None or t.state is TaskState.DELETING or t.state is TaskState.FAILED:
                 return None
-            return t.with_observation(latency_s, time.time(), self.settings.latency_window)
-        try:
-            async with self._obs_locks[task_id]:  # one writer per task in this process: fewer CAS retries
+            cur = t.stage_instances.get(stage_id, iid) if stage_id else iid
+            rec = self.reconciler.instance(cur)
+            if (t.state is TaskState.ACTIVE and rec is not None and rec.state is InstanceState.READY
+                    and rec.endpoint and rec.endpoint != old_endpoint):
+                return rec
+            await asyncio.sleep(0.1)
+        return None
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.observe_flush_interval_s)
+            try:
+                await self._flush_observations()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # etcd down: keep them (bounded) for the next flush
+                log.debug("request accounting not flushed: %s", e)
+
+    async def _flush_observations(self) -> None:
+        """Write the batched Invoke latencies into their task records (one CAS per task); best effort."""
+        for task_id in list(self._pending_obs):
+            batch = self._pending_obs.pop(task_id)
+            if not batch:
+                continue
+
+            def fn(t: TaskRecord, batch: list[float] = batch) -> TaskRecord | None:
+                if t.state is not TaskState.ACTIVE:
+                    return None
+                now = time.time()
+                for lat in batch:
+                    t = t.with_observation(lat, now, self.settings.latency_window)
+                return t
+            try:
                 await self._update(task_id, fn)
-        except FlowMakerError as e:
-            log.warning("task %s: could not record an observed latency: %s", task_id, e)
+            except NotFound:
+                continue
+            except FlowMakerError:
+                kept = self._pending_obs[task_id]
+                kept[:0] = batch
+                del kept[:-self.settings.latency_window]
+                raise

@@ -31,3 +31,24 @@ class OrchestratorSettings(ServiceSettings):
                                                           "set like the engines' time scale).")
     http_pool_size: int = Field(default=100, ge=1, description="Connections of the pooled HTTP session to the engines.")
     latency_window: int = Field(default=200, ge=1, description="Invoke latencies kept per task for the p50/p95 in GetTask.")
+    observe_flush_interval_s: float = Field(default=1.0, gt=0, description="Invoke latencies are batched and written "
+                                            "to their task records this often (never on a request's path).")
+    invoke_heal_wait_s: float = Field(default=30.0, ge=0, description="How long an Invoke whose instance died waits "
+                                      "(within its deadline) for the replacement before failing; 0 = fail at once.")
+    # The reconciler (flowmaker.orchestration.reconcile): desired state vs what runs.
+    reconcile_heal: bool = Field(default=True, description="Carry out the reconciler's actions (restart, "
+                                 "re-select, resume, release leaks); false = observe only (routing cache).")
+    reconcile_interval_s: float = Field(default=2.0, gt=0, description="Periodic resync, besides etcd watches.")
+    reconcile_restart_backoff_s: float = Field(default=1.0, ge=0, description="Wait before the 2nd restart in place "
+                                               "of a failed instance; doubles for each further one.")
+    reconcile_max_restarts: int = Field(default=3, ge=0, description="Restarts in place within the window before "
+                                        "the tasks using the instance are re-selected.")
+    reconcile_restart_window_s: float = Field(default=300.0, gt=0, description="Window of reconcile_max_restarts.")
+    reconcile_node_lost_grace_s: float = Field(default=10.0, ge=0, description="A node whose lease expired is "
+                                               "LOST after this much longer (its tasks are then re-selected).")
+    reconcile_orphan_grace_s: float = Field(default=30.0, ge=0, description="An instance no task references, or a "
+                                            "reference to a task that does not exist, is released after this long.")
+    reconcile_deploying_deadline_s: float = Field(default=600.0, gt=0, description="A task DEPLOYING this long "
+                                                  "(since its last update) is rolled back.")
+    reconcile_heal_backoff_max_s: float = Field(default=10.0, gt=0, description="Longest wait between two "
+                                                "re-selection attempts of a task waiting for capacity.")

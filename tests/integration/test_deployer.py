@@ -259,7 +259,7 @@ async def test_node_drops_out_when_its_lease_expires_and_reregisters(deployer: D
     view = await read_cluster(d.store)
     assert view.cluster.gpus == () and view.cluster.instances == ()
     shown = (await d.stub.ListInstances(deployer_pb2.ListInstancesRequest())).instances
-    assert shown[0].state == cluster_pb2.Instance.STATE_FAILED
+    assert shown[0].state == cluster_pb2.Instance.STATE_LOST
     assert rpc_errors_reason(shown[0]) == "NODE_LOST"
     # Re-registering brings the node, its GPUs and its (still running) instances back.
     await d.agent._reclaim()

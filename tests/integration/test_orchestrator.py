@@ -84,7 +84,7 @@ class Stack:
 
 
 async def start_stack(store: Any, start_service: Any, *, gpu_count: int, gpu_memory_gb: float = 0.0,
-                      backend: str = "emulated") -> AsyncIterator[Stack]:
+                      backend: str = "emulated", heal: bool = True) -> AsyncIterator[Stack]:
     dset = DeployerSettings(host="127.0.0.1", port=0, grace_s=0.5, node="n0", gpu_type="A6000", gpu_count=gpu_count,
                             gpu_memory_gb=gpu_memory_gb, use_nvml=False, backend=backend,
                             engine_time_scale=TIME_SCALE, engine_start_timeout_s=30, engine_stop_grace_s=2,
@@ -97,7 +97,8 @@ async def start_stack(store: Any, start_service: Any, *, gpu_count: int, gpu_mem
     sset = SelectorSettings(host="127.0.0.1", port=0, grace_s=0.5)
     sel = await start_service("selector", lambda s: add_selector(s, sset, store), sset)
     oset = OrchestratorSettings(host="127.0.0.1", port=0, grace_s=0.5, selector_address=sel.address,
-                                tool_time_scale=TIME_SCALE, deploy_timeout_s=60)
+                                tool_time_scale=TIME_SCALE, deploy_timeout_s=60, reconcile_heal=heal,
+                                reconcile_interval_s=0.5, observe_flush_interval_s=0.2)
     clients = Clients(oset.selector_address, timeout_s=30)
     orch = Orchestrator(oset, store, clients)
 
@@ -118,6 +119,12 @@ async def start_stack(store: Any, start_service: Any, *, gpu_count: int, gpu_mem
 @pytest.fixture
 async def stack(etcd_store: Any, start_service: Any) -> AsyncIterator[Stack]:
     async for s in start_stack(etcd_store, start_service, gpu_count=2):
+        yield s
+
+
+@pytest.fixture
+async def stack_not_healing(etcd_store: Any, start_service: Any) -> AsyncIterator[Stack]:
+    async for s in start_stack(etcd_store, start_service, gpu_count=2, heal=False):
         yield s
 
 
@@ -182,7 +189,11 @@ async def test_two_tasks_share_an_instance_invoke_and_delete(stack: Stack) -> No
     final_text = "".join(c.delta for c in chunks if c.WhichOneof("chunk") == "delta" and c.stage_id == "final")
     assert final_text == chunks[-1].done.output
 
-    ga = await stack.get(a.id)
+    # Request accounting is batched off the request path: it shows within a flush interval.
+    deadline = time.monotonic() + 10
+    while (ga := await stack.get(a.id)).requests_served < 2:
+        assert time.monotonic() < deadline, "the served requests were never accounted"
+        await asyncio.sleep(0.1)
     assert ga.requests_served == 2 and ga.observed_latency_p50_s > 0 and ga.state == ACTIVE
     assert ga.observed_latency_p95_s >= ga.observed_latency_p50_s
 
@@ -234,7 +245,8 @@ async def test_concurrent_approvals_never_overcommit_a_gpu(small_stack: Stack) -
     assert gpu.memory_used_gb == 0.0
 
 
-async def test_engine_killed_task_degraded(stack: Stack) -> None:
+async def test_engine_killed_task_degraded_without_healing(stack_not_healing: Stack) -> None:
+    stack = stack_not_healing
     t = await stack.approve((await stack.deploy(ONE, name="fragile")).id, "one")
     assert t.state == ACTIVE
     iid = t.stage_instances["answer"]
@@ -249,7 +261,7 @@ async def test_engine_killed_task_degraded(stack: Stack) -> None:
     assert g.state == DEGRADED
     assert iid in g.failure.message and "FAILED" in g.failure.message
     with pytest.raises(Unavailable) as ei:
-        await call(stack.orch.Invoke(pb.InvokeRequest(task_id=t.id, input="anyone?")))
+        await call(stack.orch.Invoke(pb.InvokeRequest(task_id=t.id, input="anyone?"), timeout=5))
     assert ei.value.reason == "INSTANCE_FAILED"
     listed = await call(stack.orch.ListTasks(pb.ListTasksRequest(state=DEGRADED)))
     assert [x.id for x in listed.tasks] == [t.id]
@@ -335,17 +347,18 @@ async def test_deploy_failure_rolls_back_everything(broken_engines: Stack) -> No
     assert (await s.store.get_prefix(keys.REUSE)).items == ()
 
 
-async def test_commit_without_deploy_is_resumed_and_a_pending_reuse_waits_for_ready(stack: Stack) -> None:
+async def test_commit_without_deploy_is_resumed_and_a_pending_reuse_waits_for_ready(stack_not_healing: Stack) -> None:
     """The orchestrator dies between the etcd commit and the Deploy calls: the task is DEPLOYING, its
     new instance PENDING (memory reserved, no engine). Meanwhile a second task reuses that PENDING
     instance: its approval must not report ACTIVE before the instance serves. A restarted
     orchestrator (`resume`) deploys what the first one committed: nothing accepted is lost."""
+    stack = stack_not_healing
     a = await stack.deploy(ONE, name="cut")
     kv = await stack.store.get(keys.task(a.id))
     rec = TaskRecord.from_json(kv.value)
     await stack.store.cas(kv.key, rec.moved(TaskState.SELECTING, time.time(), approved_workflow_ids=("one",),
                                             strategy="exact").to_json(), etag=kv.mod_revision)
-    plan = await stack.core._select_and_commit(a.id, None)  # commit only: "died" before Deploy
+    plan = await stack.core._select_and_commit(a.id)  # commit only: "died" before Deploy
     assert plan is not None and len(plan.deploy) == 1
     (iid,) = [d.instance_id for d in plan.deploy]
     assert (await stack.get(a.id)).state == task_pb2.Task.STATE_DEPLOYING
@@ -357,7 +370,8 @@ async def test_commit_without_deploy_is_resumed_and_a_pending_reuse_waits_for_re
     assert (await stack.instances())[iid].state is InstanceState.READY  # started, not merely reserved
     assert (await stack.get(b.id)).state == ACTIVE
 
-    await stack.core.resume()  # what a restarted orchestrator does first
+    stack.core.reconciler.heal = True  # what a restarted orchestrator does first: its reconciler resumes
+    await stack.core.resume()
     deadline = time.monotonic() + 30
     while (await stack.get(a.id)).state != ACTIVE:
         assert time.monotonic() < deadline, "the committed task was not resumed"

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import time
 from abc import ABC, abstractmethod
@@ -28,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flowmaker.domain import Profile
 from flowmaker.errors import InvalidSpec, Unavailable
+from flowmaker.launcher.procs import exec_dying_with_parent
 from flowmaker.limits import check_id
 
 log = logging.getLogger(__name__)
@@ -209,9 +211,13 @@ class EngineProcess:
         argv = self.backend.build_command(self.spec)
         env = {**engine_base_env(), **self.backend.build_env(self.spec), **self._env}
         log.info("starting %s engine %s: %s", self.backend.name, self.spec.instance_id, " ".join(argv))
+        if shutil.which(argv[0], path=env.get("PATH")) is None:  # the wrapper would only exit 127
+            raise EngineStartError(f"cannot run {argv[0]!r} for {self.backend.name} engine {self.spec.instance_id}: "
+                                   "no such executable (on PATH)", field="backend")
         try:
+            # Its own session (a stop reaches its workers), but never an orphan: it dies with the deployer.
             self._proc = await asyncio.create_subprocess_exec(
-                *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                *exec_dying_with_parent(argv), env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         except (FileNotFoundError, PermissionError) as e:
             raise EngineStartError(f"cannot run {argv[0]!r} for {self.backend.name} engine "
