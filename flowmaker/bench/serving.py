@@ -1,7 +1,9 @@
 """`flowmaker bench serving`: both Azure traces x 4 load levels x every policy on a simulated 8xA6000 cluster.
 
 Every policy plans with the same models, analytic profiles and empty cluster, and the
-same simulator serves the same arrivals with each plan; see docs/evaluation.md.
+same simulator serves the same arrivals with each plan; see docs/evaluation.md. Per trace
+and load level: a contiguous trace segment replayed with one time-scale factor, tasks deployed
+at staggered times, latency SLOs by rule (`flowmaker.eval.slo`).
 """
 
 from __future__ import annotations
@@ -18,18 +20,45 @@ from rich.table import Table
 
 from flowmaker.catalog import default_models, get_gpu_type, make_cluster
 from flowmaker.errors import InvalidSpec
-from flowmaker.eval.policies import ALL_POLICIES, PolicyContext, get_policy, plan, simulated_monitor
+from flowmaker.eval.policies import (
+    ALL_POLICIES,
+    DEFAULT_UTILIZATION_CAP,
+    LANGCHAIN_MODEL_RULES,
+    ROUTELLM_SIZE_STAT,
+    ROUTELLM_STRONG,
+    ROUTELLM_STRONG_SHARE,
+    ROUTELLM_WEAK,
+    PolicyContext,
+    get_policy,
+    langchain_model,
+    plan,
+    simulated_monitor,
+)
+from flowmaker.eval.slo import REFERENCE_MODEL, REFERENCE_TP, with_rule_slos
 from flowmaker.eval.tasks import EVAL_TASKS, NOMINAL_STATS
 from flowmaker.eval.trace_stats import TRACE_KINDS
-from flowmaker.eval.traces import LOAD_LEVELS, build_workload, find_trace, get_trace, run_duration_s
+from flowmaker.eval.traces import (
+    DEFAULT_SEGMENT_S,
+    DEPLOY_SPAN_FRACTION,
+    LOAD_LEVELS,
+    MONITOR_WINDOW_TRACE_S,
+    build_segment_workload,
+    find_trace,
+    get_trace,
+)
 from flowmaker.profiling.analytic import profiles_for
-from flowmaker.sim import COLOCATION_MODES, simulate
+from flowmaker.sim import COLOCATION_MODES, DEFAULT_COLOCATION, simulate
 
 GPU_TYPE = "A6000"
 GPUS_PER_NODE = 8
 
-# The published comparison (the seed paper), as (min, max, avg) where it gives them.
+# The published comparison (the seed paper), as (min, max, avg) where it gives them; None where it gives no
+# number (the comparison is still reported, with "-" beside it).
 PUBLISHED: dict[str, dict[str, Any]] = {
+    "noreuse_vs_murakkab_high_load_cost": {"min": 1.24, "max": 1.95, "avg": None},
+    "routellm_max_quality_accuracy_hit": {"min": 1.0, "max": 1.0, "avg": None},  # "met every accuracy target"
+    "langchain_instances": {"min": 15, "max": 15, "avg": None},  # 15 instances for 6 tasks
+    "langchain_colocated_mean_latency_s": {"min": None, "max": None, "avg": 426.0},  # 4 instances on one GPU
     "vs_langchain_goodput": {"min": 1.13, "max": 12.84, "avg": 5.2},
     "vs_langchain_cost": {"min": 2.2, "max": 4.0, "avg": 2.93},
     "vs_routellm_max_quality_cost": {"min": 2.06, "max": 3.84, "avg": None},
@@ -92,6 +121,17 @@ def compute_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if per:
             out[name] = {"ours": _summ(vals), "published": PUBLISHED.get(name), "cells": per}
 
+    def absolute(name: str, pol: str, key: str) -> None:
+        vals, per = [], []
+        for tr, ld in cells:
+            r = by.get((tr, ld, pol))
+            if r is None:
+                continue
+            vals.append(float(r[key]))
+            per.append({"trace": tr, "load": ld, "value": float(r[key])})
+        if per:
+            out[name] = {"ours": _summ(vals), "published": PUBLISHED.get(name), "cells": per}
+
     series("vs_langchain_goodput", "langchain", "goodput")
     series("vs_langchain_cost", "langchain", "cost")
     series("vs_routellm_max_quality_cost", "routellm-max-quality", "cost")
@@ -100,7 +140,26 @@ def compute_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     series("vs_murakkab_high_load_cost", "murakkab", "cost", HIGH_LOADS)
     series("vs_murakkab_maxload_high_load_goodput", "murakkab-maxload", "goodput", HIGH_LOADS)
     series("vs_murakkab_maxload_high_load_cost", "murakkab-maxload", "cost", HIGH_LOADS)
+    series("vs_murakkab_low_load_goodput", "murakkab", "goodput", LOW_LOADS)
+    series("vs_murakkab_low_load_cost", "murakkab", "cost", LOW_LOADS)
+    series("noreuse_vs_murakkab_high_load_goodput", "murakkab", "goodput", HIGH_LOADS, ours="flowmaker-noreuse")
+    series("noreuse_vs_murakkab_high_load_cost", "murakkab", "cost", HIGH_LOADS, ours="flowmaker-noreuse")
+    series("noreuse_vs_murakkab_low_load_cost", "murakkab", "cost", LOW_LOADS, ours="flowmaker-noreuse")
     series("reuse_vs_noreuse_low_load_cost", "flowmaker-noreuse", "cost", LOW_LOADS)
+    series("reuse_vs_noreuse_low_load_goodput", "flowmaker-noreuse", "goodput", LOW_LOADS)
+    for setting in ROUTELLM_STRONG_SHARE:
+        pol = f"routellm-{setting}"
+        series(f"vs_routellm_{setting.replace('-', '_')}_goodput", pol, "goodput")
+        if setting != "max-quality":
+            series(f"vs_routellm_{setting.replace('-', '_')}_cost", pol, "cost")
+        absolute(f"routellm_{setting.replace('-', '_')}_goodput", pol, "goodput")
+        absolute(f"routellm_{setting.replace('-', '_')}_accuracy_hit", pol, "accuracy_hit_rate")
+    absolute("flowmaker_goodput", "flowmaker", "goodput")
+    absolute("flowmaker_accuracy_hit", "flowmaker", "accuracy_hit_rate")
+    absolute("langchain_instances", "langchain", "instances")
+    absolute("langchain_placement_failures", "langchain", "placement_failure_count")
+    absolute("langchain_unplaced_tasks", "langchain", "unplaced_count")
+    absolute("langchain_colocated_mean_latency_s", "langchain", "mean_latency_s")
     series("exact_vs_heuristic_goodput", "flowmaker-heuristic", "goodput")
     series("exact_vs_heuristic_cost", "flowmaker-heuristic", "cost")
     return out
@@ -113,7 +172,8 @@ def _plots(rows: Sequence[dict[str, Any]], out_dir: Path, policies: Sequence[str
 
     files = []
     traces = sorted({r["trace"] for r in rows})
-    for metric, label in (("goodput", "goodput (share of requests meeting both SLOs)"), ("cost_usd", "cost (USD)")):
+    for metric, label in (("goodput", "goodput (share of requests meeting both SLOs)"), ("cost_usd", "cost (USD)"),
+                          ("gb_reserved", "GB reserved"), ("accuracy_hit_rate", "accuracy-SLO hit rate")):
         fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.2), squeeze=False)
         for ax, tr in zip(axes[0], traces, strict=True):
             for pol in policies:
@@ -127,7 +187,8 @@ def _plots(rows: Sequence[dict[str, Any]], out_dir: Path, policies: Sequence[str
             ax.grid(alpha=0.3)
         axes[0][-1].legend(fontsize=7, loc="best")
         fig.tight_layout()
-        f = out_dir / f"serving_{'goodput' if metric == 'goodput' else 'cost'}.png"
+        short = {"goodput": "goodput", "cost_usd": "cost", "gb_reserved": "gb", "accuracy_hit_rate": "accuracy"}[metric]
+        f = out_dir / f"serving_{short}.png"
         fig.savefig(f, dpi=110)
         plt.close(fig)
         files.append(str(f))
@@ -137,14 +198,16 @@ def _plots(rows: Sequence[dict[str, Any]], out_dir: Path, policies: Sequence[str
 def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None, seed: int = 0,
                       policies: Sequence[str] | None = None, loads: Sequence[float] | None = None,
                       traces: Sequence[str] = TRACE_KINDS, console: Console | None = None,
-                      plots: bool = True, plan_tokens: str = "median", colocation: str = "ignore") -> dict[str, Any]:
-    """Run the matrix, write `serving.json` (+ PNG plots) into `out_dir`, print the table; return the report.
+                      plots: bool = True, plan_tokens: str = "median", colocation: str = DEFAULT_COLOCATION,
+                      segment_s: float = DEFAULT_SEGMENT_S, langchain_rule: str = "smallest") -> dict[str, Any]:
+    """Run the matrix, write `serving.json` (+ PNG plots) into `out_dir`, print the tables; return the report.
 
-    `traces_dir` holds AzureLLMInferenceTrace_{code,conv}.csv; a missing file is replaced by the
-    synthetic trace of that kind (the report says which was used). `plan_tokens`: the request every
-    selector-based policy sizes stages with, "median" (default) or "mean" (a sensitivity check: rate x mean
-    tokens is the true token rate; see docs/evaluation.md). `colocation`: how instances sharing a GPU share
-    its compute in the scored simulation ("ignore", the default, or "worst-case"; `flowmaker.sim`).
+    `traces_dir` holds AzureLLMInferenceTrace_{code,conv}.csv; a missing file is replaced by the synthetic
+    trace of that kind (the report says which was used). `plan_tokens`: the request every selector-based
+    policy sizes stages with ("median" or "mean"). `colocation`: how instances sharing a GPU share it in the
+    scored simulation (`flowmaker.sim.COLOCATION_MODES`, default "dynamic"). `segment_s`: trace seconds
+    replayed per load level. `langchain_rule`: how the LangChain baseline picks its model
+    (`LANGCHAIN_MODEL_RULES`). Every setup choice is recorded in the JSON's "setup".
     """
     t_start = time.perf_counter()
     out = Path(out_dir)
@@ -158,7 +221,12 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     if colocation not in COLOCATION_MODES:
         raise InvalidSpec(f"unknown colocation mode {colocation!r}; known: {list(COLOCATION_MODES)}",
                           field="colocation")
-    con = console or Console(width=150)
+    if langchain_rule not in LANGCHAIN_MODEL_RULES:
+        raise InvalidSpec(f"unknown LangChain model rule {langchain_rule!r}; known: {list(LANGCHAIN_MODEL_RULES)}",
+                          field="langchain_rule")
+    if not segment_s > 0:
+        raise InvalidSpec(f"must be > 0, got {segment_s}", field="segment_s")
+    con = console or Console(width=200)
     models = default_models()
     gpu = get_gpu_type(GPU_TYPE)
     profiles = profiles_for(models, gpu, max_gpus=GPUS_PER_NODE)
@@ -167,62 +235,100 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     rows: list[dict[str, Any]] = []
     ablation: list[dict[str, Any]] = []
     sources: dict[str, str] = {}
+    segments: list[dict[str, Any]] = []
+    slos: dict[str, Any] = {}
     t_plan = t_sim = 0.0
     for kind in traces:
         trace = get_trace(kind, traces_dir, seed)
         sources[kind] = trace.source if find_trace(kind, traces_dir) else f"{trace.source} (no file in {traces_dir})"
+        tasks = with_rule_slos(EVAL_TASKS, kind, profiles, by_id, gpu)
+        slos[kind] = [{"task": t.name, "k": t.slo_k, "standalone_s": t.max_latency_s / t.slo_k,
+                       "latency_slo_s": t.max_latency_s, "accuracy_slo": t.min_accuracy,
+                       "hand_set_latency_s": base.max_latency_s}
+                      for t, base in zip(tasks, EVAL_TASKS, strict=True)]
         for load in lvls:
-            rates = [(t.name, t.nominal_rate_rps * load) for t in EVAL_TASKS]
-            arrivals = build_workload(rates, trace, seed=seed)
-            duration = run_duration_s(sum(r for _, r in rates))
-            # What a policy deciding reuse from the current load measures: the instances deployed so far serving
-            # a preceding window of the same load level (another window of the trace, never the scored arrivals).
-            warmup = build_workload(rates, trace, seed=seed + WARMUP_SEED_OFFSET)
-            monitor = simulated_monitor(warmup, cluster.gpus, by_id, gpu, duration)
-            ctx = PolicyContext(EVAL_TASKS, kind, load, models, profiles, cluster, gpu, seed=seed, monitor=monitor,
-                                plan_tokens=plan_tokens)
+            rates = [(t.name, t.nominal_rate_rps * load) for t in tasks]
+            wl = build_segment_workload(rates, trace, load, seed=seed, segment_s=segment_s)
+            segments.append({"trace": kind, "load": load, "offset_s": wl.offset_s, "segment_s": wl.segment_s,
+                             "scale": wl.scale, "replay_s": wl.duration_s, "segment_requests": wl.segment_requests,
+                             "segment_rate_rps": wl.segment_rate_rps, "scored_requests": len(wl.arrivals),
+                             "monitor_window_s": wl.window_s,
+                             "deploy_s": [list(d) for d in wl.deploy_s],
+                             "task_rates": [{"task": t.name, "target": r, "mean": wl.mean_rate(t.name),
+                                             "peak_minute": wl.peak_rate(t.name)}
+                                            for t, (_, r) in zip(tasks, rates, strict=True)]})
+            monitor = simulated_monitor(wl, cluster.gpus, by_id, gpu, colocation)
+            ctx = PolicyContext(tasks, kind, load, models, profiles, cluster, gpu, seed=seed, monitor=monitor,
+                                plan_tokens=plan_tokens, workload=wl, langchain_model=langchain_rule)
             for pol in pols:
                 t0 = time.perf_counter()
                 pl = plan(pol, ctx)
                 t1 = time.perf_counter()
-                res = simulate(pl.instances, pl.deployments, arrivals, cluster.gpus, by_id, gpu,
-                               unplaced=dict(pl.unplaced), duration_s=duration, colocation=colocation)
+                res = simulate(pl.instances, pl.deployments, wl.arrivals, cluster.gpus, by_id, gpu,
+                               unplaced=dict(pl.unplaced), duration_s=wl.duration_s, colocation=colocation)
                 t2 = time.perf_counter()
                 t_plan += t1 - t0
                 t_sim += t2 - t1
                 planned = dict(pl.planned_loads)
                 seen = {m.id: m for m in res.per_instance}
+                met_acc = sum(m.met_accuracy for m in res.per_task)
                 rows.append({
                     "trace": kind, "load": load, "policy": pol, **res.summary(),
-                    "unplaced": [list(u) for u in res.unplaced], "planning_s": pl.planning_s, "sim_s": t2 - t1,
-                    "notes": pl.notes,
+                    "accuracy_hit_rate": met_acc / res.requests if res.requests else math.nan,
+                    "gb_seconds": res.gb_seconds, "speed_changes": res.speed_changes,
+                    "unplaced": [list(u) for u in res.unplaced], "unplaced_count": len(res.unplaced),
+                    "placement_failures": [list(f) for f in pl.placement_failures],
+                    "placement_failure_count": len(pl.placement_failures),
+                    "planning_s": pl.planning_s, "sim_s": t2 - t1, "notes": pl.notes,
+                    "planned_rates": [list(r) for r in pl.planned_rates],
                     "instance_list": [{"id": i.id, "model": i.profile.model_id, "tp": i.profile.tp,
                                        "pp": i.profile.pp, "gpus": list(i.gpu_ids), "gb": i.memory_gb,
-                                       "deployed_by": i.deployed_by,
+                                       "deployed_by": i.deployed_by, "deployed_at_s": i.start_s,
                                        "capacity_tokens_per_s": i.profile.max_output_tokens_per_s,
                                        "planned_load_tokens_per_s": planned.get(i.id),
                                        "measured_output_tokens_per_s": seen[i.id].output_tokens_per_s,
                                        "measured_busy_equiv_tokens_per_s": seen[i.id].busy_equiv_tokens_per_s,
-                                       "measured_utilization": seen[i.id].utilization}
+                                       "measured_utilization": seen[i.id].utilization,
+                                       "busy_fraction": seen[i.id].busy_fraction,
+                                       "residence_s": seen[i.id].residence_s, "cost_usd": seen[i.id].cost_usd}
                                       for i in pl.instances],
                     "per_task": [{"task": m.task, "requests": m.requests, "goodput": m.goodput,
                                   "met_accuracy": m.met_accuracy, "met_latency": m.met_latency,
-                                  "p99_latency_s": m.p99_latency_s} for m in res.per_task],
+                                  "mean_latency_s": m.mean_latency_s, "p99_latency_s": m.p99_latency_s}
+                                 for m in res.per_task],
                 })
                 ablation.append({"trace": kind, "load": load, "policy": pol,
                                  "instances_deployed": len(pl.instances),
                                  "stages_on_reused_instances": sum(1 for d in pl.decisions if d.reused),
                                  "stages": len(pl.decisions),
                                  "decisions": [{"task": d.task, "workflow": d.workflow_id, "stage": d.stage_id,
-                                                "instance": d.instance_id, "reused": d.reused}
+                                                "instance": d.instance_id, "model": d.model_id, "tp": d.tp,
+                                                "pp": d.pp, "reused": d.reused}
                                                for d in pl.decisions]})
     ratios = compute_ratios(rows)
     files = _plots(rows, out, pols) if plots else []
     wall = time.perf_counter() - t_start
-    report = {"setup": {"gpu_type": GPU_TYPE, "gpus": len(cluster.gpus), "models": [m.id for m in models],
-                        "profiles": len(profiles), "tasks": [t.name for t in EVAL_TASKS], "loads": lvls,
-                        "policies": pols, "seed": seed, "trace_sources": sources,
-                        "plan_tokens": plan_tokens, "colocation": colocation},
+    report = {"setup": {
+        "gpu_type": GPU_TYPE, "gpus": len(cluster.gpus), "models": [m.id for m in models],
+        "profiles": len(profiles), "loads": lvls, "policies": pols, "seed": seed, "trace_sources": sources,
+        "plan_tokens": plan_tokens, "colocation": colocation, "utilization_cap": DEFAULT_UTILIZATION_CAP,
+        "segment_s": segment_s, "monitor_window_trace_s": MONITOR_WINDOW_TRACE_S,
+        "deploy_span_fraction": DEPLOY_SPAN_FRACTION, "segments": segments,
+        "slo_reference_deployment": {"model": REFERENCE_MODEL, "tp": REFERENCE_TP, "pp": 1,
+                                     "workflow": "each task's fixed workflow, one instance per LLM stage",
+                                     "request": "the trace's median request, alone"},
+        "slos": slos,
+        "tasks": [{"task": t.name, "fixed_workflow": t.fixed.id, "fixed_rationale": t.fixed_rationale,
+                   "slo_k": t.slo_k, "slo_k_rationale": t.slo_k_rationale, "accuracy_slo": t.min_accuracy,
+                   "nominal_rate_rps": t.nominal_rate_rps,
+                   "langchain_model": langchain_model(t, models, langchain_rule)} for t in EVAL_TASKS],
+        "langchain_rule": langchain_rule,
+        "routellm": {"strong": ROUTELLM_STRONG, "weak": ROUTELLM_WEAK, "strong_share": ROUTELLM_STRONG_SHARE,
+                     "size_request": ROUTELLM_SIZE_STAT, "dispatch": "least outstanding work",
+                     "tp": "smallest with which a lone request of every task meets its latency SLO"},
+        "murakkab": {"rate": "segment mean per task", "maxload_rate": "peak trace-minute rate per task"},
+        "flowmaker": {"rate": "arrivals in the trace minute before its deploy",
+                      "current_load": "simulated serving of the deployed tasks over the trace minute before"}},
               "rows": rows, "ratios": ratios, "reuse_ablation": ablation, "plots": files,
               "timing": {"wall_s": wall, "planning_s": t_plan, "simulation_s": t_sim}}
     jf = out / "serving.json"
@@ -243,8 +349,8 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
 def _print(con: Console, rows: Sequence[dict[str, Any]], ratios: dict[str, Any], ablation: Sequence[dict[str, Any]],
            report: dict[str, Any]) -> None:
     t = Table(title="Serving on 8xA6000 (simulated): goodput / cost per trace and load")
-    for c in ("trace", "load", "policy", "requests", "goodput", "cost $", "GB", "inst", "p50 s", "p99 s",
-              "unplaced"):
+    for c in ("trace", "load", "policy", "requests", "goodput", "acc hit", "cost $", "GB", "inst", "mean s",
+              "p99 s", "unplaced"):
         t.add_column(c, justify="right" if c not in ("trace", "policy", "unplaced") else "left")
     last = None
     for r in rows:
@@ -253,20 +359,40 @@ def _print(con: Console, rows: Sequence[dict[str, Any]], ratios: dict[str, Any],
             t.add_section()
         last = cell
         t.add_row(r["trace"], f"{r['load']:.0%}", r["policy"], str(r["requests"]), f"{r['goodput']:.3f}",
-                  f"{r['cost_usd']:.4f}", f"{r['gb_reserved']:.0f}", str(r["instances"]),
-                  _fmt(r["p50_latency_s"]), _fmt(r["p99_latency_s"]), ",".join(u[0] for u in r["unplaced"]))
+                  f"{r['accuracy_hit_rate']:.3f}", f"{r['cost_usd']:.4f}", f"{r['gb_reserved']:.0f}",
+                  str(r["instances"]), _fmt(r["mean_latency_s"], ".1f"), _fmt(r["p99_latency_s"], ".1f"),
+                  ",".join(u[0] for u in r["unplaced"]))
     con.print(t)
-    rt = Table(title="FlowMaker vs baselines: ours (min-max, avg) beside the published numbers")
-    rt.add_column("comparison (x = times better; drop % < 0 = we are higher)", no_wrap=True)
-    for c in ("ours min", "ours max", "ours avg", "published"):
-        rt.add_column(c)
+    grid = sorted({(r["trace"], r["load"]) for r in rows})
+    rt = Table(title="Every published comparison, per trace and load (x = times better for the first policy; "
+                     "cost x = times cheaper), beside the published figures")
+    rt.add_column("comparison", no_wrap=True)
+    for tr, ld in grid:
+        rt.add_column(f"{tr} {ld:.0%}", justify="right")
+    rt.add_column("ours min-max (avg)", justify="right")
+    rt.add_column("published")
     for name, d in ratios.items():
         o, p = d["ours"], d["published"]
         pub: str = "-" if not p else ("" if p["min"] is None else f"{p['min']}-{p['max']}") + \
             ("" if p["avg"] is None else f" avg {p['avg']}")
-        inf = f" (+{o['n_infinite']} inf)" if o["n_infinite"] else ""
-        rt.add_row(name, _fmt(o["min"]), _fmt(o["max"]), _fmt(o["avg"]) + inf, pub)
+        vals = {(c["trace"], c["load"]): c["value"] for c in d["cells"]}
+        inf = f" +{o['n_infinite']} inf" if o["n_infinite"] else ""
+        rt.add_row(name, *(_fmt(vals.get(c)) for c in grid),
+                   f"{_fmt(o['min'])}-{_fmt(o['max'])} ({_fmt(o['avg'])}){inf}", pub)
     con.print(rt)
+    it = Table(title="Instances / GB reserved per policy (LangChain: placement failures)")
+    it.add_column("policy", no_wrap=True)
+    for tr, ld in grid:
+        it.add_column(f"{tr} {ld:.0%}", justify="right")
+    byp = {(r["trace"], r["load"], r["policy"]): r for r in rows}
+    for pol in dict.fromkeys(r["policy"] for r in rows):
+        def cell_text(r: dict[str, Any] | None) -> str:
+            if r is None:
+                return "-"
+            extra = f" ({r['placement_failure_count']} failed)" if r["placement_failure_count"] else ""
+            return f"{r['instances']} / {r['gb_reserved']:.0f}{extra}"
+        it.add_row(pol, *(cell_text(byp.get((tr, ld, pol))) for tr, ld in grid))
+    con.print(it)
     at = Table(title="Reuse ablation: instances deployed / LLM stages on an instance another task deployed")
     lv = sorted({a["load"] for a in ablation})
     at.add_column("trace")

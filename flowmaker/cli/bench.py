@@ -42,14 +42,29 @@ def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output fol
             traces: Path | None = typer.Option(None, help="Folder with the Azure 2023 trace CSVs; synthetic when "
                                                           "absent (falls back to ../shared/reference/traces)."),
             seed: int = typer.Option(0, help="Random seed (the run is deterministic under it)."),
+            colocation: str = typer.Option("dynamic", help="GPU sharing in the simulator: dynamic (instances on "
+                                                           "a GPU share it while busy), ignore, worst-case."),
+            plan_tokens: str = typer.Option("median", help="Request the selector-based policies size stages "
+                                                           "with: median or mean."),
+            segment_s: float = typer.Option(600.0, help="Trace seconds replayed per load level (a contiguous "
+                                                        "segment, one time-scale factor)."),
+            langchain_model: str = typer.Option("smallest", help="LangChain's model rule: smallest (meeting "
+                                                                 "the accuracy target) or strong (Qwen2.5-14B)."),
+            loads: str = typer.Option("", help="Comma-separated load levels (default 0.25,0.5,0.75,1)."),
+            policies: str = typer.Option("", help="Comma-separated policies (default: all)."),
+            trace_kinds: str = typer.Option("code,conv", "--trace-kinds", help="Comma-separated: code, conv."),
             json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
-    """Trace-driven simulation of every policy on 8xA6000: goodput and cost vs the published ratios."""
+    """Trace-driven simulation of every policy on 8xA6000: every published comparison per trace and load."""
     from flowmaker.bench.serving import run_serving_bench
 
     if traces is None:
         guess = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "traces"
         traces = guess if guess.is_dir() else None
-    result = run_serving_bench(out, traces_dir=traces, seed=seed)
+    result = run_serving_bench(out, traces_dir=traces, seed=seed, colocation=colocation, plan_tokens=plan_tokens,
+                               segment_s=segment_s, langchain_rule=langchain_model,
+                               loads=[float(x) for x in loads.split(",") if x.strip()] or None,
+                               policies=[x.strip() for x in policies.split(",") if x.strip()] or None,
+                               traces=[x.strip() for x in trace_kinds.split(",") if x.strip()])
     if json_out:
         import json
 

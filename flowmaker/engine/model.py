@@ -165,6 +165,16 @@ class EngineModel:
             return self._kv_in_use / self.kv_capacity_tokens
         return len(self._running) / self.max_batch
 
+    @property
+    def outstanding_output_tokens(self) -> int:
+        """Output tokens still to produce by the requests queued or running."""
+        return sum(r.out_tokens for r in self._waiting) + sum(r.remaining for r in self._running.values())
+
+    @property
+    def outstanding_prompt_tokens(self) -> int:
+        """Prompt tokens still to prefill (queued requests)."""
+        return sum(r.in_tokens for r in self._waiting)
+
     def emitted(self, req_id: str) -> int:
         """Output tokens a request has produced so far (0 while queued)."""
         r = self._running.get(req_id)

@@ -1,34 +1,40 @@
 """Serving policies compared in `bench serving`, looked up by name: FlowMaker and the published baselines.
 
-Every policy turns the same inputs (tasks, trace kind, load level, models, profiles, an
-empty cluster) into a `Plan`: instances on GPUs and, per task, how requests are routed.
-The simulator then serves the same arrivals with every plan. The baselines get exactly
-the profiles, cluster and simulator FlowMaker gets; their fixed choices are documented
-below and in docs/evaluation.md, and none was tuned against the results.
+Every policy turns the same inputs (tasks with their SLOs, trace kind, load level, the load level's
+segment workload, models, profiles, an empty cluster) into a `Plan`: instances on GPUs (each with
+its deploy time) and, per task, how requests are routed. The simulator then serves the same
+arrivals with every plan. Tasks are deployed one after another at the segment's staggered deploy
+times (`flowmaker.eval.traces.SegmentWorkload`). The baselines get exactly the profiles, cluster and
+simulator FlowMaker gets; their fixed choices are documented below and in docs/evaluation.md, and
+none was tuned against the results.
 
-* `flowmaker`: the exact selector over each task's 3 candidates, tasks deployed one after
-  another into one cluster; each selection sees the instances the earlier tasks left and their
-  CURRENT load -- measured by `ctx.monitor` (in the bench: the simulator serving a preceding
-  window of the same load level; busy-time equivalent, so prefill and the token tail count) --
-  and may reuse them. Planned at the run's load level.
+* `flowmaker`: the exact selector over each task's 3 candidates; each selection sees the instances
+  the earlier tasks left and their CURRENT load -- measured by `ctx.monitor` just before the
+  deploy (in the bench: the simulator serving the deployed tasks' real arrivals over the trace
+  minute before the deploy) -- and plans the task at its arrival rate measured over that same
+  minute (what the front end saw). It may reuse running instances.
 * `flowmaker-noreuse`: the same with `allow_reuse=False`.
 * `flowmaker-heuristic`: the paper's three-step heuristic instead of the exact selector.
-* `flowmaker-plannedload`: `flowmaker`, but an instance's load is the sum of what the
-  selections planned (what the orchestrator records today), not a measurement.
-* `langchain`: what a developer writes by hand: each task's first candidate (the plain one),
-  one model for every stage -- Qwen2.5-14B-Instruct, the most accurate model that fits one
-  48 GB GPU, or, where the task's accuracy SLO is above it, the smallest catalog model that
-  meets the SLO -- at the smallest tensor-parallel degree that fits (pp=1), on a dedicated
-  instance per task, no reuse.
-* `routellm[-min-cost|-balanced|-max-quality]`: each task's first candidate; every request
-  is routed to Qwen2.5-14B-Instruct (strong) or Qwen2.5-7B-Instruct (weak) by a router score
-  against a threshold (20% / 50% / 80% of requests to the strong model); a request's accuracy
-  is the model it went to. One pool per model serves all tasks, tp=1, with as many replicas
-  as the planned busy time (prefill + decode share) needs under the utilisation cap.
-* `murakkab[-maxload]`: each task's first candidate; model and config chosen per stage by
-  the same exact optimiser, with reuse, but planned offline once: from the average load of
-  the run levels (62.5% of nominal) or, for `-maxload`, from the maximum (100%), whatever
-  load the run then sees; the loads it reuses by are its own planned estimates (no monitor).
+* `flowmaker-plannedload`: `flowmaker`, but an instance's load is the sum of what the selections
+  planned (what the orchestrator records today), not a measurement.
+* `langchain`: what a developer writes by hand: each task's fixed workflow (`EvalTask.fixed_workflow`),
+  one model for every stage -- by default the smallest catalog model whose accuracy meets the task's
+  target (`LANGCHAIN_MODEL_RULES`) -- at the smallest tensor-parallel degree that fits (pp=1), ONE
+  INSTANCE PER STAGE, placed first fit by memory (lowest-numbered GPUs with room, fragmentation
+  included). A task whose stages cannot all be placed fails (its placed instances are released) and
+  is reported in `Plan.placement_failures`. Nothing is sized for load.
+* `routellm[-min-cost|-balanced|-max-quality]`: each task's fixed workflow; every request is routed
+  to Qwen2.5-14B-Instruct (strong) or Qwen2.5-7B-Instruct (weak) by a router score (a seeded hash)
+  against a threshold: 20% / 50% / 100% of requests to the strong model (not tuned; the accuracy-SLO
+  hit rate is reported). One pool per model serves all tasks; each pool's tp is the smallest (pp=1)
+  with which a lone request of every task meets its latency target at the sizing request (the trace's
+  mean request), and it has as many replicas as the segment's mean rate needs (busy time of prefill +
+  pure decode at the mean request) under the utilisation cap. A request goes to the least-loaded
+  replica of its model (least outstanding work).
+* `murakkab[-maxload]`: each task's fixed workflow; model and config chosen per stage by the same
+  exact optimiser, with reuse, planned offline: each task at its mean rate over the segment or, for
+  `-maxload`, at its peak rate over any trace minute of the segment; the loads it reuses by are its
+  own planned estimates (no monitor).
 """
 
 from __future__ import annotations
@@ -52,21 +58,26 @@ from flowmaker.domain import (
 )
 from flowmaker.errors import InvalidSpec, NotFound
 from flowmaker.eval.tasks import EvalTask
-from flowmaker.eval.traces import LOAD_LEVELS, Arrival
+from flowmaker.eval.traces import Arrival, SegmentWorkload
 from flowmaker.selection import select
 from flowmaker.selection.placement import NodeGpus, place_least_loaded
-from flowmaker.sim.cluster import Route, SimInstance, TaskDeployment, simulate
+from flowmaker.sim.cluster import DEFAULT_COLOCATION, Route, SimInstance, TaskDeployment, simulate
 
-# What a policy that decides reuse from the CURRENT load reads before each deployment: the load each
-# running instance carries now (output tokens/s, busy-time equivalent), given what is deployed so far.
-LoadMonitor = Callable[[Sequence[SimInstance], Sequence[TaskDeployment]], Mapping[str, float]]
+# What a policy that decides reuse from the CURRENT load reads before a deployment at time `at`: the load
+# each running instance carries now (output tokens/s, busy-time equivalent), given what is deployed so far.
+LoadMonitor = Callable[[Sequence[SimInstance], Sequence[TaskDeployment], float], Mapping[str, float]]
 
 DEFAULT_UTILIZATION_CAP = 0.8  # every policy that sizes for load keeps 20% headroom for bursts
 
 LANGCHAIN_DEFAULT_MODEL = "Qwen2.5-14B-Instruct"
 ROUTELLM_STRONG = "Qwen2.5-14B-Instruct"
 ROUTELLM_WEAK = "Qwen2.5-7B-Instruct"
-ROUTELLM_STRONG_SHARE = {"min-cost": 0.2, "balanced": 0.5, "max-quality": 0.8}
+ROUTELLM_STRONG_SHARE = {"min-cost": 0.2, "balanced": 0.5, "max-quality": 1.0}
+ROUTELLM_SIZE_STAT = "mean"  # the request the router pools are sized at (the trace's mean request)
+# How the hand-written LangChain deployment picks its one model per task: "smallest" -- the smallest catalog
+# model whose accuracy meets the task's target (the developer knows the target, and pays for GPUs);
+# "strong" -- Qwen2.5-14B-Instruct everywhere (the most accurate model that fits one 48 GB GPU).
+LANGCHAIN_MODEL_RULES = ("smallest", "strong")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +96,30 @@ class PolicyContext:
     # Measures the running instances' current load (None: only the loads the selections planned are known).
     monitor: LoadMonitor | None = None
     plan_tokens: str = "median"  # which request every policy sizes stages with ("median" or "mean")
+    # The load level's replay (deploy times, measured and offline rates); None: every task deployed at 0 and
+    # planned at load x nominal rate.
+    workload: SegmentWorkload | None = None
+    langchain_model: str = "smallest"
+
+    def deploy_time(self, task: EvalTask) -> float:
+        return self.workload.deploy_time(task.name) if self.workload is not None else 0.0
+
+    def nominal_rate(self, task: EvalTask) -> float:
+        return task.nominal_rate_rps * self.load
+
+    def current_rate(self, task: EvalTask) -> float:
+        """The task's arrival rate over the monitor window just before its deploy."""
+        w = self.workload
+        if w is None:
+            return self.nominal_rate(task)
+        d = w.deploy_time(task.name)
+        return w.rate_in(task.name, max(0.0, d - w.window_s), d)
+
+    def mean_rate(self, task: EvalTask) -> float:
+        return self.workload.mean_rate(task.name) if self.workload is not None else self.nominal_rate(task)
+
+    def peak_rate(self, task: EvalTask) -> float:
+        return self.workload.peak_rate(task.name) if self.workload is not None else self.nominal_rate(task)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +147,9 @@ class Plan:
     notes: str = ""
     # (instance id, load the policy believed it carries at the end of planning, output tokens/s)
     planned_loads: tuple[tuple[str, float], ...] = ()
+    # (task, stage, why) for every instance a plain deployment could not place (LangChain)
+    placement_failures: tuple[tuple[str, str, str], ...] = ()
+    planned_rates: tuple[tuple[str, float], ...] = ()  # (task, the arrival rate it was planned at)
 
 
 Policy = Callable[[PolicyContext], Plan]
@@ -155,6 +193,7 @@ class _ClusterState:
         self.instances: list[SimInstance] = []
         self.load: dict[str, float] = {}
         self.prof = {p.key: p for p in ctx.profiles}
+        self._n = 0
 
     def as_cluster(self) -> Cluster:
         gpus = tuple(Gpu(g.id, g.node, g.memory_total_gb, g.memory_total_gb - self.free[g.id], g.gpu_type)
@@ -163,29 +202,49 @@ class _ClusterState:
                      for i in self.instances)
         return Cluster(gpus, inst)
 
-    def add(self, profile: Profile, gpu_ids: tuple[str, ...], task: str, load: float) -> SimInstance:
-        iid = f"i{len(self.instances)}-{profile.model_id}-tp{profile.tp}pp{profile.pp}"
+    def add(self, profile: Profile, gpu_ids: tuple[str, ...], task: str, load: float,
+            start_s: float = 0.0) -> SimInstance:
+        iid = f"i{self._n}-{profile.model_id}-tp{profile.tp}pp{profile.pp}"
+        self._n += 1
         for g in gpu_ids:
             self.free[g] -= profile.memory_gb_per_gpu
-        inst = SimInstance(iid, profile, gpu_ids, deployed_by=task)
+        inst = SimInstance(iid, profile, gpu_ids, deployed_by=task, start_s=start_s)
         self.instances.append(inst)
         self.load[iid] = load
         return inst
 
-    def place(self, profile: Profile, task: str, load: float) -> SimInstance | None:
+    def remove(self, inst: SimInstance) -> None:
+        for g in inst.gpu_ids:
+            self.free[g] += inst.profile.memory_gb_per_gpu
+        self.instances.remove(inst)
+        del self.load[inst.id]
+
+    def place(self, profile: Profile, task: str, load: float, start_s: float = 0.0) -> SimInstance | None:
         """A new instance placed LeastLoaded (the spec's rule), or None when no node has room."""
         spot = place_least_loaded(self.layout, self.free, profile.gpus, profile.memory_gb_per_gpu)
         if spot is None:
             return None
-        return self.add(profile, spot[1], task, load)
+        return self.add(profile, spot[1], task, load, start_s)
+
+    def place_first_fit(self, profile: Profile, task: str, start_s: float) -> SimInstance | None:
+        """A plain deployment: the lowest-numbered GPUs of one node that each have room (first fit by memory)."""
+        need = profile.memory_gb_per_gpu
+        by_node: dict[str, list[Gpu]] = {}
+        for g in self.gpus:
+            by_node.setdefault(g.node, []).append(g)
+        for gs in by_node.values():
+            ok = [g.id for g in gs if self.free[g.id] + 1e-9 >= need]
+            if len(ok) >= profile.gpus:
+                return self.add(profile, tuple(ok[:profile.gpus]), task, 0.0, start_s)
+        return None
 
 
 def _stage_load(wf: Workflow, rate: float) -> dict[str, float]:
     return {s.id: rate * s.calls_per_request * s.output_tokens for s in wf.llm_stages}
 
 
-def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool, plan_load: float,
-                        fixed_workflow: bool, measured: bool) -> Plan:
+def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
+                        rate: Callable[[EvalTask], float], fixed_workflow: bool, measured: bool) -> Plan:
     """Deploy tasks one after another with the selector; each sees what the earlier ones deployed.
 
     `measured`: before each deployment the running instances' loads are replaced by what
@@ -195,15 +254,19 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
     deployments: list[TaskDeployment] = []
     unplaced: list[tuple[str, str]] = []
     decisions: list[StageDecision] = []
+    rates: list[tuple[str, float]] = []
     for task in ctx.tasks:
+        at = ctx.deploy_time(task)
         if measured and ctx.monitor is not None and st.instances and allow_reuse:
-            seen = ctx.monitor(tuple(st.instances), tuple(deployments))
+            seen = ctx.monitor(tuple(st.instances), tuple(deployments), at)
             for iid in st.load:
                 st.load[iid] = max(0.0, float(seen.get(iid, 0.0)))
-        wfs = task.nominal_workflows(ctx.trace_kind, ctx.plan_tokens)
-        if fixed_workflow:
-            wfs = wfs[:1]
-        req = SelectionRequest(slo=task.slo(plan_load), workflows=wfs, models=ctx.models, profiles=ctx.profiles,
+        wfs = (task.fixed_nominal(ctx.trace_kind, ctx.plan_tokens),) if fixed_workflow else \
+            task.nominal_workflows(ctx.trace_kind, ctx.plan_tokens)
+        r = max(rate(task), 1e-6)  # a quiet minute still deploys the task, sized for almost nothing
+        rates.append((task.name, r))
+        slo = replace(task.slo(), arrival_rate_rps=r)
+        req = SelectionRequest(slo=slo, workflows=wfs, models=ctx.models, profiles=ctx.profiles,
                                cluster=st.as_cluster(),
                                options=SelectionOptions(utilization_cap=ctx.utilization_cap, allow_reuse=allow_reuse,
                                                         seed=ctx.seed))
@@ -215,7 +278,8 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
         v = res.variant
         new_ids: dict[str, str] = {}
         for ni in v.new_instances:
-            inst = st.add(st.prof[(ni.model_id, ni.tp, ni.pp)], ni.gpu_ids, task.name, ni.load_output_tokens_per_s)
+            inst = st.add(st.prof[(ni.model_id, ni.tp, ni.pp)], ni.gpu_ids, task.name, ni.load_output_tokens_per_s,
+                          at)
             new_ids[ni.key] = inst.id
         for iid, added in v.reuse:
             st.load[iid] += added
@@ -227,18 +291,23 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                                            a.reused))
         deployments.append(TaskDeployment(task, (Route(v.workflow_id, tuple(stage_map)),)))
     return Plan("", tuple(st.instances), tuple(deployments), tuple(unplaced), tuple(decisions),
-                planned_loads=tuple(st.load.items()))
+                planned_loads=tuple(st.load.items()), planned_rates=tuple(rates))
 
 
-def simulated_monitor(arrivals: Sequence[Arrival], gpus: Sequence[Gpu], models: Mapping[str, Model],
-                      gpu_type: GpuType, duration_s: float) -> LoadMonitor:
-    """A load monitor backed by the simulator: it serves `arrivals` (a window of the same load level that
-    precedes the evaluated one, so the policy never sees the requests it is scored on) with what is
-    deployed so far and reports each instance's busy-time-equivalent load (`InstanceMetrics`)."""
-    def monitor(instances: Sequence[SimInstance], deployments: Sequence[TaskDeployment]) -> Mapping[str, float]:
+def simulated_monitor(workload: SegmentWorkload, gpus: Sequence[Gpu], models: Mapping[str, Model],
+                      gpu_type: GpuType, colocation: str = DEFAULT_COLOCATION) -> LoadMonitor:
+    """A load monitor backed by the simulator: before a deploy at `at` it serves the deployed tasks' real
+    arrivals of the two monitor windows before `at` (the first warms the instances up) with what is
+    deployed so far, and reports each instance's busy-time-equivalent load over the last window
+    (`InstanceMetrics`). Only the past is seen: nothing after `at`."""
+    w = workload.window_s
+
+    def monitor(instances: Sequence[SimInstance], deployments: Sequence[TaskDeployment],
+                at: float) -> Mapping[str, float]:
         live = {d.task.name for d in deployments}
-        res = simulate(instances, deployments, [a for a in arrivals if a.task in live], gpus, models, gpu_type,
-                       duration_s=duration_s)
+        arr = [a for a in workload.arrivals if a.task in live and at - 2 * w <= a.time_s < at]
+        res = simulate(instances, deployments, arr, gpus, models, gpu_type, duration_s=at,
+                       measure_from_s=max(0.0, at - w), colocation=colocation)
         return {m.id: m.busy_equiv_tokens_per_s for m in res.per_instance}
     return monitor
 
@@ -248,13 +317,13 @@ def simulated_monitor(arrivals: Sequence[Arrival], gpus: Sequence[Gpu], models: 
 
 @register("flowmaker")
 def flowmaker(ctx: PolicyContext) -> Plan:
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, plan_load=ctx.load, fixed_workflow=False,
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.current_rate, fixed_workflow=False,
                                measured=True)
 
 
 @register("flowmaker-noreuse")
 def flowmaker_noreuse(ctx: PolicyContext) -> Plan:
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, plan_load=ctx.load, fixed_workflow=False,
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, rate=ctx.current_rate, fixed_workflow=False,
                                measured=True)
 
 
@@ -262,13 +331,13 @@ def flowmaker_noreuse(ctx: PolicyContext) -> Plan:
 def flowmaker_plannedload(ctx: PolicyContext) -> Plan:
     """FlowMaker as the orchestrator records load today: an instance's load is the sum of the loads its tasks'
     selections planned (rho x output tokens at the median request), not a measurement."""
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, plan_load=ctx.load, fixed_workflow=False,
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.current_rate, fixed_workflow=False,
                                measured=False)
 
 
 @register("flowmaker-heuristic")
 def flowmaker_heuristic(ctx: PolicyContext) -> Plan:
-    return _select_in_sequence(ctx, strategy="heuristic", allow_reuse=True, plan_load=ctx.load,
+    return _select_in_sequence(ctx, strategy="heuristic", allow_reuse=True, rate=ctx.current_rate,
                                fixed_workflow=False, measured=True)
 
 
@@ -277,16 +346,16 @@ def flowmaker_heuristic(ctx: PolicyContext) -> Plan:
 
 @register("murakkab")
 def murakkab(ctx: PolicyContext) -> Plan:
-    """Fixed workflow, per-stage model/config by the optimiser, reuse planned offline at the average load."""
-    avg = sum(LOAD_LEVELS) / len(LOAD_LEVELS)
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, plan_load=avg, fixed_workflow=True,
+    """Fixed workflow, per-stage model/config by the optimiser, reuse planned offline at the segment's mean rate."""
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.mean_rate, fixed_workflow=True,
                                measured=False)
 
 
 @register("murakkab-maxload")
 def murakkab_maxload(ctx: PolicyContext) -> Plan:
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, plan_load=max(LOAD_LEVELS),
-                               fixed_workflow=True, measured=False)
+    """Murakkab planned offline at each task's peak trace-minute rate of the segment."""
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.peak_rate, fixed_workflow=True,
+                               measured=False)
 
 
 # ---- LangChain -----------------------------------------------------------------------------------
@@ -298,18 +367,19 @@ def _smallest_fitting(ctx: PolicyContext, model_id: str) -> Profile | None:
     return ps[0] if ps else None
 
 
-def langchain_model(task: EvalTask, models: Sequence[Model]) -> str:
-    """The hand-written choice: Qwen2.5-14B-Instruct, or the smallest model meeting alpha when it does not."""
+def langchain_model(task: EvalTask, models: Sequence[Model], rule: str = "smallest") -> str:
+    """The hand-written model choice (`LANGCHAIN_MODEL_RULES`); see the module doc."""
+    if rule not in LANGCHAIN_MODEL_RULES:
+        raise InvalidSpec(f"unknown LangChain model rule {rule!r}; known: {list(LANGCHAIN_MODEL_RULES)}",
+                          field="langchain_model")
     by_id = {m.id: m for m in models}
-    default = by_id.get(LANGCHAIN_DEFAULT_MODEL)
-    if default is not None and default.accuracy >= task.min_accuracy:
-        return default.id
-    ok = sorted((m for m in models if m.accuracy >= task.min_accuracy), key=lambda m: (m.params_b, m.id))
+    if rule == "strong" and LANGCHAIN_DEFAULT_MODEL in by_id:
+        return LANGCHAIN_DEFAULT_MODEL
+    ok = sorted((m for m in models if m.accuracy >= task.min_accuracy), key=lambda m: (m.params_b, -m.accuracy, m.id))
     if ok:
         return ok[0].id
-    if default is not None:
-        return default.id
-    raise InvalidSpec(f"no model for task {task.name!r}", field="models")
+    raise InvalidSpec(f"no catalog model meets task {task.name!r}'s accuracy target {task.min_accuracy}",
+                      field="models")
 
 
 @register("langchain")
@@ -317,26 +387,39 @@ def langchain(ctx: PolicyContext) -> Plan:
     st = _ClusterState(ctx)
     deployments: list[TaskDeployment] = []
     unplaced: list[tuple[str, str]] = []
+    failures: list[tuple[str, str, str]] = []
     decisions: list[StageDecision] = []
     for task in ctx.tasks:
-        wf = task.nominal_workflows(ctx.trace_kind, ctx.plan_tokens)[0]
-        mid = langchain_model(task, ctx.models)
+        at = ctx.deploy_time(task)
+        wf = task.fixed_nominal(ctx.trace_kind, ctx.plan_tokens)
+        mid = langchain_model(task, ctx.models, ctx.langchain_model)
         prof = _smallest_fitting(ctx, mid)
         if prof is None:
             unplaced.append((task.name, f"NO_PROFILE: {mid} has no pp=1 config on {ctx.gpu_type.name}"))
             continue
-        load = sum(_stage_load(wf, task.nominal_rate_rps * ctx.load).values())
-        inst = st.place(prof, task.name, load)
-        if inst is None:
-            unplaced.append((task.name, f"NO_GPU_MEMORY: no node has {prof.gpus} GPU(s) with "
-                                        f"{prof.memory_gb_per_gpu:.1f} GB free for {mid}"))
+        placed: list[tuple[str, SimInstance]] = []
+        failed = ""
+        for s in wf.llm_stages:  # one instance per stage, first fit
+            inst = st.place_first_fit(prof, task.name, at)
+            if inst is None:
+                failed = s.id
+                why = (f"NO_GPU_MEMORY: stage {s.id!r} needs {prof.gpus} GPU(s) with {prof.memory_gb_per_gpu:.1f} GB "
+                       f"free for {mid} (first fit)")
+                failures.append((task.name, s.id, why))
+                break
+            placed.append((s.id, inst))
+        if failed:
+            for _, inst in placed:  # the deploy failed: tear down what it had started
+                st.remove(inst)
+            unplaced.append((task.name, failures[-1][2]))
             continue
-        stage_map = tuple((s.id, inst.id) for s in wf.llm_stages)
-        decisions.extend(StageDecision(task.name, wf.id, s, inst.id, mid, prof.tp, prof.pp, False)
-                         for s, _ in stage_map)
+        stage_map = tuple((sid, inst.id) for sid, inst in placed)
+        decisions.extend(StageDecision(task.name, wf.id, sid, iid, mid, prof.tp, prof.pp, False)
+                         for sid, iid in stage_map)
         deployments.append(TaskDeployment(task, (Route(wf.id, stage_map),)))
     return Plan("", tuple(st.instances), tuple(deployments), tuple(unplaced), tuple(decisions),
-                planned_loads=tuple(st.load.items()))
+                planned_loads=tuple(st.load.items()), placement_failures=tuple(failures),
+                notes=f"model rule {ctx.langchain_model!r}")
 
 
 # ---- RouteLLM ------------------------------------------------------------------------------------
@@ -350,79 +433,94 @@ def router_score(seed: int, req_id: str) -> float:
 
 @dataclass(slots=True)
 class _RouteLLMRouter:
-    """Strong model when the score is in the top `strong_share`; replicas of a model picked by hash."""
+    """Strong model when the score is in the top `strong_share`; the least-loaded replica of that model."""
 
     seed: int
     strong_share: float
-    n_strong: int
-    n_weak: int
+    strong: tuple[tuple[int, str], ...]  # (route index, instance id)
+    weak: tuple[tuple[int, str], ...]
     calls: list[int] = field(default_factory=lambda: [0, 0])  # how many requests went strong / weak
 
-    def __call__(self, a: Arrival, k: int) -> int:
+    def __call__(self, a: Arrival, k: int, outstanding: Callable[[str], float]) -> int:
         s = router_score(self.seed, a.req_id)
-        rep = int(router_score(self.seed + 1, a.req_id) * 1e9)
-        if s >= 1.0 - self.strong_share:
-            self.calls[0] += 1
-            return rep % self.n_strong
-        self.calls[1] += 1
-        return self.n_strong + rep % self.n_weak
+        to_strong = s >= 1.0 - self.strong_share or not self.weak
+        pool = self.strong if to_strong and self.strong else self.weak
+        self.calls[0 if pool is self.strong else 1] += 1
+        return min(pool, key=lambda ri: (outstanding(ri[1]), ri[0]))[0]
 
 
 def _busy_s(prof: Profile, wf: Workflow) -> float:
-    """Seconds of one instance's time a request's LLM calls take at full batch: prefill stalls the batch,
-    decode shares it (out / max throughput). Sizing by output tokens alone would miss the code trace's
-    long prompts, so the router pools are sized generously with this."""
+    """Engine seconds a request's LLM calls take in a full batch: prefill stalls the batch, decode shares it."""
     return sum(s.calls_per_request * (prof.prefill_s_per_token * s.input_tokens
-                                      + s.output_tokens / prof.max_output_tokens_per_s) for s in wf.llm_stages)
+                                      + s.output_tokens / prof.pure_decode_tokens_per_s) for s in wf.llm_stages)
+
+
+def lone_latency_s(wf: Workflow, prof: Profile) -> float:
+    """A lone request's latency with every LLM stage on an instance of `prof`: the DAG's critical path."""
+    finish: dict[str, float] = {}
+    for s in wf.stages:
+        start = max((finish[d] for d in s.depends_on), default=0.0)
+        dur = s.calls_per_request * prof.call_latency_s(s.input_tokens, s.output_tokens) if s.is_llm else s.latency_s
+        finish[s.id] = start + dur
+    return max(finish.values(), default=0.0)
+
+
+def _routellm_profile(ctx: PolicyContext, model_id: str, wfs: Mapping[str, Workflow]) -> Profile:
+    """The smallest tp (pp=1) with which a lone request of every task meets its latency target; when none does,
+    the one with the least worst ratio of latency to target."""
+    cands = sorted((p for p in ctx.profiles if p.model_id == model_id and p.pp == 1), key=lambda p: p.tp)
+    if not cands:
+        raise InvalidSpec(f"routellm needs a pp=1 profile of {model_id}", field="profiles")
+
+    def worst(p: Profile) -> float:
+        return max(lone_latency_s(wfs[t.name], p) / t.max_latency_s for t in ctx.tasks)
+    ok = [p for p in cands if worst(p) <= 1.0]
+    return ok[0] if ok else min(cands, key=lambda p: (worst(p), p.tp))
 
 
 def _routellm(ctx: PolicyContext, setting: str) -> Plan:
     share = ROUTELLM_STRONG_SHARE[setting]
     st = _ClusterState(ctx)
-    profs: dict[str, Profile] = {}
-    for mid in (ROUTELLM_STRONG, ROUTELLM_WEAK):
-        prof = _smallest_fitting(ctx, mid)
-        if prof is None:
-            raise InvalidSpec(f"routellm needs a pp=1 profile of {mid}", field="profiles")
-        profs[mid] = prof
-    # Replicas per model: the planned busy time of its share of every task's requests, under the cap.
-    need = {ROUTELLM_STRONG: 0.0, ROUTELLM_WEAK: 0.0}
-    for task in ctx.tasks:
-        wf = task.nominal_workflows(ctx.trace_kind, ctx.plan_tokens)[0]
-        rate = task.nominal_rate_rps * ctx.load
-        need[ROUTELLM_STRONG] += share * rate * _busy_s(profs[ROUTELLM_STRONG], wf)
-        need[ROUTELLM_WEAK] += (1 - share) * rate * _busy_s(profs[ROUTELLM_WEAK], wf)
-    want = {m: max(1, math.ceil(need[m] / ctx.utilization_cap)) for m in need}
-    pools: dict[str, list[SimInstance]] = {ROUTELLM_STRONG: [], ROUTELLM_WEAK: []}
-    unplaced: list[tuple[str, str]] = []
-    # Place the two pools alternately so that both get replicas when the cluster runs out of memory.
+    at = min((ctx.deploy_time(t) for t in ctx.tasks), default=0.0)
+    size_wf = {t.name: t.fixed_nominal(ctx.trace_kind, ROUTELLM_SIZE_STAT) for t in ctx.tasks}
+    shares = {ROUTELLM_STRONG: share, ROUTELLM_WEAK: 1.0 - share}
+    profs = {m: _routellm_profile(ctx, m, size_wf) for m in shares if shares[m] > 0}
+    # Replicas per model: the busy time of its share of every task's requests at the segment's mean rate, under
+    # the cap.
+    need = {m: sum(shares[m] * ctx.mean_rate(t) * _busy_s(profs[m], size_wf[t.name]) for t in ctx.tasks)
+            for m in profs}
+    want = {m: max(1, math.ceil(need[m] / ctx.utilization_cap)) for m in profs}
+    pools: dict[str, list[SimInstance]] = {m: [] for m in profs}
     progress = True
-    while progress:
+    while progress:  # place the pools alternately so that each gets replicas when memory runs out
         progress = False
-        for mid in (ROUTELLM_STRONG, ROUTELLM_WEAK):
+        for mid in profs:
             if len(pools[mid]) < want[mid]:
-                inst = st.place(profs[mid], "routellm", 0.0)
+                inst = st.place(profs[mid], "routellm", 0.0, at)
                 if inst is not None:
                     pools[mid].append(inst)
                     progress = True
-    if not pools[ROUTELLM_STRONG] or not pools[ROUTELLM_WEAK]:
+    if any(not v for v in pools.values()):
         return Plan("", tuple(st.instances), (), tuple((t.name, "NO_GPU_MEMORY: router pools do not fit")
                                                        for t in ctx.tasks))
     short = {m: want[m] - len(pools[m]) for m in want if len(pools[m]) < want[m]}
+    ordered = pools.get(ROUTELLM_STRONG, []) + pools.get(ROUTELLM_WEAK, [])
     deployments: list[TaskDeployment] = []
     decisions: list[StageDecision] = []
     for ti, task in enumerate(ctx.tasks):
-        wf = task.nominal_workflows(ctx.trace_kind, ctx.plan_tokens)[0]
-        routes = tuple(Route(wf.id, tuple((s.id, inst.id) for s in wf.llm_stages))
-                       for inst in pools[ROUTELLM_STRONG] + pools[ROUTELLM_WEAK])
-        router = _RouteLLMRouter(ctx.seed, share, len(pools[ROUTELLM_STRONG]), len(pools[ROUTELLM_WEAK]))
+        wf = size_wf[task.name]
+        routes = tuple(Route(wf.id, tuple((s.id, inst.id) for s in wf.llm_stages)) for inst in ordered)
+        idx = {inst.id: k for k, inst in enumerate(ordered)}
+        router = _RouteLLMRouter(ctx.seed, share,
+                                 tuple((idx[i.id], i.id) for i in pools.get(ROUTELLM_STRONG, [])),
+                                 tuple((idx[i.id], i.id) for i in pools.get(ROUTELLM_WEAK, [])))
         deployments.append(TaskDeployment(task, routes, router))
-        for inst in pools[ROUTELLM_STRONG][:1] + pools[ROUTELLM_WEAK][:1]:
+        for inst in [p[0] for p in pools.values()]:
             decisions.extend(StageDecision(task.name, wf.id, s.id, inst.id, inst.profile.model_id, inst.profile.tp,
                                            inst.profile.pp, ti > 0) for s in wf.llm_stages)
-    return Plan("", tuple(st.instances), tuple(deployments), tuple(unplaced), tuple(decisions),
-                notes=f"{share:.0%} of requests to {ROUTELLM_STRONG}; replicas strong/weak "
-                      f"{len(pools[ROUTELLM_STRONG])}/{len(pools[ROUTELLM_WEAK])}"
+    return Plan("", tuple(st.instances), tuple(deployments), (), tuple(decisions),
+                notes=f"{share:.0%} of requests to {ROUTELLM_STRONG}; pools "
+                      + ", ".join(f"{m} tp{profs[m].tp} x{len(pools[m])}" for m in profs)
                       + (f"; short of {short} replicas (no GPU memory)" if short else ""))
 
 

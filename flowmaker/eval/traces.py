@@ -325,3 +325,122 @@ def build_workload(task_rates: Sequence[tuple[str, float]], trace: Trace, seed: 
             out.append(Arrival(q.arrival_s, name, f"{name}-{i:05d}", q.context_tokens, q.generated_tokens))
     out.sort(key=lambda a: (a.time_s, a.task, a.req_id))
     return out
+
+
+# ---- contiguous segments (the published replay: a real stretch of the trace, load swings kept) ----------------
+
+DEFAULT_SEGMENT_S = 600.0  # trace seconds replayed per load level (>= 10 minutes of the trace's own clock)
+MONITOR_WINDOW_TRACE_S = 60.0  # "current load" window and Murakkab's peak window, in the trace's own clock
+DEPLOY_SPAN_FRACTION = 0.5  # tasks are deployed one after another over the first half of the segment
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentWorkload:
+    """One load level's replay: a contiguous trace segment, one time-scale factor, staggered task deploys.
+
+    `arrivals` are the requests scored (each task's from its deploy time on); `all_arrivals` also has the
+    requests that came for a task before its deploy (what a front end sees, e.g. for a current-rate
+    measurement). Times are replay seconds; `scale` = replay seconds per trace second."""
+
+    kind: str
+    source: str
+    load: float
+    offset_s: float  # where the segment starts in the trace (trace seconds)
+    segment_s: float  # its length (trace seconds)
+    scale: float
+    duration_s: float  # replay seconds = segment_s * scale
+    deploy_s: tuple[tuple[str, float], ...]  # (task, deploy time in replay seconds), in deploy order
+    window_s: float  # the monitor window in replay seconds (MONITOR_WINDOW_TRACE_S * scale)
+    arrivals: tuple[Arrival, ...]
+    all_arrivals: tuple[Arrival, ...]
+    segment_requests: int
+    segment_rate_rps: float  # the trace's own mean rate over the segment
+
+    def deploy_time(self, task: str) -> float:
+        return dict(self.deploy_s)[task]
+
+    def rate_in(self, task: str, t0: float, t1: float) -> float:
+        """Requests/s of `task` arriving in [t0, t1) (before its deploy too)."""
+        if t1 <= t0:
+            return 0.0
+        return sum(1 for a in self.all_arrivals if a.task == task and t0 <= a.time_s < t1) / (t1 - t0)
+
+    def mean_rate(self, task: str) -> float:
+        """Mean rate of `task` over the whole segment."""
+        return self.rate_in(task, 0.0, self.duration_s)
+
+    def peak_rate(self, task: str, step_s: float | None = None) -> float:
+        """Highest rate of `task` over any window of `window_s` (trace minute) in the segment, on a grid."""
+        w = self.window_s
+        step = step_s or w / 6
+        times = sorted(a.time_s for a in self.all_arrivals if a.task == task)
+        best, t0, lo, hi = 0.0, 0.0, 0, 0
+        while t0 + w <= self.duration_s + 1e-9:
+            while lo < len(times) and times[lo] < t0:
+                lo += 1
+            while hi < len(times) and times[hi] < t0 + w:
+                hi += 1
+            best = max(best, (hi - lo) / w)
+            t0 += step
+        return best
+
+
+def segment_offset(trace: Trace, segment_s: float, seed: int, load: float) -> float:
+    """A seeded start (trace seconds) for the segment of one load level; the segment fits in the trace."""
+    span = trace.requests[-1].arrival_s - trace.requests[0].arrival_s if trace.requests else 0.0
+    if segment_s <= 0:
+        raise InvalidSpec(f"must be > 0, got {segment_s}", field="segment_s")
+    room = span - segment_s
+    if room < 0:
+        raise InvalidSpec(f"the trace spans {span:.0f} s, shorter than the segment ({segment_s:.0f} s)",
+                          field="segment_s")
+    rng = random.Random(f"flowmaker-segment/{trace.kind}/{load:g}/{seed}")
+    return rng.uniform(0.0, room)
+
+
+def build_segment_workload(task_rates: Sequence[tuple[str, float]], trace: Trace, load: float, seed: int = 0,
+                           segment_s: float = DEFAULT_SEGMENT_S,
+                           deploy_order: Sequence[str] | None = None) -> SegmentWorkload:
+    """Replay a contiguous `segment_s` of `trace` at `load`; see `SegmentWorkload`.
+
+    `task_rates`: (task, rate at this load). The segment (seeded offset per load level) is time-scaled by
+    ONE factor so that its mean rate equals the sum of the task rates: minute-to-minute swings are kept.
+    Each request goes to one task, drawn (seeded, per request) in proportion to the task rates, so every
+    task sees the same swings. Task k (in `deploy_order`) is deployed at W + k * (span - W) / (n - 1)
+    trace seconds, W = MONITOR_WINDOW_TRACE_S, span = DEPLOY_SPAN_FRACTION * segment_s: the first deploy
+    has one monitor window of history; its requests before that are not served (and not scored).
+    """
+    if not trace.requests:
+        raise InvalidSpec("trace has no requests", field="trace")
+    total = sum(r for _, r in task_rates)
+    if not total > 0 or any(not r >= 0 for _, r in task_rates):
+        raise InvalidSpec(f"task rates must be >= 0 with a positive sum, got {list(task_rates)}", field="rate")
+    off = segment_offset(trace, segment_s, seed, load)
+    t0 = trace.requests[0].arrival_s + off
+    seg = [r for r in trace.requests if t0 <= r.arrival_s < t0 + segment_s]
+    if not seg:
+        raise InvalidSpec(f"no request in the trace segment [{off:.0f}, {off + segment_s:.0f}) s", field="trace")
+    seg_rate = len(seg) / segment_s
+    scale = seg_rate / total  # replay s per trace s: the scaled mean rate is `total`
+    names = [n for n, _ in task_rates]
+    cum, acc = [], 0.0
+    for _, rate in task_rates:
+        acc += rate / total
+        cum.append(acc)
+    order = list(deploy_order) if deploy_order is not None else names
+    n = len(order)
+    w = MONITOR_WINDOW_TRACE_S
+    span = max(w, DEPLOY_SPAN_FRACTION * segment_s)
+    deploy = tuple((name, (w + (k * (span - w) / (n - 1) if n > 1 else 0.0)) * scale) for k, name in enumerate(order))
+    dep = dict(deploy)
+    everything: list[Arrival] = []
+    for i, r in enumerate(seg):
+        u = random.Random(f"flowmaker-assign/{trace.kind}/{load:g}/{seed}/{i}").random()
+        ti = next((k for k, c in enumerate(cum) if u < c), len(names) - 1)
+        name = names[ti]
+        everything.append(Arrival((r.arrival_s - t0) * scale, name, f"{name}-{i:06d}", r.context_tokens,
+                                  r.generated_tokens))
+    everything.sort(key=lambda a: (a.time_s, a.task, a.req_id))
+    scored = tuple(a for a in everything if a.time_s >= dep.get(a.task, 0.0))
+    return SegmentWorkload(trace.kind, trace.source, load, off, segment_s, scale, segment_s * scale, deploy,
+                           w * scale, scored, tuple(everything), len(seg), seg_rate)

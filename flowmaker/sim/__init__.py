@@ -2,6 +2,7 @@
 
 from flowmaker.sim.cluster import (
     COLOCATION_MODES,
+    DEFAULT_COLOCATION,
     InstanceMetrics,
     Route,
     Router,
@@ -14,5 +15,5 @@ from flowmaker.sim.cluster import (
     simulate,
 )
 
-__all__ = ["COLOCATION_MODES", "InstanceMetrics", "Route", "Router", "SimInstance", "SimResult", "TaskDeployment", "TaskMetrics", "check_memory", "colocation_factor",
+__all__ = ["COLOCATION_MODES", "DEFAULT_COLOCATION", "InstanceMetrics", "Route", "Router", "SimInstance", "SimResult", "TaskDeployment", "TaskMetrics", "check_memory", "colocation_factor",
            "simulate"]

@@ -5,9 +5,15 @@ What it models (and what it does not):
 * Each deployed instance is a `flowmaker.engine.EngineModel` (iteration-level continuous
   batching, the SAME model the emulated engine uses), parameterised by the instance's
   profile, with the KV budget and batch limit the analytic profiles reserve memory for.
-* Instances hold their GPU memory for the whole run (deployed at t=0, released when the
-  last request finishes or the run window ends, whichever is later). Several tasks may
-  send requests to the same instance (reuse).
+* An instance holds its GPU memory from its deploy time (`SimInstance.start_s`) until the run
+  window ends or its own last call finishes, whichever is later; cost charges each instance for
+  its own residence. Several tasks may send requests to the same instance (reuse).
+* GPU sharing (`colocation`): by default ("dynamic") the instances placed on one GPU share its
+  bandwidth and compute while they are busy: at every event boundary each instance runs at
+  1 / (the most busy instances on any of its GPUs, itself included), where busy means it has a
+  call in flight; the engine model stretches the rest of its work accordingly
+  (`EngineModel.set_speed`). "ignore" runs each at full speed (the selection spec's
+  assumption); "worst-case" slows each by the most instances on any of its GPUs all the time.
 * A request follows its workflow's DAG: a stage starts when all the stages it depends on
   have finished; a TOOL stage takes its `latency_s`; an LLM stage makes `calls_per_request`
   calls one after another (the selection spec's latency model multiplies the per-call
@@ -32,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from flowmaker.domain import Gpu, GpuType, Model, Profile, Workflow
-from flowmaker.engine import EngineModel
+from flowmaker.engine import Completion, EngineModel
 from flowmaker.errors import InvalidSpec
 from flowmaker.eval.tasks import EvalTask
 from flowmaker.eval.traces import Arrival, quantile
@@ -47,7 +53,9 @@ DEFAULT_MAX_BATCH = 256
 # "ignore" -- each runs at its profile's speed, as if alone (the spec's and the selector's assumption);
 # "worst-case" -- each is slowed by the most instances on any of its GPUs, as if they were all busy all the
 # time (prefill and decode times x k, throughput / k). The truth lies in between; see docs/evaluation.md.
-COLOCATION_MODES = ("ignore", "worst-case")
+# "dynamic" -- the default: an instance is slowed only while its GPU neighbours are busy (module doc).
+COLOCATION_MODES = ("dynamic", "ignore", "worst-case")
+DEFAULT_COLOCATION = "dynamic"
 
 
 def colocation_factor(instances: Sequence[SimInstance]) -> dict[str, int]:
@@ -63,7 +71,8 @@ def _slowed(p: Profile, k: int) -> Profile:
     if k <= 1:
         return p
     return replace(p, prefill_s_per_token=p.prefill_s_per_token * k, decode_s_per_token=p.decode_s_per_token * k,
-                   max_output_tokens_per_s=p.max_output_tokens_per_s / k)
+                   max_output_tokens_per_s=p.max_output_tokens_per_s / k,
+                   decode_tokens_per_s=p.decode_tokens_per_s / k)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +83,7 @@ class SimInstance:
     profile: Profile
     gpu_ids: tuple[str, ...]
     deployed_by: str = ""  # task whose selection created it
+    start_s: float = 0.0  # deploy time: residence (and cost) starts here
 
     @property
     def memory_gb(self) -> float:
@@ -94,7 +104,9 @@ class Route:
         raise KeyError(stage_id)
 
 
-Router = Callable[[Arrival, int], int]  # (request, its index within the task) -> index into routes
+# (request, its index within the task, outstanding work of an instance id in engine seconds) -> index into routes.
+# The third argument lets a router dispatch to the least-loaded replica.
+Router = Callable[[Arrival, int, Callable[[str], float]], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +138,7 @@ class InstanceMetrics:
     """What one instance served over the run, and its measured load.
 
     `busy_equiv_tokens_per_s` is the load in the unit of the selection spec's capacity
-    (output tokens/s), but counting prefill too: (output tokens / max_output_tokens_per_s +
+    (output tokens/s), but counting prefill too: (output tokens / pure-decode tokens/s +
     prefill_s_per_token x prompt tokens) / window x max_output_tokens_per_s. It is what a
     deployer would report as "current load" from the engine's busy time; the spec's planned
     load (rho x output tokens at the median request) leaves out prefill and the token tail.
@@ -139,6 +151,9 @@ class InstanceMetrics:
     output_tokens_per_s: float  # over the window
     busy_equiv_tokens_per_s: float
     utilization: float  # busy_equiv / max_output_tokens_per_s
+    busy_fraction: float = 0.0  # share of the window its batch was non-empty (at whatever co-location speed)
+    residence_s: float = 0.0
+    cost_usd: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +170,7 @@ class SimResult:
     instances: int
     gb_reserved: float
     gpus_used: int
-    residence_s: float
+    residence_s: float  # the longest instance residence
     per_task: tuple[TaskMetrics, ...]
     unplaced: tuple[tuple[str, str], ...]  # (task, why)
     peak_gpu_memory_gb: tuple[tuple[str, float, float], ...]  # (gpu id, reserved, total)
@@ -166,6 +181,8 @@ class SimResult:
     engine_calls: int
     latencies: tuple[tuple[str, float, bool], ...] = field(default=(), repr=False)  # (req id, latency, good)
     per_instance: tuple[InstanceMetrics, ...] = ()
+    gb_seconds: float = 0.0  # sum over instances of GB x own residence
+    speed_changes: int = 0  # co-location speed changes applied (dynamic mode)
 
     def summary(self) -> dict[str, object]:
         return {k: getattr(self, k) for k in (
@@ -208,11 +225,14 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
              gpus: Sequence[Gpu], models: Mapping[str, Model], gpu_type: GpuType, *,
              unplaced: Mapping[str, str] | None = None, duration_s: float = 0.0,
              kv_capacity_tokens: int | None = DEFAULT_KV_TOKENS, max_batch: int = DEFAULT_MAX_BATCH,
-             keep_latencies: bool = False, colocation: str = "ignore") -> SimResult:
+             keep_latencies: bool = False, colocation: str = DEFAULT_COLOCATION,
+             measure_from_s: float = 0.0) -> SimResult:
     """Serve `arrivals` on `instances` as `deployments` say; see the module doc for the model.
 
     Requests of a task with no deployment are rejected (counted, not lost); `unplaced` says why.
     `colocation`: how instances sharing a GPU share its compute (`COLOCATION_MODES`).
+    `measure_from_s`: `per_instance` loads count only the calls submitted from then on, over the window
+    [measure_from_s, end of the arrivals or duration_s] (what a load monitor reads just before a deploy).
     """
     used = check_memory(instances, gpus)
     unplaced = dict(unplaced or {})
@@ -226,6 +246,19 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     engines = {i.id: EngineModel(_slowed(i.profile, slow.get(i.id, 1)), max_batch=max_batch,
                                  kv_capacity_tokens=kv_capacity_tokens) for i in instances}
     order = [i.id for i in instances]  # fixed processing order, for determinism
+    dynamic = colocation == "dynamic"
+    gpu_insts: dict[str, list[str]] = {}
+    for inst in instances:
+        for gid in inst.gpu_ids:
+            gpu_insts.setdefault(gid, []).append(inst.id)
+    shared = {i.id for i in instances if any(len(gpu_insts[g]) > 1 for g in i.gpu_ids)}  # only these can slow
+    busy_on_gpu = {g: 0 for g in gpu_insts}
+    is_busy = {i: False for i in order}
+    speed_changes = 0
+    win_out = {i: 0 for i in order}  # output / prompt tokens of calls submitted from measure_from_s on
+    win_in = {i: 0 for i in order}
+    win_calls = {i: 0 for i in order}
+    last_done = {i: 0.0 for i in order}
     deps = {d.task.name: d for d in deployments}
     for d in deployments:
         if not d.routes:
@@ -259,6 +292,10 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
         iid = r.route.instance_for(stage_id)
         engines[iid].submit(f"{r.arrival.req_id}|{stage_id}|{call}", st.input_tokens, st.output_tokens, t)
         dirty.add(iid)
+        if t >= measure_from_s:
+            win_out[iid] += st.output_tokens
+            win_in[iid] += st.input_tokens
+            win_calls[iid] += 1
         asked_out += st.output_tokens
         asked_in += st.input_tokens
         calls += 1
@@ -291,7 +328,7 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
             return
         k = per_task_idx.get(a.task, 0)
         per_task_idx[a.task] = k + 1
-        ri = d.router(a, k) if d.router is not None else 0
+        ri = d.router(a, k, outstanding) if d.router is not None else 0
         route = d.routes[ri]
         key = (a.task, route.workflow_id, a.context_tokens, a.generated_tokens)
         wf = wf_cache.get(key)
@@ -307,9 +344,57 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
             if not s.depends_on:
                 start_stage(r, s.id, a.time_s)
 
+    def outstanding(iid: str) -> float:
+        """Engine seconds of work an instance has queued or running (prompt + output tokens at full speed)."""
+        e = engines[iid]
+        p = e.profile
+        return e.outstanding_prompt_tokens * p.prefill_s_per_token + e.outstanding_output_tokens / \
+            p.pure_decode_tokens_per_s
+
+    def handle(iid: str, comps: list[Completion]) -> None:
+        for c in comps:
+            rid, sid, call = c.req_id.rsplit("|", 2)
+            rq = reqs[rid]
+            last_done[iid] = max(last_done[iid], c.finish_time)
+            if int(call) + 1 < rq.wf.stage(sid).calls_per_request:
+                submit_call(rq, sid, int(call) + 1, c.finish_time)
+            else:
+                stage_done(rq, sid, c.finish_time)
+
+    def recolocate(t: float) -> None:
+        """Dynamic co-location: update busy counts of the instances touched at t, then their neighbours' speed."""
+        nonlocal speed_changes
+        touched: set[str] = set()
+        for iid in list(dirty):
+            if iid not in shared:
+                continue
+            b = engines[iid].in_flight > 0
+            if b != is_busy[iid]:
+                is_busy[iid] = b
+                for g in inst_by_id[iid].gpu_ids:
+                    busy_on_gpu[g] += 1 if b else -1
+                    touched.update(gpu_insts[g])
+        for iid in order:
+            if iid not in touched:
+                continue
+            k = max(max(busy_on_gpu[g], 1) for g in inst_by_id[iid].gpu_ids)
+            sp = 1.0 / k
+            if sp != engines[iid].speed:
+                comps = engines[iid].set_speed(sp, t)
+                speed_changes += 1
+                dirty.add(iid)
+                handle(iid, comps)
+
     arr = sorted(arrivals, key=lambda a: (a.time_s, a.task, a.req_id))
     ai = 0
+    t = 0.0
     while True:
+        if dynamic:
+            while True:  # a speed change cannot complete anything at t, but stay safe if it ever did
+                before = len(dirty)
+                recolocate(t)
+                if len(dirty) == before:
+                    break
         for iid in dirty:
             next_ev[iid] = engines[iid].next_event_time()
         dirty.clear()
@@ -330,13 +415,7 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
             if e is not None and e <= t:
                 comps = engines[iid].advance(t)
                 dirty.add(iid)
-                for c in comps:
-                    rid, sid, call = c.req_id.rsplit("|", 2)
-                    rq = reqs[rid]
-                    if int(call) + 1 < rq.wf.stage(sid).calls_per_request:
-                        submit_call(rq, sid, int(call) + 1, c.finish_time)
-                    else:
-                        stage_done(rq, sid, c.finish_time)
+                handle(iid, comps)
         # 2) tool stages ending at t
         while tool_heap and tool_heap[0][0] <= t:
             tt, _, rid, sid = heapq.heappop(tool_heap)
@@ -350,10 +429,12 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     lost = [rid for rid, r in reqs.items() if math.isnan(r.finish)]
     if lost:  # pragma: no cover - an invariant; tests assert it never happens
         raise RuntimeError(f"{len(lost)} requests never completed, e.g. {lost[:3]}")
-    last = max((r.finish for r in done), default=0.0)
-    residence = max(duration_s, last)
     price = gpu_type.price_per_gb_second
-    cost = sum(i.memory_gb for i in instances) * residence * price
+    # Each instance pays for its own residence: from its deploy time until the window ends or its last call does.
+    resid = {i.id: max(duration_s, last_done[i.id], i.start_s) - i.start_s for i in instances}
+    gb_s = sum(i.memory_gb * resid[i.id] for i in instances)
+    cost = gb_s * price
+    residence = max(resid.values(), default=0.0)
 
     def good(r: _Req) -> tuple[bool, bool]:
         lat = r.finish - r.arrival.time_s
@@ -376,15 +457,18 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     n_good = sum(t.good for t in per_task)
     n_all = len(done) + len(rejected)
     total_mem = {g.id: g.memory_total_gb for g in gpus}
-    window = max(duration_s, arr[-1].time_s if arr else 0.0) or 1.0  # the arrival window, not the drain
+    end = max(duration_s, arr[-1].time_s if arr else 0.0)
+    window = (end - measure_from_s) if end > measure_from_s else 1.0  # the arrival window, not the drain
     per_inst = []
     for iid in order:
         eng = engines[iid]
-        prof = eng.profile
-        busy = eng.tokens_emitted / prof.max_output_tokens_per_s + prof.prefill_s_per_token * eng.prompt_tokens_processed
-        per_inst.append(InstanceMetrics(iid, eng.submitted, eng.tokens_emitted, eng.prompt_tokens_processed,
-                                        eng.tokens_emitted / window, busy / window * prof.max_output_tokens_per_s,
-                                        busy / window))
+        prof = inst_by_id[iid].profile  # the profile's own speed: load is in its capacity unit
+        busy = win_out[iid] / prof.pure_decode_tokens_per_s + prof.prefill_s_per_token * win_in[iid]
+        per_inst.append(InstanceMetrics(iid, win_calls[iid], win_out[iid], win_in[iid],
+                                        win_out[iid] / window, busy / window * prof.max_output_tokens_per_s,
+                                        busy / window, busy_fraction=eng.busy_s / max(end, 1e-9),
+                                        residence_s=resid[iid],
+                                        cost_usd=inst_by_id[iid].memory_gb * resid[iid] * price))
     return SimResult(
         requests=n_all, completed=len(done), rejected=len(rejected), good=n_good,
         goodput=n_good / n_all if n_all else math.nan,
@@ -399,5 +483,5 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
         engine_calls=calls,
         latencies=tuple((r.arrival.req_id, r.finish - r.arrival.time_s, all(good(r))) for r in done)
         if keep_latencies else (),
-        per_instance=tuple(per_inst),
+        per_instance=tuple(per_inst), gb_seconds=gb_s, speed_changes=speed_changes,
     )
