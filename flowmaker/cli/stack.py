@@ -565,11 +565,16 @@ def up(
             tab.add_row("etcd", st["etcd"])
             for name, addr in st["services"].items():
                 tab.add_row(name, addr)
+            if st.get("gateway"):
+                tab.add_row("OpenAI-compatible gateway", st["gateway"])
             tab.add_row("logs", str(stack.log_dir))
             tab.add_row("state file", str(s.state_file))
             out.print(tab)
             out.print(f"try: flowmaker task deploy \"Summarise a document\" --accuracy 0.3 --latency 20 --rate 0.5 "
                       f"--approve all   (or export FLOWMAKER_ORCHESTRATOR_ADDR={st['services']['orchestrator']})")
+            if st.get("gateway"):
+                out.print(f"then call a task with any OpenAI client: OPENAI_BASE_URL={st['gateway']} "
+                          "(model = the task id; GET /models lists the ACTIVE tasks)")
         while True:
             time.sleep(1.0)
             stack.check_alive()
@@ -608,8 +613,9 @@ def _up_detached(state_file: Path, args: list[str], as_json: bool) -> None:
                 if as_json:
                     typer.echo(json.dumps(st))
                 else:
+                    gw = f", OpenAI-compatible gateway {st['gateway']}" if st.get("gateway") else ""
                     out.print(f"stack running (pid {proc.pid}); orchestrator {st['services']['orchestrator']}, "
-                              f"deployer {st['services']['deployer']}; log {log}; stop with `flowmaker down`")
+                              f"deployer {st['services']['deployer']}{gw}; log {log}; stop with `flowmaker down`")
                 return
             if proc.poll() is not None:
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front door: tasks as models, chat completions run through the orchestrator."""
