@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 TRACE_HEADER = "X-FlowMaker-Trace-Id"
 REQUEST_HEADER = "X-FlowMaker-Request-Id"
 SERVED = (task_pb2.Task.STATE_ACTIVE, task_pb2.Task.STATE_DEGRADED)
+TRACE_ID = web.RequestKey("trace_id", str)
 
 # gRPC status -> (HTTP status, OpenAI error.type). Anything else is 500 server_error.
 ERRORS: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -196,7 +197,7 @@ class Gateway:
             span.set_attribute("http.request.method", request.method)
             span.set_attribute("http.route", route)
             trace_id = format(span.get_span_context().trace_id, "032x")
-            request["trace_id"] = trace_id
+            request[TRACE_ID] = trace_id
             try:
                 resp = await handler(request)
             except ApiError as e:
@@ -289,7 +290,7 @@ class Gateway:
             first: Any = await chunks.__anext__()
         except StopAsyncIteration:
             first = None
-        oid = f"chatcmpl-{request['trace_id'][:24]}"
+        oid = f"chatcmpl-{request[TRACE_ID][:24]}"
         created = int(time.time())
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
@@ -300,7 +301,7 @@ class Gateway:
             return c
 
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           TRACE_HEADER: request["trace_id"]})
+                                           TRACE_HEADER: request[TRACE_ID]})
         await resp.prepare(request)
 
         async def send(obj: dict[str, Any]) -> None:

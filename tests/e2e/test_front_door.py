@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -49,7 +48,7 @@ class Collector:
         outer = self
 
         class Svc(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (the proto's name)
+            def Export(self, request: Any, context: Any) -> Any:
                 with outer._lock:
                     for rs in request.resource_spans:
                         name = next((a.value.string_value for a in rs.resource.attributes
