@@ -135,7 +135,25 @@ class SelectionResult:
     search_space_size: int = 0
     elapsed_s: float = 0.0
     timed_out: bool = False
+    # Whether the strategy proved its answer: the variant is a least-cost one, or no feasible variant
+    # exists. `exact` proves it unless its time budget runs out; `exhaustive` when it enumerated everything.
+    optimal: bool = False
+    # A proven lower bound of the least cost (the variant's cost when optimal; 0 when nothing is proven).
+    lower_bound: float = 0.0
 
     @property
     def feasible(self) -> bool:
         return self.variant is not None
+
+    @property
+    def gap(self) -> float | None:
+        """Proven relative optimality gap (cost - lower_bound) / cost: 0 when optimal, None without a
+        variant, inf when the variant costs something and nothing above 0 is proven."""
+        if self.variant is None:
+            return None
+        if self.optimal:
+            return 0.0
+        c = self.variant.cost
+        if c <= 0:
+            return 0.0
+        return (c - min(self.lower_bound, c)) / c if self.lower_bound > 0 else float("inf")

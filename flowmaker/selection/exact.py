@@ -1,4 +1,4 @@
-"""`exact` (default): depth-first branch-and-bound that always returns a minimum-cost variant.
+"""`exact` (default): depth-first branch-and-bound that returns a minimum-cost variant, anytime.
 
 Search: LLM stages are decided in the spec's topological order, so new
 instances are placed exactly when the spec places them (in order of their
@@ -6,25 +6,51 @@ first stage) and capacity, placement and partial latency are checked
 incrementally. Each stage reuses a running instance, joins a new instance
 opened earlier in this variant, or opens a new one.
 
-Bound (admissible, because it relaxes only capacity and placement): with M the
-new memory so far and, for every undecided stage s, h(s)/t(s) the least time
-before/after it (decided stages exact, undecided at their fastest option):
+Before searching (per workflow): a profile that cannot be placed on the cluster
+even alone (no node has tp*pp GPUs with enough free memory) is dropped, and so
+is a profile dominated by another with the same GPU count and memory per GPU,
+at least its capacity and no slower latency coefficients (near-identical model
+clones): any variant using the dominated one maps to one at least as good.
 
-    cost >= max( M * Lb,  max_s  min_{option o of s} (M + mem(o)) * max(Lb, h(s) + lat(o) + t(s)) )
+Bound (admissible: it relaxes placement and part of capacity). With M the new
+memory so far, every undecided stage may use a "free" option (a running
+instance or a new instance of this variant that still has room for it: this is
+what keeps reuse headroom from being counted twice) or a new instance. If the
+largest new instance a completion opens has memory mu, it adds at least
+max(mu, dm) memory (dm: the capacity the remaining load needs beyond the spare
+capacity in play) and every stage runs at best at its fastest free option or
+new option of memory <= mu, so
 
-where Lb is the longest-path lower bound and mem(o) is 0 for reuse/joining and
-the instance's memory for a new one. Coupling a stage's latency with the memory
-it costs is what keeps deep chains fast: a stage cannot be both fast and free.
-Only the (memory, latency) Pareto front of each stage's new-instance options
-can attain the inner minimum, so it is precomputed per stage.
+    cost >= min over mu in {0} + {profile memories} of (M + max(mu, dm)) * LP(mu)
+
+where LP(mu) is the longest path with those stage latencies. This couples the
+memory of a completion with the latency of ALL its stages at once (a stage
+cannot be both fast and free, and neither can the workflow), which is what keeps
+deep chains and wide fans fast.
+
+Symmetry: two running instances (or two new instances of this variant) of the
+same profile whose spare capacity admits the same remaining stages are
+interchangeable when each can take either all remaining load or at most one
+stage; only the first is branched on.
+
+Anytime: the search stops at `options.time_budget_s` (default 60 s; the
+selector service also passes the caller's gRPC deadline). It then returns the
+best variant found with `optimal=False` and a proven `lower_bound` on the
+optimum (the least bound over the unexplored subtrees), or raises
+DeadlineExceeded when it found no feasible variant yet.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from flowmaker.domain import SelectionRequest, SelectionResult
+from flowmaker.errors import DeadlineExceeded
 from flowmaker.selection.placement import EPS_GB
 from flowmaker.selection.problem import (
     EPS,
@@ -41,38 +67,90 @@ from flowmaker.selection.problem import (
 )
 from flowmaker.selection.registry import register
 
+DEFAULT_BUDGET_S = 60.0
+# Share of the budget for the search; up to GRACE_SHARE the unexplored subtrees' bounds are tightened.
+SEARCH_SHARE = 0.88
+GRACE_SHARE = 0.96
+
 
 @dataclass(slots=True)
 class _Static:
     """Per-workflow tables for the bound, independent of the search state."""
 
     new_opts: list[list[int]]  # [stage] profile indices usable alone, best-first
-    reuse_opts: list[list[int]]  # [stage] reusable instance indices usable alone
-    lat_lb: list[float]  # [stage] fastest usable option (TOOL: its latency)
-    tail: list[float]  # [stage] least time after the stage ends
+    reuse_opts: list[list[int]]  # [stage] reusable instance indices usable alone, fastest first
     front: list[list[tuple[float, float]]]  # [stage] (memory, latency) Pareto front, memory ascending
-    reuse_min: list[float]  # [stage] fastest reuse option
+    mus: list[float]  # every front memory, ascending: the thresholds mu of the bound
+    f_at: list[list[float]]  # [stage][threshold] fastest new option with memory <= mus[i] (INF: none)
+    changes: list[list[int]]  # [threshold] stages whose front has a point at mus[i]
+    und: list[list[tuple[int, tuple[int, ...], tuple[int, ...], bool]]]  # [decision j] undecided stages
+    done: list[list[int]]  # [decision j] stages decided before decision j (topo prefix)
+    umap: list[dict[int, int]]  # [decision j] stage -> position in und[j]
     w_rem: list[float]  # [decision j] load of decisions j.. (output tokens/s)
+    two_min: list[float]  # [decision j] sum of the two smallest loads of decisions j.. (INF: one left)
+    loads_sorted: list[list[float]]  # [decision j] loads of decisions j.., ascending
     heavy: list[bool]  # [stage] its load exceeds half of every option's capacity: it never shares a new instance
     heavy_mem: list[float]  # [stage] least memory of a new instance that can carry it alone
     ratio: list[float]  # [decision j] least memory per unit of capacity among their new-instance options
     after: list[list[int]]  # [decision j] TOOL stages that follow decision j in topo order (before j+1)
     before: list[int]  # TOOL stages before the first decision
     feasible: bool  # every LLM stage has at least one usable option
+    cov: list[list[tuple[float, float]]]  # [decision j] (memory, capacity) Pareto front of new options of j..
+    cov_at: list[list[int]]  # [decision j][threshold i] how many of cov[j] have memory <= mus[i]
+    cov_ratio: list[list[float]]  # [decision j][n] least memory per capacity among cov[j][:n + 1]
 
 
-def _static(pb: Problem, pw: PWorkflow, check_cap: bool) -> _Static:
+def _dominated(pb: Problem) -> list[bool]:
+    """Profiles another usable profile dominates: same GPU count and memory per GPU (so the same
+    placement), capacity at least as high, latency coefficients no higher (ties: the lower index wins)."""
+    profs = pb.profiles
+    n = len(profs)
+    out = [False] * n
+    groups: dict[tuple[int, float], list[int]] = {}
+    for i, p in enumerate(profs):
+        if pb.p_ok[i]:
+            groups.setdefault((pb.p_k[i], p.memory_gb_per_gpu), []).append(i)
+    for ids in groups.values():
+        for q in ids:
+            pq = profs[q]
+            for p in ids:
+                if p == q:
+                    continue
+                pp = profs[p]
+                le = (pb.p_cap[p] >= pb.p_cap[q] and pp.fixed_s <= pq.fixed_s
+                      and pp.prefill_s_per_token <= pq.prefill_s_per_token
+                      and pp.decode_s_per_token <= pq.decode_s_per_token)
+                if not le:
+                    continue
+                strict = (pb.p_cap[p] > pb.p_cap[q] or pp.fixed_s < pq.fixed_s
+                          or pp.prefill_s_per_token < pq.prefill_s_per_token
+                          or pp.decode_s_per_token < pq.decode_s_per_token)
+                if strict or p < q:
+                    out[q] = True
+                    break
+    return out
+
+
+def _placeable(pb: Problem) -> list[bool]:
+    """Profiles that fit on the cluster at least alone: some node has tp*pp GPUs with enough free memory."""
+    kth: dict[int, float] = {}
+    for ids in pb.layout.gpus_by_node:
+        free = sorted((pb.free0[g] for g in ids), reverse=True)
+        for k in range(1, len(free) + 1):
+            kth[k] = max(kth.get(k, -INF), free[k - 1])
+    return [pb.profiles[i].memory_gb_per_gpu - EPS_GB <= kth.get(pb.p_k[i], -INF) for i in range(len(pb.profiles))]
+
+
+def _static(pb: Problem, pw: PWorkflow, check_cap: bool, usable: list[bool]) -> _Static:
     n = len(pw.wf.stages)
     new_opts: list[list[int]] = [[] for _ in range(n)]
     reuse_opts: list[list[int]] = [[] for _ in range(n)]
-    lat_lb = list(pw.tool_lat)
     front: list[list[tuple[float, float]]] = [[] for _ in range(n)]
-    reuse_min = [INF] * n
     feasible = True
     for s in pw.llm:
         ld = pw.load[s]
         cand = [pi for pi in range(len(pb.profiles))
-                if pb.p_ok[pi] and (not check_cap or leq(ld, pb.p_cap[pi])) and leq(pw.lat_new[s][pi], pb.lam)]
+                if usable[pi] and (not check_cap or leq(ld, pb.p_cap[pi])) and leq(pw.lat_new[s][pi], pb.lam)]
         # Try cheap-and-fast options first: good incumbents early make the bound bite.
         cand.sort(key=lambda pi: (pb.p_mem[pi] * pw.lat_new[s][pi], pw.lat_new[s][pi], pi))
         new_opts[s] = cand
@@ -81,19 +159,30 @@ def _static(pb: Problem, pw: PWorkflow, check_cap: bool) -> _Static:
               and leq(pw.lat_reuse[s][r], pb.lam)]
         ro.sort(key=lambda r: (pw.lat_reuse[s][r], r))
         reuse_opts[s] = ro
-        reuse_min[s] = pw.lat_reuse[s][ro[0]] if ro else INF
-        lat_lb[s] = min([reuse_min[s]] + [pw.lat_new[s][pi] for pi in cand])
-        if lat_lb[s] == INF:
+        if not cand and not ro:
             feasible = False
         pts = sorted((pb.p_mem[pi], pw.lat_new[s][pi]) for pi in cand)
         fr: list[tuple[float, float]] = []
         for m, lat in pts:
             if not fr or lat < fr[-1][1]:
-                fr.append((m, lat))
+                if fr and fr[-1][0] == m:
+                    fr[-1] = (m, lat)
+                else:
+                    fr.append((m, lat))
         front[s] = fr
-    tail = [0.0] * n
-    for s in reversed(pw.topo):
-        tail[s] = max((lat_lb[c] + tail[c] for c in pw.succs[s]), default=0.0)
+    mus = sorted({m for s in pw.llm for m, _ in front[s]})
+    mu_idx = {m: i for i, m in enumerate(mus)}
+    f_at: list[list[float]] = [[] for _ in range(n)]
+    changes: list[list[int]] = [[] for _ in mus]
+    for s in pw.llm:
+        row = [INF] * len(mus)
+        for m, lat in front[s]:
+            changes[mu_idx[m]].append(s)
+            row[mu_idx[m]] = lat
+        for i in range(1, len(row)):
+            if row[i - 1] < row[i]:
+                row[i] = row[i - 1]
+        f_at[s] = row
     after: list[list[int]] = [[] for _ in pw.llm]
     before: list[int] = []
     j = -1
@@ -105,12 +194,26 @@ def _static(pb: Problem, pw: PWorkflow, check_cap: bool) -> _Static:
         else:
             after[j].append(s)
     nd = len(pw.llm)
+    pos = {s: i for i, s in enumerate(pw.topo)}
+    und: list[list[tuple[int, tuple[int, ...], tuple[int, ...], bool]]] = []
+    done: list[list[int]] = []
+    umap: list[dict[int, int]] = []
+    for j in range(nd):
+        p0 = pos[pw.llm[j]]
+        rest = pw.topo[p0:]
+        um = {s: u for u, s in enumerate(rest)}
+        und.append([(s, tuple(p for p in pw.preds[s] if pos[p] < p0), tuple(um[p] for p in pw.preds[s] if pos[p] >= p0),
+                     pw.wf.stages[s].is_llm) for s in rest])
+        done.append(list(pw.topo[:p0]))
+        umap.append(um)
     w_rem = [0.0] * (nd + 1)
     ratio = [INF] * (nd + 1)
     for j in range(nd - 1, -1, -1):
         s = pw.llm[j]
         w_rem[j] = w_rem[j + 1] + pw.load[s]
         ratio[j] = min([ratio[j + 1]] + [pb.p_mem[pi] / pb.p_cap[pi] for pi in new_opts[s]])
+    loads_sorted = [sorted(pw.load[s] for s in pw.llm[j:]) for j in range(nd + 1)]
+    two_min = [ls[0] + ls[1] if len(ls) >= 2 else INF for ls in loads_sorted]
     heavy = [False] * n
     heavy_mem = [0.0] * n
     if check_cap:
@@ -126,67 +229,88 @@ def _static(pb: Problem, pw: PWorkflow, check_cap: bool) -> _Static:
             caps = [pb.p_cap[pi] for s in pw.llm for pi in new_opts[s]]
             if len(hl) >= 2 and leq(hl[0] + hl[1], max(caps)):
                 heavy = [False] * n
-    return _Static(new_opts=new_opts, reuse_opts=reuse_opts, lat_lb=lat_lb, tail=tail, front=front,
-                   reuse_min=reuse_min, w_rem=w_rem, heavy=heavy, heavy_mem=heavy_mem, ratio=ratio,
-                   after=after, before=before, feasible=feasible)
+    cov: list[list[tuple[float, float]]] = []
+    for j in range(nd + 1):
+        ps = sorted({(pb.p_mem[pi], pb.p_cap[pi]) for s in pw.llm[j:] for pi in new_opts[s]}, key=lambda x: (x[0], -x[1]))
+        fr2: list[tuple[float, float]] = []
+        for m, cp in ps:
+            if not fr2 or cp > fr2[-1][1]:
+                fr2.append((m, cp))
+        cov.append(fr2)
+    cov_at = [[bisect.bisect_right([m for m, _ in fr], mu) for mu in mus] for fr in cov]
+    cov_ratio = [list(itertools.accumulate((m / cp for m, cp in fr), min)) for fr in cov]
+    return _Static(cov=cov, cov_at=cov_at, cov_ratio=cov_ratio, new_opts=new_opts, reuse_opts=reuse_opts, front=front, mus=mus, f_at=f_at, changes=changes,
+                   und=und, done=done, umap=umap, w_rem=w_rem, two_min=two_min, loads_sorted=loads_sorted,
+                   heavy=heavy, heavy_mem=heavy_mem, ratio=ratio, after=after, before=before, feasible=feasible)
 
 
 class _Search:
-    """One branch-and-bound run over all workflows, sharing the incumbent."""
+    """One branch-and-bound run over all workflows, sharing the incumbent.
+
+    `deadline` (perf_counter time) stops the search; subtrees left unexplored then contribute
+    their bound to `frontier`, so min(best cost, frontier) is a proven lower bound of the optimum."""
 
     def __init__(self, pb: Problem, *, check_cap: bool = True, check_place: bool = True,
-                 stop_first: bool = False, use_bound: bool = True) -> None:
+                 stop_first: bool = False, deadline: float = INF, grace: float = INF) -> None:
         self.pb = pb
         self.check_cap = check_cap
         self.check_place = check_place
         self.stop_first = stop_first
-        self.use_bound = use_bound
+        self.deadline = deadline
+        self.grace = grace
         self.best: tuple[float, float, int] | None = None
         self.best_at: tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]] | None = None
         self.nodes = 0
         self.leaves = 0
-        self.done = False
+        self.done = False  # stop_first found its variant
+        self.stopped = False  # the deadline passed: only bounds are computed from now on
+        self.frontier = INF  # least bound of the subtrees left unexplored
+
+    @property
+    def lower_bound(self) -> float:
+        """Proven lower bound of the optimal cost (INF: no feasible variant exists)."""
+        return min(self.best[0] if self.best else INF, self.frontier)
 
     def run(self) -> None:
         pb = self.pb
-        statics = [(_static(pb, pw, self.check_cap), pw) for pw in pb.workflows]
-        runnable = [(st, pw) for st, pw in statics if st.feasible]
+        usable = list(pb.p_ok)
+        dom = _dominated(pb)
+        place = _placeable(pb) if self.check_place else [True] * len(pb.profiles)
+        usable = [u and not d and pl for u, d, pl in zip(usable, dom, place, strict=True)]
+        searches = []
+        for pw in pb.workflows:
+            st = _static(pb, pw, self.check_cap, usable)
+            if not st.feasible:
+                continue
+            root_lb, go = self._workflow(st, pw)
+            searches.append((root_lb, pw.index, go))
         # Workflows with the smallest root bound first.
-        runnable.sort(key=lambda x: (self._root_bound(x[0], x[1]), x[1].index))
-        for st, pw in runnable:
+        searches.sort(key=lambda x: (x[0], x[1]))
+        for root_lb, _, go in searches:
             if self.done:
                 break
-            self._workflow(st, pw)
+            if self.stopped or time.perf_counter() > self.deadline:
+                self.stopped = True
+                self.frontier = min(self.frontier, root_lb)
+                continue
+            go()
 
-    @staticmethod
-    def _root_bound(st: _Static, pw: PWorkflow) -> float:
-        """The bound at the root (nothing decided, no memory yet): orders workflows best-first."""
-        start = [0.0] * len(pw.wf.stages)
-        for s in pw.topo:
-            start[s] = max((start[p] + st.lat_lb[p] for p in pw.preds[s]), default=0.0)
-        Lb = max(start[s] + st.lat_lb[s] for s in pw.topo)
-        lb = 0.0
-        for s in pw.llm:
-            b = 0.0 if st.reuse_min[s] < INF else INF
-            for m, lat in st.front[s]:
-                b = min(b, m * max(Lb, start[s] + lat + st.tail[s]))
-            lb = max(lb, b)
-        return lb
-
-    def _workflow(self, st: _Static, pw: PWorkflow) -> None:
+    def _workflow(self, st: _Static, pw: PWorkflow) -> tuple[float, Callable[[], None]]:
+        """Set up the search of one workflow: returns (root bound, function that searches it)."""
         pb = self.pb
         n = len(pw.wf.stages)
         fin = [0.0] * n
         for s in st.before:
             fin[s] = max((fin[p] for p in pw.preds[s]), default=0.0) + pw.tool_lat[s]
         if any(not leq(fin[s], pb.lam) for s in st.before):
-            return
+            return INF, lambda: None
         llm = pw.llm
         nd = len(llm)
         preds = pw.preds
         lat_new = pw.lat_new
         lat_reuse = pw.lat_reuse
         load = pw.load
+        tool_lat = pw.tool_lat
         lam = pb.lam
         p_cap, p_mem, p_k = pb.p_cap, pb.p_mem, pb.p_k
         r_prof, r_load0 = pb.r_prof, pb.r_load0
@@ -201,105 +325,303 @@ class _Search:
         assigned = [False] * n
         for s in st.before:
             assigned[s] = True
-        topo = pw.topo
-        lat_lb, tail, front = st.lat_lb, st.tail, st.front
-        check_cap, check_place, use_bound = self.check_cap, self.check_place, self.use_bound
+        check_cap, check_place = self.check_cap, self.check_place
         mem_now = [0.0]
         gpus_now = [0]
         depth = [0]
+        mus, f_at, changes = st.mus, st.f_at, st.changes
+        n_mu = len(mus)
+        reuse_opts = st.reuse_opts
         # Running instances some stage could reuse: their spare capacity counts in the capacity bound.
-        reuse_any = sorted({r for s in llm for r in st.reuse_opts[s]})
+        reuse_any = sorted({r for s in llm for r in reuse_opts[s]})
+        perf = time.perf_counter
+        search = self
 
-        def bound() -> tuple[float, float]:
-            """Lower bounds (cost, latency) of any completion; cost INF when none can be feasible."""
-            start: dict[int, float] = {}
-            Lb = 0.0
-            for s in topo:
-                if assigned[s]:
-                    if fin[s] > Lb:
-                        Lb = fin[s]
-                    continue
+        cover_memo: dict[tuple[int, int, int], tuple[list[float], list[float]]] = {}
+
+        def cover(j: int, n: int, need: float) -> float:
+            """Least memory of new instances (of the n smallest profiles of the capacity front of stages
+            j..) whose capacity adds up to `need`: exact over the fewest instances that can, else that
+            many times the least memory; INF when none can."""
+            fr = st.cov[j][:n]
+            if not fr:
+                return INF
+            need -= EPS * max(1.0, need)
+            c = math.ceil(need / fr[-1][1])
+            if c <= 1:
+                return 0.0
+            alt = (c + 1) * fr[0][0]  # any larger multiset
+            if math.comb(len(fr) + c - 1, c) > 400:
+                return c * fr[0][0]
+            tab = cover_memo.get((j, n, c))
+            if tab is None:
+                pts = sorted((sum(x[1] for x in ms), sum(x[0] for x in ms))
+                             for ms in itertools.combinations_with_replacement(fr, c))
+                caps = [cp for cp, _ in pts]
+                suf = [m for _, m in pts]
+                for i in range(len(suf) - 2, -1, -1):
+                    if suf[i + 1] < suf[i]:
+                        suf[i] = suf[i + 1]
+                tab = (caps, suf)
+                cover_memo[(j, n, c)] = tab
+            i = bisect.bisect_left(tab[0], need)
+            exact_c = tab[1][i] if i < len(tab[1]) else INF
+            return exact_c if exact_c < alt else alt
+
+        def bound(full: bool) -> tuple[float, float]:
+            """Lower bounds (cost, latency) of any completion; cost INF when none can be feasible.
+            Unless `full`, the cost bound stops early once it shows the node cannot be pruned
+            (it stays a valid lower bound, only a weaker one)."""
+            j = depth[0]
+            U = st.und[j]
+            nu = len(U)
+            Lfix = 0.0
+            for s in st.done[j]:
+                if fin[s] > Lfix:
+                    Lfix = fin[s]
+            h0 = [0.0] * nu
+            zl = [0.0] * nu
+            fl = [0.0] * nu
+            n_inf = 0
+            last = n_mu - 1
+            for u in range(nu):
+                s, ap, _, isl = U[u]
                 h = 0.0
-                for p in preds[s]:
-                    v = fin[p] if assigned[p] else start[p] + lat_lb[p]
-                    if v > h:
-                        h = v
-                start[s] = h
-                e = h + lat_lb[s] + tail[s]
-                if e > Lb:
-                    Lb = e
+                for p in ap:
+                    if fin[p] > h:
+                        h = fin[p]
+                h0[u] = h
+                if not isl:
+                    zl[u] = fl[u] = tool_lat[s]
+                    continue
+                ld = load[s]
+                z = INF
+                for r in reuse_opts[s]:  # fastest first: the first with room is the fastest free one
+                    if not check_cap or leq(r_load0[r] + r_add[r] + ld, p_cap[r_prof[r]]):
+                        z = lat_reuse[s][r]
+                        break
+                for k, pi in enumerate(slots):
+                    lv = lat_new[s][pi]
+                    if lv < z and (not check_cap or leq(slot_load[k] + ld, p_cap[pi])):
+                        z = lv
+                zl[u] = z
+                f = f_at[s][last] if n_mu else INF
+                fl[u] = z if z < f else f
+                if z == INF:
+                    n_inf += 1
+
+            def lp(lat: list[float]) -> float:
+                val = [0.0] * nu
+                L = Lfix
+                for u in range(nu):
+                    h = h0[u]
+                    for q in U[u][2]:
+                        if val[q] > h:
+                            h = val[q]
+                    v = h + lat[u]
+                    val[u] = v
+                    if v > L:
+                        L = v
+                return L
+
+            Lb = lp(fl)
             if not leq(Lb, lam):
                 return INF, Lb
             M = mem_now[0]
-            lb = M * Lb
-            if not use_bound:
-                return lb, Lb
+            cut = -INF
+            if not full:
+                best = search.best
+                if best is None:
+                    cut = INF
+                else:
+                    # Below the cut a completion could still beat the incumbent (at equal cost only
+                    # with a strictly shorter latency).
+                    cut = best[0] * (1 + REL_TOL) if Lb < best[1] * (1 - REL_TOL) else best[0] * (1 - REL_TOL)
             # Capacity: load still to place beyond the spare capacity of instances already in play
             # needs new instances, at best at the least memory per unit of capacity (fractional relaxation).
+            # A completion whose largest new instance has memory mu uses only profiles of memory <= mu,
+            # so the memory that covers the load is taken over those (dm_at), at least dm over all.
             dm = 0.0
+            need = 0.0
             if check_cap:
-                j0 = depth[0]
-                need = st.w_rem[j0]
+                need = st.w_rem[j]
                 if need > 0.0:
                     for k, pi in enumerate(slots):
                         need -= max(0.0, p_cap[pi] - slot_load[k])
                     for r in reuse_any:
                         need -= max(0.0, p_cap[r_prof[r]] - r_load0[r] - r_add[r])
-                    if need > EPS * max(1.0, st.w_rem[j0]):
-                        if st.ratio[j0] == INF:
+                    if need > EPS * max(1.0, st.w_rem[j]):
+                        if st.ratio[j] == INF:
                             return INF, Lb
-                        dm = need * st.ratio[j0]
+                        dm = need * st.ratio[j]
+                        c = cover(j, len(st.cov[j]), need)
+                        if c > dm:
+                            dm = c
+                    else:
+                        need = 0.0
                     # Integrality: stages too heavy to share any new instance with another heavy
                     # stage, and that fit no spare capacity in play, each need an instance of their own.
                     big = 0.0
-                    for jj in range(j0, nd):
+                    for jj in range(j, nd):
                         s = llm[jj]
                         if not st.heavy[s]:
                             continue
                         ld = load[s]
                         if any(leq(slot_load[k] + ld, p_cap[pi]) for k, pi in enumerate(slots)):
                             continue
-                        if any(leq(r_load0[r] + r_add[r] + ld, p_cap[r_prof[r]]) for r in st.reuse_opts[s]):
+                        if any(leq(r_load0[r] + r_add[r] + ld, p_cap[r_prof[r]]) for r in reuse_opts[s]):
                             continue
                         big += st.heavy_mem[s]
                     if big > dm:
                         dm = big
-                    lb = (M + dm) * Lb
-            for s in llm:
-                if assigned[s]:
-                    continue
-                h, t = start[s], tail[s]
-                lz = st.reuse_min[s]
+            # Free options (running instances, new instances of this variant) have limited spare
+            # capacity: a Lagrangian relaxation prices it, so that undecided stages do not all count
+            # on the same headroom. Instances of one profile form one group (their spare adds up).
+            cons: list[int] = []
+            gcap: dict[int, float] = {}
+            opts: list[list[tuple[int, float]]] = []
+            if check_cap:
+                gmax: dict[int, float] = {}
+                for r in reuse_any:
+                    pi = r_prof[r]
+                    sp = p_cap[pi] - r_load0[r] - r_add[r]
+                    if sp > 0.0:
+                        gcap[pi] = gcap.get(pi, 0.0) + sp
+                        if sp > gmax.get(pi, 0.0):
+                            gmax[pi] = sp
                 for k, pi in enumerate(slots):
-                    lv = lat_new[s][pi]
-                    if lv < lz and (not check_cap or leq(slot_load[k] + load[s], p_cap[pi])):
-                        lz = lv
-                b = INF
-                if lz < INF and leq(h + lz + t, lam):
-                    b = (M + dm) * max(Lb, h + lz + t)
-                for m, lv in front[s]:
-                    e = h + lv + t
-                    if not leq(e, lam):
+                    sp = p_cap[pi] - slot_load[k]
+                    if sp > 0.0:
+                        gcap[pi] = gcap.get(pi, 0.0) + sp
+                        if sp > gmax.get(pi, 0.0):
+                            gmax[pi] = sp
+                if gcap:
+                    demand: dict[int, float] = {}
+                    for u in range(nu):
+                        s, _, _, isl = U[u]
+                        if not isl:
+                            opts.append([])
+                            continue
+                        ld = load[s]
+                        o = [(pi, lat_new[s][pi]) for pi, mx in gmax.items() if leq(ld, mx)]
+                        opts.append(o)
+                        for pi, _ in o:
+                            demand[pi] = demand.get(pi, 0.0) + ld
+                    cons = [pi for pi, d in demand.items() if not leq(d, gcap[pi])]
+
+            def lag_lp(i: int) -> float:
+                """Longest-path bound with the free options' capacity priced (Lagrangian), when the
+                new options are those of memory <= mus[i] (i < 0: none). INF: infeasible."""
+                price: dict[int, float] = {}
+                for g in cons:
+                    bps: list[tuple[float, float]] = []
+                    tot = 0.0
+                    for u in range(nu):
+                        o = opts[u]
+                        if not o:
+                            continue
+                        s = U[u][0]
+                        ld = load[s]
+                        b = INF
+                        a = f_at[s][i] if i >= 0 else INF
+                        for h, lv in o:
+                            if h == g:
+                                b = lv
+                            else:
+                                v = lv + price.get(h, 0.0) * ld
+                                if v < a:
+                                    a = v
+                        if b < a and ld > 0.0:
+                            bps.append(((a - b) / ld, ld))
+                            tot += ld
+                    if tot <= gcap[g]:
                         continue
-                    if e <= Lb:  # later points only add memory
-                        v = (M + max(m, dm)) * Lb
-                        if v < b:
-                            b = v
-                        break
-                    v = (M + max(m, dm)) * e
-                    if v < b:
-                        b = v
-                if b == INF:
-                    return INF, Lb
-                if b > lb:
-                    lb = b
-            return lb, Lb
+                    bps.sort(reverse=True)
+                    acc = 0.0
+                    for pr, ld in bps:
+                        acc += ld
+                        if acc > gcap[g]:
+                            if pr == INF:
+                                return INF  # stages with no other option overload the group
+                            price[g] = pr
+                            break
+                if not price:
+                    return -INF
+                lat2 = [0.0] * nu
+                for u in range(nu):
+                    s, _, _, isl = U[u]
+                    if not isl:
+                        lat2[u] = tool_lat[s]
+                        continue
+                    ld = load[s]
+                    v = f_at[s][i] if i >= 0 else INF
+                    for h, lv in opts[u]:
+                        w = lv + price.get(h, 0.0) * ld
+                        if w < v:
+                            v = w
+                    lat2[u] = v
+                return lp(lat2) - sum(pr * gcap[g] for g, pr in price.items())
+
+            # The memory/latency coupling over all undecided stages at once, mu ascending.
+            best_t = INF
+            if n_inf == 0 and need == 0.0:
+                L0 = lp(zl)
+                if cons:
+                    L0 = max(L0, lag_lp(-1))
+                if leq(L0, lam):
+                    best_t = (M + dm) * L0
+            if best_t < cut:
+                nxt = (M + max(mus[0], dm)) * Lb if n_mu else INF
+                return (best_t if best_t < nxt else nxt), Lb
+            lat = zl
+            um = st.umap[j]
+            for i in range(n_mu):
+                mu = mus[i]
+                mm = M + (mu if mu > dm else dm)
+                if mm * Lb >= best_t:
+                    break
+                changed = False
+                for s in changes[i]:
+                    u = um.get(s, -1)
+                    if u < 0:
+                        continue
+                    f = f_at[s][i]
+                    if f < lat[u]:
+                        if lat[u] == INF:
+                            n_inf -= 1
+                        if not changed:
+                            lat = list(lat) if lat is zl else lat
+                            changed = True
+                        lat[u] = f
+                if not changed or n_inf:
+                    continue
+                if need > 0.0:
+                    # Only profiles of memory <= mu cover the load in this class.
+                    nc = st.cov_at[j][i]
+                    if nc == 0:
+                        continue
+                    d2 = max(need * st.cov_ratio[j][nc - 1], cover(j, nc, need))
+                    if d2 > mu and d2 > dm:
+                        mm = M + d2
+                        if mm * Lb >= best_t:
+                            continue
+                L = lp(lat)
+                if mm * L < best_t and cons:
+                    L = max(L, lag_lp(i))
+                if leq(L, lam):
+                    t = mm * L
+                    if t < best_t:
+                        best_t = t
+                        if best_t < cut:
+                            nxt = (M + max(mus[i + 1], dm)) * Lb if i + 1 < n_mu else INF
+                            return (best_t if best_t < nxt else nxt), Lb
+            return best_t, Lb
 
         def prune(lb: float, Lb: float) -> bool:
-            best = self.best
+            best = search.best
             if lb == INF:
                 return True
-            if best is None or not use_bound:
+            if best is None:
                 return False
             bc, bl, _ = best
             if lb > bc * (1 + REL_TOL) + 1e-300:
@@ -308,14 +630,14 @@ class _Search:
             return lb >= bc * (1 - REL_TOL) and Lb >= bl * (1 - REL_TOL)
 
         def leaf() -> None:
-            self.leaves += 1
+            search.leaves += 1
             L = max(fin)
             M = mem_now[0]
-            if better(M * L, L, gpus_now[0], self.best):
-                self.best = (M * L, L, gpus_now[0])
-                self.best_at = (pw, list(choice), list(slots), list(places))
-                if self.stop_first:
-                    self.done = True
+            if better(M * L, L, gpus_now[0], search.best):
+                search.best = (M * L, L, gpus_now[0])
+                search.best_at = (pw, list(choice), list(slots), list(places))
+                if search.stop_first:
+                    search.done = True
 
         def set_fin(s: int, lat: float) -> bool:
             f = max((fin[p] for p in preds[s]), default=0.0) + lat
@@ -328,7 +650,7 @@ class _Search:
         def tools_after(j: int) -> bool:
             ok = True
             for s in st.after[j]:
-                fin[s] = max((fin[p] for p in preds[s]), default=0.0) + pw.tool_lat[s]
+                fin[s] = max((fin[p] for p in preds[s]), default=0.0) + tool_lat[s]
                 assigned[s] = True
                 if not leq(fin[s], lam):
                     ok = False
@@ -338,64 +660,110 @@ class _Search:
             for s in st.after[j]:
                 assigned[s] = False
 
-        def descend(j: int) -> None:
+        def descend(j: int, lb: float) -> None:
             # Called with stage llm[j] and its following TOOL stages already set.
             if not tools_after(j):
                 undo_tools(j)
                 return
-            rec(j + 1)
+            rec(j + 1, lb)
             undo_tools(j)
 
-        def rec(j: int) -> None:
-            if self.done:
+        def sym_key(pi: int, used: float, j: int) -> tuple[int, int] | None:
+            """Interchangeability class of an instance of profile pi carrying `used` load, for the
+            stages j..: (pi, -1) when it can take all their load, (pi, how many fit) when it can take
+            at most one of them, None otherwise."""
+            cap = p_cap[pi]
+            if not check_cap or leq(used + st.w_rem[j], cap):
+                return (pi, -1)
+            if not leq(used + st.two_min[j], cap):
+                c = 0
+                for x in st.loads_sorted[j]:
+                    if not leq(used + x, cap):
+                        break
+                    c += 1
+                return (pi, c)
+            return None
+
+        def halted(lb: float) -> bool:
+            """Past the grace period: the rest of this node is left unexplored under its bound `lb`."""
+            if search.stopped and perf() > search.grace:
+                if lb < search.frontier:
+                    search.frontier = lb
+                return True
+            return False
+
+        def rec(j: int, parent_lb: float) -> None:
+            if search.done:
                 return
-            self.nodes += 1
+            search.nodes += 1
             if j == nd:
                 leaf()
                 return
+            if not search.stopped and perf() > search.deadline:
+                search.stopped = True
             depth[0] = j
-            if prune(*bound()):
+            if search.stopped:
+                # Out of time: this subtree stays unexplored; its bound goes to the frontier.
+                lb = parent_lb if perf() > search.grace else bound(True)[0]
+                if lb < search.frontier:
+                    search.frontier = lb
+                return
+            lb, Lb = bound(False)
+            if prune(lb, Lb):
                 return
             s = llm[j]
             ld = load[s]
             # 1. reuse a running instance
-            for r in st.reuse_opts[s]:
+            seen: set[tuple[int, int]] = set()
+            for r in reuse_opts[s]:
                 pi = r_prof[r]
-                if check_cap and not leq(r_load0[r] + r_add[r] + ld, p_cap[pi]):
+                used = r_load0[r] + r_add[r]
+                if check_cap and not leq(used + ld, p_cap[pi]):
                     continue
+                key = sym_key(pi, used, j)
+                if key is not None:
+                    if key in seen:
+                        continue
+                    seen.add(key)
                 if not set_fin(s, lat_reuse[s][r]):
                     continue
                 r_add[r] += ld
                 choice.append((REUSE, r))
-                descend(j)
+                descend(j, lb)
                 choice.pop()
                 r_add[r] -= ld
                 assigned[s] = False
-                if self.done:
+                if search.done or halted(lb):
                     return
             # 2. join a new instance opened earlier in this variant
+            seen.clear()
             for k in range(len(slots)):
                 pi = slots[k]
                 if check_cap and not leq(slot_load[k] + ld, p_cap[pi]):
                     continue
+                key = sym_key(pi, slot_load[k], j)
+                if key is not None:
+                    if key in seen:
+                        continue
+                    seen.add(key)
                 if not set_fin(s, lat_new[s][pi]):
                     continue
                 slot_load[k] += ld
                 choice.append((NEW, k))
-                descend(j)
+                descend(j, lb)
                 choice.pop()
                 slot_load[k] -= ld
                 assigned[s] = False
-                if self.done:
+                if search.done or halted(lb):
                     return
             # 3. open a new instance; placement depends only on k = tp*pp for this state
             place_cache: dict[int, tuple[float, str, tuple[str, ...]] | None] = {}
             for pi in st.new_opts[s]:
                 m = p_mem[pi]
-                if use_bound and self.best is not None:
+                if search.best is not None:
                     # Cheap pre-check before placing: (M + m) * (latency so far) already too much?
-                    f = max((fin[p] for p in preds[s]), default=0.0) + lat_new[s][pi] + tail[s]
-                    if (mem_now[0] + m) * f > self.best[0] * (1 + REL_TOL) + 1e-300:
+                    f = max((fin[p] for p in preds[s]), default=0.0) + lat_new[s][pi]
+                    if (mem_now[0] + m) * f > search.best[0] * (1 + REL_TOL) + 1e-300:
                         continue
                 if not set_fin(s, lat_new[s][pi]):
                     continue
@@ -419,7 +787,7 @@ class _Search:
                 mem_now[0] += m
                 gpus_now[0] += k
                 choice.append((NEW, len(slots) - 1))
-                descend(j)
+                descend(j, lb)
                 choice.pop()
                 gpus_now[0] -= k
                 mem_now[0] -= m
@@ -430,10 +798,19 @@ class _Search:
                     for g in gids:
                         free[g] += mpg
                 assigned[s] = False
-                if self.done:
+                if search.done or halted(lb):
                     return
 
-        rec(0)
+        if nd == 0:
+            return INF, lambda: None
+        depth[0] = 0
+        root_lb = bound(True)[0]
+
+        def go() -> None:
+            if root_lb < INF:
+                rec(0, root_lb)
+
+        return root_lb, go
 
 
 def _best_node(layout, free: dict[str, float], k: int) -> tuple[float, str, tuple[str, ...]] | None:
@@ -450,18 +827,25 @@ def _best_node(layout, free: dict[str, float], k: int) -> tuple[float, str, tupl
     return best
 
 
-def solve(pb: Problem, **kw: bool) -> _Search:
-    s = _Search(pb, **kw)
+def solve(pb: Problem, *, deadline: float = INF, grace: float = INF, **kw: bool) -> _Search:
+    s = _Search(pb, deadline=deadline, grace=grace, **kw)
     s.run()
     return s
 
 
-def tightest_reason(pb: Problem) -> int:
-    """Which constraint rules everything out (1 accuracy .. 4 placement), by relaxing from the end."""
-    if solve(pb, check_place=False, stop_first=True, use_bound=False).best is not None:
+def tightest_reason(pb: Problem, deadline: float = INF) -> int | None:
+    """Which constraint rules everything out (1 accuracy .. 4 placement), by relaxing from the end;
+    None when the deadline passed before it was known."""
+    s = solve(pb, check_place=False, stop_first=True, deadline=deadline)
+    if s.best is not None:
         return 4
-    if solve(pb, check_place=False, check_cap=False, stop_first=True, use_bound=False).best is not None:
+    if s.stopped:
+        return None
+    s = solve(pb, check_place=False, check_cap=False, stop_first=True, deadline=deadline)
+    if s.best is not None:
         return 3
+    if s.stopped:
+        return None
     # Every stage can use any profile or running instance, so some variant meets
     # accuracy iff one usable model does.
     return 2 if any(pb.p_ok) else 1
@@ -470,11 +854,23 @@ def tightest_reason(pb: Problem) -> int:
 @register("exact")
 def select_exact(req: SelectionRequest) -> SelectionResult:
     started = time.perf_counter()
+    budget = req.options.time_budget_s or DEFAULT_BUDGET_S
     pb = Problem(req)
-    search = solve(pb)
+    search = solve(pb, deadline=started + SEARCH_SHARE * budget, grace=started + GRACE_SHARE * budget)
     if search.best_at is None:
-        return infeasible_result(pb, "exact", tightest_reason(pb), started, search.leaves)
-    return pb.result("exact", search.best_at, started, search.leaves)
+        if search.stopped:
+            raise DeadlineExceeded(f"exact: no feasible variant found within the time budget of {budget:g} s "
+                                   f"({search.nodes:,} search nodes; proven lower bound of the cost "
+                                   f"{search.lower_bound:.6g})", reason="SELECTION_DEADLINE_EXCEEDED")
+        level = tightest_reason(pb, deadline=started + GRACE_SHARE * budget)
+        if level is None:
+            # Infeasibility is proven; only which constraint is the tightest stayed open.
+            res = infeasible_result(pb, "exact", 4, started, search.leaves, timed_out=True, optimal=True)
+            return replace(res, reason_detail=res.reason_detail + " (the time budget ran out before the "
+                           "tightest reason was established: it may be an earlier constraint)")
+        return infeasible_result(pb, "exact", level, started, search.leaves, optimal=True)
+    return pb.result("exact", search.best_at, started, search.leaves, timed_out=search.stopped,
+                     optimal=not search.stopped, lower_bound=search.lower_bound)
 
 
 __all__ = ["select_exact", "solve", "tightest_reason"]

@@ -84,5 +84,6 @@ def select_exhaustive(req: SelectionRequest) -> SelectionResult:
             break
     evaluated = visited + skipped[0]
     if best_at is None:
-        return infeasible_result(problem, "exhaustive", level, started, evaluated, timed_out)
-    return problem.result("exhaustive", best_at, started, evaluated, timed_out)
+        return infeasible_result(problem, "exhaustive", level, started, evaluated, timed_out,
+                                 optimal=not timed_out)
+    return problem.result("exhaustive", best_at, started, evaluated, timed_out, optimal=not timed_out)

@@ -201,12 +201,16 @@ class Problem:
 
     def result(self, strategy: str, best_at: tuple[PWorkflow, Sequence[Choice], Sequence[int],
                                                     Sequence[tuple[str, tuple[str, ...]]]],
-               started: float, evaluated: int, timed_out: bool = False) -> SelectionResult:
-        """The answer for a found variant."""
+               started: float, evaluated: int, timed_out: bool = False, *, optimal: bool = False,
+               lower_bound: float = 0.0) -> SelectionResult:
+        """The answer for a found variant; `optimal` when the strategy proved it least-cost (the lower
+        bound is then its cost), else `lower_bound` is what it proved."""
         pw, choice, slots, places = best_at
-        return SelectionResult(strategy=strategy, variant=self.build_variant(pw, choice, slots, places),
+        v = self.build_variant(pw, choice, slots, places)
+        return SelectionResult(strategy=strategy, variant=v,
                                variants_evaluated=evaluated, search_space_size=self.total_space(),
-                               elapsed_s=time.perf_counter() - started, timed_out=timed_out)
+                               elapsed_s=time.perf_counter() - started, timed_out=timed_out, optimal=optimal,
+                               lower_bound=v.cost if optimal else min(max(lower_bound, 0.0), v.cost))
 
     # ---- search-space size (the spec's space, accuracy ignored) ----
 
@@ -242,13 +246,14 @@ _DETAIL = {
 
 
 def infeasible_result(problem: Problem, strategy: str, level: int, started: float, evaluated: int,
-                      timed_out: bool = False) -> SelectionResult:
-    """The answer when no feasible variant was found; `level` is the tightest failed constraint."""
+                      timed_out: bool = False, *, optimal: bool = False) -> SelectionResult:
+    """The answer when no feasible variant was found; `level` is the tightest failed constraint;
+    `optimal` when the strategy proved that no feasible variant exists."""
     level = max(1, min(level, 4))
     detail = _DETAIL[level].format(alpha=problem.alpha, lam=problem.lam, rho=problem.rho, u=problem.u)
     return SelectionResult(strategy=strategy, variant=None, reason=_REASON[level], reason_detail=detail,
                            variants_evaluated=evaluated, search_space_size=problem.total_space(),
-                           elapsed_s=time.perf_counter() - started, timed_out=timed_out)
+                           elapsed_s=time.perf_counter() - started, timed_out=timed_out, optimal=optimal)
 
 
 def better(cost: float, lat: float, gpus: int, best: tuple[float, float, int] | None) -> bool:
