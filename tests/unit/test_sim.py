@@ -51,7 +51,14 @@ def test_invariants_for_every_policy(policy: str, kind: str, load: float) -> Non
     assert r.tokens_emitted == r.tokens_asked > 0
     assert r.prompt_tokens_processed == r.prompt_tokens_asked
     assert 0.0 <= r.goodput <= 1.0
-    assert r.cost_usd == pytest.approx(r.gb_reserved * r.residence_s * GPU.price_per_gb_second)
+    # cost: every instance pays GB x its own residence (from its deploy time to the window end or its last call)
+    assert r.cost_usd == pytest.approx(r.gb_seconds * GPU.price_per_gb_second)
+    assert r.cost_usd == pytest.approx(sum(m.cost_usd for m in r.per_instance))
+    by = {i.id: i for i in p.instances}
+    for m in r.per_instance:
+        assert m.residence_s >= 30.0 - by[m.id].start_s - 1e-9
+        assert m.cost_usd == pytest.approx(by[m.id].memory_gb * m.residence_s * GPU.price_per_gb_second)
+        assert 0.0 <= m.busy_fraction
 
 
 def test_deterministic_under_a_seed() -> None:
@@ -187,7 +194,7 @@ def test_instance_metrics_report_the_load_actually_carried() -> None:
     s = t.workflow_for_request("chat-direct", 1000, 100).stage("respond")
     assert (a.calls, a.output_tokens, a.prompt_tokens) == (10, 10 * s.output_tokens, 10 * s.input_tokens)
     assert a.output_tokens_per_s == pytest.approx(10 * s.output_tokens / 20.0)
-    busy = 10 * (s.output_tokens / p.max_output_tokens_per_s + s.input_tokens * p.prefill_s_per_token)
+    busy = 10 * (s.output_tokens / p.pure_decode_tokens_per_s + s.input_tokens * p.prefill_s_per_token)
     assert a.busy_equiv_tokens_per_s == pytest.approx(busy / 20.0 * p.max_output_tokens_per_s)
     assert a.utilization == pytest.approx(busy / 20.0)
     assert a.busy_equiv_tokens_per_s > a.output_tokens_per_s  # prefill counts
@@ -244,3 +251,77 @@ def test_worst_case_colocation_slows_instances_sharing_a_gpu() -> None:
     assert slowed.latencies[0][1] == pytest.approx(p.fixed_s + 2 * engine_s)  # fixed_s is not GPU time
     with pytest.raises(InvalidSpec, match="colocation"):
         simulate(shared, [], [], CLUSTER.gpus, BY_ID, GPU, colocation="magic")
+
+
+def _flat(model: str = "Qwen2.5-7B-Instruct") -> Profile:
+    """A profile with round numbers: no fixed or prefill cost, 20 ms per token, 1000 tok/s."""
+    return dataclasses.replace(_prof(model), fixed_s=0.0, prefill_s_per_token=0.0, decode_s_per_token=0.02,
+                               max_output_tokens_per_s=1000.0, decode_tokens_per_s=1000.0)
+
+
+def _chat_runs(inst: list[SimInstance], reqs: list[tuple[float, str]], colocation: str = "dynamic"):  # type: ignore[no-untyped-def]
+    t = get_task("chat")
+    routes = tuple(Route("chat-direct", (("respond", i.id),)) for i in inst)
+    names = [i.id for i in inst]
+    dep = TaskDeployment(t, routes, lambda a, k, load: names.index(a.req_id.split("-")[0]))
+    arr = [Arrival(at, "chat", f"{iid}-{k}", 100, 100) for k, (at, iid) in enumerate(reqs)]
+    r = simulate(inst, [dep], arr, CLUSTER.gpus, BY_ID, GPU, keep_latencies=True, colocation=colocation)
+    return {rid.split("-")[0]: lat for rid, lat, _ in r.latencies}, r
+
+
+def test_dynamic_colocation_hand_computed() -> None:
+    """Two instances on one GPU, 100 output tokens each at 20 ms/token alone.
+    Both busy from 0: each runs at half speed -> 4.0 s. Staggered (b at 1.0): a alone for 50 tokens (1.0 s), then
+    both at half speed: a's last 50 take 2.0 s (a ends at 3.0); b did 50 by then, its last 50 alone take 1.0 s
+    (ends at 4.0, latency 3.0). An instance on another GPU is never slowed."""
+    p = _flat()
+    inst = [SimInstance("a", p, ("node0-gpu0",)), SimInstance("b", p, ("node0-gpu0",)),
+            SimInstance("c", p, ("node0-gpu1",))]
+    lat, r = _chat_runs(inst, [(0.0, "a"), (0.0, "b"), (0.0, "c")])
+    assert lat == pytest.approx({"a": 4.0, "b": 4.0, "c": 2.0}, abs=1e-9)
+    assert r.speed_changes >= 2
+    lat, _ = _chat_runs(inst, [(0.0, "a"), (1.0, "b")])
+    assert lat == pytest.approx({"a": 3.0, "b": 3.0}, abs=1e-9)
+    # the bounds: ignore = alone; worst-case = always halved
+    lat, _ = _chat_runs(inst, [(0.0, "a"), (1.0, "b")], "ignore")
+    assert lat == pytest.approx({"a": 2.0, "b": 2.0}, abs=1e-9)
+    lat, _ = _chat_runs(inst, [(0.0, "a"), (1.0, "b")], "worst-case")
+    assert lat == pytest.approx({"a": 4.0, "b": 4.0}, abs=1e-9)
+
+
+def test_dynamic_colocation_lies_between_the_bounds_on_a_real_plan() -> None:
+    wl, p, _ = _run("flowmaker-noreuse", "conv", 0.5)
+    res = {m: simulate(p.instances, p.deployments, wl, CLUSTER.gpus, BY_ID, GPU, duration_s=30.0, colocation=m)
+           for m in ("ignore", "dynamic", "worst-case")}
+    assert res["ignore"].mean_latency_s <= res["dynamic"].mean_latency_s + 1e-9
+    assert res["dynamic"].mean_latency_s <= res["worst-case"].mean_latency_s + 1e-9
+    assert res["dynamic"].tokens_emitted == res["ignore"].tokens_emitted
+
+
+def test_each_instance_pays_for_its_own_residence() -> None:
+    p = _flat()
+    inst = [SimInstance("a", p, ("node0-gpu0",)), SimInstance("late", p, ("node0-gpu1",), start_s=10.0)]
+    t = get_task("chat")
+    dep = TaskDeployment(t, (Route("chat-direct", (("respond", "a"),)),))
+    r = simulate(inst, [dep], [Arrival(0.0, "chat", "c0", 100, 100)], CLUSTER.gpus, BY_ID, GPU, duration_s=30.0)
+    a, late = r.per_instance
+    assert (a.residence_s, late.residence_s) == (30.0, 20.0)
+    price = GPU.price_per_gb_second
+    assert r.cost_usd == pytest.approx(p.memory_gb_per_gpu * (30.0 + 20.0) * price)
+    # a drain past the window extends only the instance that drains
+    r2 = simulate(inst, [dep], [Arrival(0.0, "chat", "c0", 100, 100)], CLUSTER.gpus, BY_ID, GPU, duration_s=1.0)
+    a2, late2 = r2.per_instance
+    assert a2.residence_s == pytest.approx(2.0) and late2.residence_s == 0.0
+
+
+def test_monitor_window_counts_only_calls_from_measure_from() -> None:
+    p = _flat()
+    inst = [SimInstance("a", p, ("node0-gpu0",))]
+    t = get_task("chat")
+    dep = TaskDeployment(t, (Route("chat-direct", (("respond", "a"),)),))
+    arr = [Arrival(float(i), "chat", f"c{i}", 100, 100) for i in range(10)]
+    r = simulate(inst, [dep], arr, CLUSTER.gpus, BY_ID, GPU, duration_s=10.0, measure_from_s=5.0)
+    (m,) = r.per_instance
+    s = t.workflow_for_request("chat-direct", 100, 100).stage("respond")
+    assert m.calls == 5 and m.output_tokens == 5 * s.output_tokens
+    assert m.output_tokens_per_s == pytest.approx(5 * s.output_tokens / 5.0)

@@ -23,10 +23,45 @@ def test_seven_tasks_three_valid_candidates_each() -> None:
                 assert all(s.role and s.prompt_template for s in w.stages)
 
 
-def test_alphas_spread_so_tasks_need_different_model_sizes() -> None:
+def test_alphas_spread_and_at_most_the_strong_models_accuracy() -> None:
+    from flowmaker.catalog import default_models
+    from flowmaker.eval.policies import ROUTELLM_STRONG
+    strong = next(m for m in default_models() if m.id == ROUTELLM_STRONG).accuracy
     alphas = sorted(t.min_accuracy for t in EVAL_TASKS)
-    assert alphas[0] <= 0.16 and alphas[-1] >= 0.44
+    assert alphas[0] <= 0.16 and alphas[-1] >= 0.40
     assert len(set(alphas)) == 7
+    assert all(a <= strong for a in alphas)  # every baseline's strong model can meet every target
+
+
+def test_fixed_workflows_are_declared_multi_stage_with_rationale_and_k_in_range() -> None:
+    from flowmaker.eval.slo import SLO_K_RANGE
+    stages = 0
+    for t in EVAL_TASKS:
+        assert t.fixed_workflow in {c.id for c in t.candidates}, t.name
+        assert t.fixed_rationale and t.slo_k_rationale
+        assert SLO_K_RANGE[0] <= t.slo_k <= SLO_K_RANGE[1]
+        wf = t.fixed_nominal("conv")
+        assert len(wf.llm_stages) >= 2, t.name  # the published fixed workflows have at least 2 stages
+        stages += len(wf.llm_stages)
+    assert stages == 15  # one LangChain instance per stage
+
+
+def test_rule_slos_are_k_times_the_reference_standalone_latency() -> None:
+    """Hand-computed: chat's fixed workflow (answer || moderation) on Qwen2.5-14B tp1, a lone median conv
+    request: the slower parallel branch, fixed + prefill x in + decode x out."""
+    from flowmaker.catalog import default_models, get_gpu_type
+    from flowmaker.eval.slo import reference_profile, standalone_latency_s, with_rule_slos
+    from flowmaker.profiling.analytic import profiles_for
+    gpu, models = get_gpu_type("A6000"), default_models()
+    profs = profiles_for(models, gpu, max_gpus=8)
+    ref = reference_profile(profs)
+    chat = get_task("chat")
+    wf = chat.fixed_nominal("conv")
+    want = max(ref.call_latency_s(s.input_tokens, s.output_tokens) for s in wf.llm_stages)
+    by_id = {m.id: m for m in models}
+    assert standalone_latency_s(chat, "conv", profs, by_id, gpu) == pytest.approx(want, rel=1e-9)
+    ruled = {t.name: t for t in with_rule_slos(EVAL_TASKS, "conv", profs, by_id, gpu)}
+    assert ruled["chat"].max_latency_s == pytest.approx(chat.slo_k * want, rel=1e-9)
 
 
 def test_mix_of_shapes_tool_dag_and_multi_call() -> None:

@@ -13,6 +13,7 @@ from flowmaker.eval.tasks import EVAL_TASKS
 from flowmaker.eval.trace_stats import TRACE_STATS
 from flowmaker.eval.traces import (
     LOAD_LEVELS,
+    Arrival,
     build_workload,
     get_trace,
     load_trace,
@@ -125,3 +126,41 @@ def test_cli_synth_and_stats(tmp_path: Path) -> None:
     assert r.exit_code == 0 and '"n_requests": 30' in r.output
     r = runner.invoke(app, ["traces", "stats", str(tmp_path / "missing.csv")])
     assert r.exit_code == 1
+
+
+def test_segment_is_contiguous_one_scale_staggered_and_deterministic() -> None:
+    from flowmaker.eval.traces import MONITOR_WINDOW_TRACE_S, build_segment_workload
+    tr = get_trace("conv", None)
+    rates = [(t.name, t.nominal_rate_rps * 0.5) for t in EVAL_TASKS]
+    w = build_segment_workload(rates, tr, 0.5, seed=0, segment_s=600.0)
+    # one contiguous stretch of the trace, one time-scale factor: replayed gaps = scale x trace gaps
+    seg = [r for r in tr.requests if w.offset_s <= r.arrival_s - tr.requests[0].arrival_s < w.offset_s + 600.0]
+    assert len(seg) == w.segment_requests == len(w.all_arrivals)
+    times = sorted(a.time_s for a in w.all_arrivals)
+    src = [(r.arrival_s - seg[0].arrival_s) * w.scale for r in seg]
+    assert times == pytest.approx([x + times[0] for x in src], abs=1e-6)
+    assert w.scale == pytest.approx(len(seg) / 600.0 / sum(r for _, r in rates))  # mean rate = the target
+    assert w.duration_s == pytest.approx(600.0 * w.scale)
+    # staggered deploys, the first after one monitor window; nothing scored before a task's deploy
+    deps = [d for _, d in w.deploy_s]
+    assert deps == sorted(deps) and len(set(deps)) == len(deps)
+    assert deps[0] == pytest.approx(MONITOR_WINDOW_TRACE_S * w.scale)
+    assert all(a.time_s >= w.deploy_time(a.task) for a in w.arrivals)
+    assert len(w.arrivals) < len(w.all_arrivals)
+    # every task gets its share; the peak minute is at least the mean
+    for t in EVAL_TASKS:
+        assert w.peak_rate(t.name) >= w.mean_rate(t.name) > 0
+    assert build_segment_workload(rates, tr, 0.5, seed=0) == w
+    assert build_segment_workload(rates, tr, 0.5, seed=1).offset_s != w.offset_s
+    with pytest.raises(InvalidSpec, match="segment"):
+        build_segment_workload(rates, synthesize("conv", 50, seed=0), 0.5, segment_s=600.0)
+
+
+def test_segment_rate_window_counts_by_hand() -> None:
+    from flowmaker.eval.traces import SegmentWorkload
+    arr = tuple(Arrival(float(t), "a", f"a{t}", 1, 1) for t in (0, 1, 2, 3, 10, 11))
+    w = SegmentWorkload("conv", "x", 1.0, 0.0, 12.0, 1.0, 12.0, (("a", 0.0),), 4.0, arr, arr, 6, 0.5)
+    assert w.rate_in("a", 0.0, 4.0) == pytest.approx(1.0)
+    assert w.rate_in("a", 4.0, 8.0) == 0.0
+    assert w.mean_rate("a") == pytest.approx(0.5)
+    assert w.peak_rate("a", step_s=1.0) == pytest.approx(1.0)
