@@ -79,6 +79,9 @@ LIMITS = Limits()
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ETAG_RE = re.compile(r"[0-9]{1,20}")
+# A placeholder: a stage id without '.' (str.format reads '.' as attribute access), not all digits
+# (positional arguments).
+_PLACEHOLDER_RE = re.compile(r"(?![0-9]+$)[A-Za-z0-9_][A-Za-z0-9_-]*")
 
 
 def _limit_error(message: str, field: str, limit: str, value: Any) -> LimitExceeded:
@@ -155,7 +158,7 @@ def check_prompt_template(template: str, field: str, limits: Limits = LIMITS) ->
             raise InvalidSpec(f"'{{{name}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}': only plain "
                               "{input} or {<stage id>} substitutions are allowed (no format spec or conversion)",
                               field=field, reason="INVALID_TEMPLATE")
-        if name != "input" and not _ID_RE.fullmatch(name):
+        if not _PLACEHOLDER_RE.fullmatch(name):
             raise InvalidSpec(f"'{{{preview(name, 32)[1:-1]}}}': only plain {{input}} or {{<stage id>}} "
                               "substitutions are allowed (no attribute or index access)",
                               field=field, reason="INVALID_TEMPLATE")

@@ -10,8 +10,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flowmaker.domain import Stage, StageKind, Workflow
 from flowmaker.cancel import checkpoint
+from flowmaker.domain import Stage, StageKind, Workflow
 from flowmaker.errors import InvalidSpec
 from flowmaker.limits import check_prompt_template
 
