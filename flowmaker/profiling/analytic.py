@@ -16,10 +16,26 @@ from flowmaker.domain import GpuType, Model, ModelArch, Profile, ProfileSource
 from flowmaker.errors import InvalidSpec
 
 __all__ = [
-    "COMM_BW_EFFICIENCY", "COMM_HOP_LATENCY_S", "DECODE_BW_EFFICIENCY", "DECODE_STEP_OVERHEAD_S", "KV_RESERVED_TOKENS",
-    "MAX_BATCH", "MEMORY_FIT_FRACTION", "PREFILL_MFU", "REF_OUTPUT_TOKENS", "REF_PROMPT_TOKENS", "RUNTIME_OVERHEAD_GB",
-    "SERVER_OVERHEAD_S", "ConfigExcluded", "ProfileBreakdown", "analytic_profile", "config_set", "exclusion_reason",
-    "capacity_from_decode", "explain_profile", "profiles_for",
+    "COMM_BW_EFFICIENCY",
+    "COMM_HOP_LATENCY_S",
+    "DECODE_BW_EFFICIENCY",
+    "DECODE_STEP_OVERHEAD_S",
+    "KV_RESERVED_TOKENS",
+    "MAX_BATCH",
+    "MEMORY_FIT_FRACTION",
+    "PREFILL_MFU",
+    "REF_OUTPUT_TOKENS",
+    "REF_PROMPT_TOKENS",
+    "RUNTIME_OVERHEAD_GB",
+    "SERVER_OVERHEAD_S",
+    "ConfigExcluded",
+    "ProfileBreakdown",
+    "analytic_profile",
+    "capacity_from_decode",
+    "config_set",
+    "exclusion_reason",
+    "explain_profile",
+    "profiles_for",
 ]
 
 # ---- Efficiency constants (what fraction of the datasheet a real engine reaches) ----

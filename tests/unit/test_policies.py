@@ -16,14 +16,17 @@ from flowmaker.eval.policies import (
     LANGCHAIN_DEFAULT_MODEL,
     ROUTELLM_STRONG,
     ROUTELLM_STRONG_SHARE,
+    ROUTELLM_WEAK,
     PolicyContext,
     get_policy,
     langchain_model,
+    lone_latency_s,
     plan,
     simulated_monitor,
 )
-from flowmaker.eval.tasks import EVAL_TASKS, get_task
-from flowmaker.eval.traces import Arrival, build_workload, get_trace
+from flowmaker.eval.slo import with_rule_slos
+from flowmaker.eval.tasks import EVAL_TASKS
+from flowmaker.eval.traces import Arrival, build_segment_workload, get_trace
 from flowmaker.profiling.analytic import profiles_for
 from flowmaker.sim import SimInstance, TaskDeployment, check_memory
 
@@ -33,8 +36,17 @@ PROFILES = profiles_for(MODELS, GPU, max_gpus=8)
 CLUSTER = make_cluster("A6000", nodes=1, gpus_per_node=8)
 
 
+BY_ID = {m.id: m for m in MODELS}
+TASKS = with_rule_slos(EVAL_TASKS, "conv", PROFILES, BY_ID, GPU)
+
+
+def _wl(load: float = 0.5, seed: int = 0):  # type: ignore[no-untyped-def]
+    return build_segment_workload([(t.name, t.nominal_rate_rps * load) for t in TASKS], get_trace("conv", None),
+                                  load, seed=seed, segment_s=300.0)
+
+
 def _ctx(load: float = 0.5, kind: str = "conv", **kw: object) -> PolicyContext:
-    return PolicyContext(EVAL_TASKS, kind, load, MODELS, PROFILES, CLUSTER, GPU, **kw)  # type: ignore[arg-type]
+    return PolicyContext(TASKS, kind, load, MODELS, PROFILES, CLUSTER, GPU, **kw)  # type: ignore[arg-type]
 
 
 def test_unknown_policy_is_a_clear_error() -> None:
@@ -44,64 +56,138 @@ def test_unknown_policy_is_a_clear_error() -> None:
 
 @pytest.mark.parametrize("name", ALL_POLICIES)
 def test_every_policy_gives_a_consistent_plan(name: str) -> None:
-    p = plan(name, _ctx())
+    wl = _wl()
+    p = plan(name, _ctx(workload=wl))
     check_memory(p.instances, CLUSTER.gpus)
     ids = {i.id for i in p.instances}
-    assert {d.task.name for d in p.deployments} | {u for u, _ in p.unplaced} == {t.name for t in EVAL_TASKS}
+    assert {d.task.name for d in p.deployments} | {u for u, _ in p.unplaced} == {t.name for t in TASKS}
     for d in p.deployments:
         for r in d.routes:
             wf = d.task.candidate(r.workflow_id).instantiate(100, 10)
             assert {s.id for s in wf.llm_stages} == {s for s, _ in r.stage_instances}
             assert {i for _, i in r.stage_instances} <= ids
+            if name != "flowmaker" and not name.startswith("flowmaker-"):
+                assert r.workflow_id == d.task.fixed_workflow  # the baselines serve the fixed workflow
+    # an instance exists from the deploy of the task that created it (RouteLLM: the first deploy)
+    first = min(d for _, d in wl.deploy_s)
+    for i in p.instances:
+        assert i.start_s == pytest.approx(wl.deploy_time(i.deployed_by) if i.deployed_by in dict(wl.deploy_s)
+                                          else first)
 
 
 def test_flowmaker_reuses_and_noreuse_does_not() -> None:
     fm, nr = plan("flowmaker", _ctx()), plan("flowmaker-noreuse", _ctx())
     assert any(d.reused for d in fm.decisions)
     assert not any(d.reused for d in nr.decisions)
-    assert sum(i.memory_gb for i in fm.instances) < sum(i.memory_gb for i in nr.instances)
 
 
-def test_langchain_is_fixed_and_dedicated() -> None:
-    p = plan("langchain", _ctx())
-    assert len(p.instances) == len(EVAL_TASKS) and not any(d.reused for d in p.decisions)
-    for d in p.deployments:
-        assert d.routes[0].workflow_id == d.task.candidates[0].id
-    assert langchain_model(get_task("chat"), MODELS) == LANGCHAIN_DEFAULT_MODEL
-    qa = langchain_model(get_task("multihop_qa"), MODELS)  # alpha above the default model's accuracy
-    assert next(m for m in MODELS if m.id == qa).accuracy >= get_task("multihop_qa").min_accuracy
-    # same plan at every load: nothing is sized for load
-    assert [i.profile.key for i in plan("langchain", _ctx(1.0)).instances] == [i.profile.key for i in p.instances]
+def test_langchain_one_instance_per_stage_first_fit_by_hand() -> None:
+    """2 empty A6000s (48 GB), smallest-model rule: chat's 2 stages -> 2 x Qwen2.5-3B (9.4 GB) both on gpu0; code's
+    2 stages -> 2 x Qwen2.5-7B (19.1 GB): the first still fits on gpu0 (18.8 + 19.1 <= 48), the second goes to
+    gpu1; math's Qwen2.5-14B (38 GB) stages: gpu0 has 9.2 GB left, gpu1 28.9 -> its first stage fails, the task
+    fails and nothing of it stays placed."""
+    two = make_cluster("A6000", nodes=1, gpus_per_node=2)
+    tasks = tuple(t for t in TASKS if t.name in ("chat", "code", "math"))
+    p = plan("langchain", PolicyContext(tasks, "conv", 0.5, MODELS, PROFILES, two, GPU))
+    got = [(i.deployed_by, i.profile.model_id, i.gpu_ids) for i in p.instances]
+    assert got == [("chat", "Qwen2.5-3B-Instruct", ("node0-gpu0",)), ("chat", "Qwen2.5-3B-Instruct", ("node0-gpu0",)),
+                   ("code", "Qwen2.5-7B-Instruct", ("node0-gpu0",)), ("code", "Qwen2.5-7B-Instruct", ("node0-gpu1",))]
+    assert [u for u, _ in p.unplaced] == ["math"] and "NO_GPU_MEMORY" in p.unplaced[0][1]
+    assert [(t, s) for t, s, _ in p.placement_failures] == [("math", "program")]
+    assert not any(d.reused for d in p.decisions)
+    # the whole evaluation: one instance per LLM stage of the fixed workflows (15), nothing sized for load
+    full = plan("langchain", _ctx())
+    assert len(full.instances) + sum(1 for _ in full.placement_failures) >= 15
+    assert [i.profile.key for i in plan("langchain", _ctx(1.0)).instances] == [i.profile.key for i in full.instances]
 
 
-def test_routellm_routes_the_configured_share_to_the_strong_model() -> None:
+def test_langchain_model_rules() -> None:
+    for t in TASKS:
+        m = next(x for x in MODELS if x.id == langchain_model(t, MODELS))
+        assert m.accuracy >= t.min_accuracy
+        assert all(x.params_b >= m.params_b for x in MODELS if x.accuracy >= t.min_accuracy)
+        assert langchain_model(t, MODELS, "strong") == LANGCHAIN_DEFAULT_MODEL
+    with pytest.raises(InvalidSpec, match="rule"):
+        langchain_model(TASKS[0], MODELS, "magic")
+    # the strong rule: 15 x 38 GB on 8 x 48 GB cannot all be placed; failures are reported, not hidden
+    p = plan("langchain", _ctx(langchain_model="strong"))
+    assert p.placement_failures and len(p.instances) <= 8
+
+
+def test_routellm_shares_pools_and_tp_rule() -> None:
+    wl = _wl()
     for setting, share in ROUTELLM_STRONG_SHARE.items():
-        p = plan(f"routellm-{setting}", _ctx(0.25))
+        p = plan(f"routellm-{setting}", _ctx(workload=wl))
+        models = {i.profile.model_id for i in p.instances}
+        assert models == ({ROUTELLM_STRONG} if share == 1.0 else {ROUTELLM_STRONG, ROUTELLM_WEAK})
         d = p.deployments[0]
-        strong = {i.id for i in p.instances if i.profile.model_id == ROUTELLM_STRONG}
         assert d.router is not None
-        picks = [d.routes[d.router(Arrival(0.0, d.task.name, f"r{k}", 10, 10), k)] for k in range(2000)]
-        frac = sum(1 for r in picks if r.stage_instances[0][1] in strong) / len(picks)
+        strong = {k for k, r in enumerate(d.routes)
+                  if next(i for i in p.instances if i.id == r.stage_instances[0][1]).profile.model_id
+                  == ROUTELLM_STRONG}
+        picks = [d.router(Arrival(0.0, d.task.name, f"r{k}", 10, 10), k, lambda iid: 0.0) for k in range(2000)]
+        frac = sum(1 for r in picks if r in strong) / len(picks)
         assert frac == pytest.approx(share, abs=0.04)
+        # tp: every task's lone request meets its latency SLO at the sizing request, or no tp does
+        for mid in models:
+            prof = next(i.profile for i in p.instances if i.profile.model_id == mid)
+            ok = all(lone_latency_s(t.fixed_nominal("conv", "mean"), prof) <= t.max_latency_s for t in TASKS)
+            smaller = [q for q in PROFILES if q.model_id == mid and q.pp == 1 and q.tp < prof.tp]
+            assert ok or not any(all(lone_latency_s(t.fixed_nominal("conv", "mean"), q) <= t.max_latency_s
+                                     for t in TASKS) for q in PROFILES if q.model_id == mid and q.pp == 1)
+            for q in smaller:  # the smallest tp that works
+                assert not all(lone_latency_s(t.fixed_nominal("conv", "mean"), q) <= t.max_latency_s for t in TASKS)
 
 
-def test_murakkab_plans_once_whatever_the_load() -> None:
-    lo, hi = plan("murakkab", _ctx(0.25)), plan("murakkab", _ctx(1.0))
-    assert [i.profile.key for i in lo.instances] == [i.profile.key for i in hi.instances]
-    for d in lo.deployments:
-        assert d.routes[0].workflow_id == d.task.candidates[0].id
+def test_routellm_dispatches_to_the_least_loaded_replica() -> None:
+    p = plan("routellm-max-quality", _ctx(1.0, workload=_wl(1.0)))
+    d = p.deployments[0]
+    assert d.router is not None and len(d.routes) >= 2
+    ids = [r.stage_instances[0][1] for r in d.routes]
+    load = {iid: 10.0 for iid in ids}
+    load[ids[-1]] = 1.0
+    assert d.router(Arrival(0.0, d.task.name, "x", 10, 10), 0, lambda iid: load[iid]) == len(ids) - 1
+    load[ids[0]] = 0.5
+    assert d.router(Arrival(0.0, d.task.name, "y", 10, 10), 1, lambda iid: load[iid]) == 0
 
 
-def test_serving_bench_small_matrix(tmp_path: Path) -> None:
+def test_rates_each_policy_plans_with() -> None:
+    """FlowMaker: the trace minute before its deploy; Murakkab: the segment mean; -maxload: the peak minute."""
+    wl = _wl()
+    by = {t.name: t for t in TASKS}
+    fm = dict(plan("flowmaker-plannedload", _ctx(workload=wl)).planned_rates)
+    mk = dict(plan("murakkab", _ctx(workload=wl)).planned_rates)
+    mx = dict(plan("murakkab-maxload", _ctx(workload=wl)).planned_rates)
+    for name in by:
+        d = wl.deploy_time(name)
+        assert fm[name] == pytest.approx(max(wl.rate_in(name, d - wl.window_s, d), 1e-6))
+        assert mk[name] == pytest.approx(wl.mean_rate(name))
+        assert mx[name] == pytest.approx(wl.peak_rate(name)) and mx[name] >= mk[name]
+    # Murakkab plans offline: the same rates whatever happens before a deploy; no workload -> load x nominal
+    nominal = dict(plan("murakkab", _ctx(0.25)).planned_rates)
+    assert nominal == pytest.approx({t.name: 0.25 * t.nominal_rate_rps for t in TASKS})
+
+
+def test_serving_bench_small_matrix_records_the_setup(tmp_path: Path) -> None:
     from flowmaker.bench.serving import run_serving_bench
     rep = run_serving_bench(tmp_path, traces_dir=tmp_path / "none", policies=["flowmaker", "langchain",
-                                                                              "flowmaker-noreuse"],
-                            loads=[0.25], traces=["conv"])
+                                                                              "flowmaker-noreuse", "murakkab"],
+                            loads=[0.25], traces=["conv"], segment_s=300.0)
     data = json.loads((tmp_path / "serving.json").read_text())
-    assert len(data["rows"]) == 3
-    assert "synthetic" in data["setup"]["trace_sources"]["conv"]
-    assert data["ratios"]["vs_langchain_cost"]["ours"]["avg"] > 1.0
-    assert data["ratios"]["reuse_vs_noreuse_low_load_cost"]["ours"]["avg"] >= 1.0
+    assert len(data["rows"]) == 4
+    setup = data["setup"]
+    assert "synthetic" in setup["trace_sources"]["conv"]
+    assert {t["task"]: t["fixed_workflow"] for t in setup["tasks"]} == {t.name: t.fixed_workflow for t in TASKS}
+    assert all(2 <= t["slo_k"] <= 5 for t in setup["tasks"])
+    seg = setup["segments"][0]
+    assert seg["segment_s"] == 300.0 and seg["offset_s"] >= 0 and len(seg["deploy_s"]) == len(TASKS)
+    assert setup["seed"] == 0 and setup["colocation"] == "dynamic"
+    for row in data["rows"]:
+        assert 0.0 <= row["goodput"] <= 1.0 and 0.0 <= row["accuracy_hit_rate"] <= 1.0
+        assert row["cost_usd"] == pytest.approx(sum(i["cost_usd"] for i in row["instance_list"]))
+    for name in ("vs_langchain_goodput", "vs_langchain_cost", "reuse_vs_noreuse_low_load_cost",
+                 "vs_murakkab_low_load_cost", "noreuse_vs_murakkab_low_load_cost", "langchain_placement_failures"):
+        assert name in data["ratios"], name
     for f in rep["plots"]:
         assert Path(f).stat().st_size > 1000
     with pytest.raises(NotFound):
@@ -109,17 +195,21 @@ def test_serving_bench_small_matrix(tmp_path: Path) -> None:
 
 
 def test_current_load_comes_from_the_monitor_for_flowmaker_only() -> None:
-    """flowmaker reads the monitor before each deployment; plannedload and murakkab only know planned loads."""
-    calls: list[int] = []
+    """flowmaker reads the monitor before each deployment, at its deploy time; plannedload and murakkab do not."""
+    calls: list[tuple[int, float]] = []
+    wl = _wl()
 
-    def saturated(instances: Sequence[SimInstance], deployments: Sequence[TaskDeployment]) -> dict[str, float]:
-        calls.append(len(deployments))
+    def saturated(instances: Sequence[SimInstance], deployments: Sequence[TaskDeployment],
+                  at: float) -> dict[str, float]:
+        calls.append((len(deployments), at))
         # every running instance reports a load above the cap: nothing can be reused
         return {i.id: 2.0 * i.profile.max_output_tokens_per_s for i in instances}
 
-    ctx = _ctx(monitor=saturated)
+    ctx = _ctx(monitor=saturated, workload=wl)
     fm = plan("flowmaker", ctx)
-    assert calls and calls == sorted(calls) and calls[0] >= 1  # asked once per later deployment, in order
+    assert calls and [c[0] for c in calls] == sorted(c[0] for c in calls)
+    for n, at in calls:  # asked just before the deploy of the task after the n deployed ones
+        assert at == pytest.approx(wl.deploy_s[n][1])
     assert not any(d.reused for d in fm.decisions)
     n_calls = len(calls)
     for name in ("flowmaker-plannedload", "murakkab", "murakkab-maxload", "flowmaker-noreuse"):
@@ -127,27 +217,19 @@ def test_current_load_comes_from_the_monitor_for_flowmaker_only() -> None:
     assert len(calls) == n_calls
     assert any(d.reused for d in plan("flowmaker-plannedload", ctx).decisions)
 
-    def idle(instances: Sequence[SimInstance], deployments: Sequence[TaskDeployment]) -> dict[str, float]:
-        return {}
-    # an idle cluster: at least as much reuse as with the planned loads
-    assert sum(d.reused for d in plan("flowmaker", _ctx(monitor=idle)).decisions) >= \
-        sum(d.reused for d in plan("flowmaker-plannedload", ctx).decisions)
 
-
-def test_simulated_monitor_measures_only_what_is_deployed() -> None:
-    trace = get_trace("conv", None, 0)
-    rates = [(t.name, t.nominal_rate_rps * 0.5) for t in EVAL_TASKS]
-    warm = build_workload(rates, trace, seed=99)
-    by_id = {m.id: m for m in MODELS}
-    mon = simulated_monitor(warm, CLUSTER.gpus, by_id, GPU, 30.0)
-    p = plan("flowmaker-plannedload", _ctx())
+def test_simulated_monitor_sees_only_the_past_and_what_is_deployed() -> None:
+    wl = _wl()
+    mon = simulated_monitor(wl, CLUSTER.gpus, BY_ID, GPU)
+    p = plan("flowmaker-plannedload", _ctx(workload=wl))
     first = p.deployments[:1]
     used = {i for r in first[0].routes for _, i in r.stage_instances}
-    seen = mon(p.instances, first)
+    at = wl.deploy_s[1][1]
+    seen = mon(p.instances, first, at)
     assert set(seen) == {i.id for i in p.instances}
     assert all(seen[i] > 0 for i in used) and all(seen[i] == 0 for i in seen if i not in used)
-    both = mon(p.instances, p.deployments[:2])
-    assert sum(both.values()) > sum(seen.values())
+    # by hand: the busy-time equivalent of the first task's calls submitted in the window before `at`
+    assert mon(p.instances, first, wl.deploy_s[0][1]) == {i.id: 0.0 for i in p.instances}  # nothing before deploy
 
 
 def test_planned_loads_are_reported_and_capped() -> None:
@@ -158,13 +240,11 @@ def test_planned_loads_are_reported_and_capped() -> None:
         assert 0 < load <= DEFAULT_UTILIZATION_CAP * cap[iid] + 1e-6
 
 
-def test_plan_tokens_mean_sizes_stages_at_the_trace_mean() -> None:
-    med, mean = plan("langchain", _ctx(plan_tokens="median")), plan("langchain", _ctx(plan_tokens="mean"))
-    # conv: mean generated tokens 211 vs median 129, so the planned output load is higher
-    assert sum(x for _, x in mean.planned_loads) > 1.5 * sum(x for _, x in med.planned_loads)
-
-
-def test_serving_bench_rejects_an_unknown_planning_statistic(tmp_path: Path) -> None:
+def test_serving_bench_rejects_unknown_options(tmp_path: Path) -> None:
     from flowmaker.bench.serving import run_serving_bench
     with pytest.raises(InvalidSpec, match="unknown statistic"):
         run_serving_bench(tmp_path, plan_tokens="p99", plots=False)
+    with pytest.raises(InvalidSpec, match="colocation"):
+        run_serving_bench(tmp_path, colocation="magic", plots=False)
+    with pytest.raises(InvalidSpec, match="LangChain"):
+        run_serving_bench(tmp_path, langchain_rule="magic", plots=False)
