@@ -31,6 +31,8 @@ class ServiceSettings(BaseSettings):
     grace_s: float = Field(default=5.0, ge=0, description="On SIGTERM, how long in-flight RPCs may finish before they are cancelled.")
     call_timeout_s: float = Field(default=30.0, gt=0, description="Default deadline of outgoing gRPC calls.")
     log_level: str = Field(default="INFO", description="Python logging level.")
+    metrics_port: int = Field(default=-1, ge=-1, le=65535, description="Prometheus /metrics port (on `host`); "
+                                                                       "-1 = off, 0 = any free port.")
 
     @field_validator("log_level")
     @classmethod

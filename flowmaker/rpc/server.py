@@ -2,7 +2,8 @@
 
 Lifecycle (`serve`):
 1. bind `settings.host:settings.port` (port 0 = any free port; the bound port is logged and
-   printed as `FLOWMAKER_READY {"service": ..., "address": ...}` on stdout once serving);
+   printed as `FLOWMAKER_READY {"service": ..., "address": ...}` on stdout once serving; with
+   `settings.metrics_port` >= 0, Prometheus `/metrics` is served there too and the line has `"metrics"`);
 2. health reports NOT_SERVING while `on_ready(running)` connects dependencies (etcd, channels,
    node registration); SERVING only after it returns;
 3. SIGTERM / SIGINT -> health NOT_SERVING for everyone (load balancers stop routing) ->
@@ -27,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from flowmaker.metrics import MetricsInterceptor, serve_metrics
 from flowmaker.rpc.errors import ErrorInterceptor
 from flowmaker.settings import ServiceSettings
 
@@ -90,7 +92,8 @@ async def start_server(service_name: str, add_servicers: AddServicers, settings:
     `interceptors` (e.g. OpenTelemetry's) run outside the error interceptor, so they see the
     final status code.
     """
-    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()])
+    # Metrics outermost: they count the status the caller gets, whatever the inner interceptors did.
+    server = grpc.aio.server(interceptors=[MetricsInterceptor(service_name), *interceptors, ErrorInterceptor()])
     names = tuple(add_servicers(server))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -136,7 +139,11 @@ async def serve(service_name: str, add_servicers: AddServicers, settings: Servic
         running = await start_server(service_name, add_servicers, settings, on_ready=on_ready,
                                      on_shutdown=on_shutdown, interceptors=interceptors)
         # One machine-readable line, so a launcher using port 0 learns where the service is.
-        print("FLOWMAKER_READY " + json.dumps({"service": service_name, "address": running.address}), flush=True)
+        ready: dict[str, str] = {"service": service_name, "address": running.address}
+        if settings.metrics_port >= 0:
+            ready["metrics"] = f"{settings.host}:{serve_metrics(settings.metrics_port, settings.host)}"
+            log.info("%s metrics on http://%s/metrics", service_name, ready["metrics"])
+        print("FLOWMAKER_READY " + json.dumps(ready), flush=True)
         if on_started is not None:
             on_started(running)
         # Not server.wait_for_termination(): cancelling that wait cancels grpc's own shutdown

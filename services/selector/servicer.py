@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from flowmaker import convert
+from flowmaker import convert, metrics
 from flowmaker.api.selector.v1 import selector_pb2, selector_pb2_grpc
 from flowmaker.catalog import default_models, get_gpu_type
 from flowmaker.domain import Cluster, SelectionRequest
@@ -34,6 +34,7 @@ class SelectorServicer(selector_pb2_grpc.SelectorServiceServicer):
         req = await self._complete(req, has_cluster=request.HasField("cluster"))
         # The strategies are CPU-bound; a worker thread keeps health checks and other RPCs answering.
         result = await asyncio.to_thread(select, req, strategy)
+        metrics.observe_selection(strategy, result.feasible, result.elapsed_s)
         log.info("SelectVariant %s: feasible=%s workflow=%s cost=%.3f latency=%.3fs evaluated=%d in %.3fs",
                  strategy, result.feasible, result.variant.workflow_id if result.variant else "-",
                  result.variant.cost if result.variant else 0.0, result.variant.latency_s if result.variant else 0.0,
