@@ -13,7 +13,6 @@ an engine process by accident).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import math
@@ -474,5 +473,47 @@ async def fuzz_with_etcd(endpoint: str, *, per_rpc: int, seed: int, timeout_s: f
         await store.close()
 
 
-def main_sync(endpoint: str, per_rpc: int, seed: int) -> FuzzReport:
-    return asyncio.run(fuzz_with_etcd(endpoint, per_rpc=per_rpc, seed=seed))
+@contextlib.contextmanager
+def temporary_etcd(etcd_bin: str = "etcd") -> Iterator[str]:
+    """A throw-away etcd on free loopback ports with a temp data dir; yields its client endpoint."""
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+    import urllib.request
+
+    exe = shutil.which(etcd_bin) or etcd_bin
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    cport, pport = free_port(), free_port()
+    with tempfile.TemporaryDirectory(prefix="flowmaker-fuzz-etcd-") as d:
+        curl, purl = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
+        proc = subprocess.Popen([exe, "--name", "fuzz", "--data-dir", d + "/data", "--listen-client-urls", curl,
+                                 "--advertise-client-urls", curl, "--listen-peer-urls", purl,
+                                 "--initial-advertise-peer-urls", purl, "--initial-cluster", f"fuzz={purl}",
+                                 "--log-level", "error", "--logger", "zap"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    with urllib.request.urlopen(curl + "/health", timeout=1) as r:
+                        if b"true" in r.read():
+                            break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd ({exe}) did not start")
+                time.sleep(0.1)
+            yield f"127.0.0.1:{cport}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
