@@ -5,7 +5,12 @@ Three experiments, one run, written as JSON + a table + PNG plots:
    8xA6000, on an empty cluster and on clusters whose running instances carry
    low / high load;
 2. depth — chains of 1..10 LLM stages with the 11 models;
-3. catalog — 11 / 25 / 50 / 125 models at 3 stages (extra models synthesised).
+3. catalog — 11 / 25 / 50 / 125 models at 3 stages (extra models synthesised);
+4. adversarial — seeded hard instances for `exact` under its anytime contract (time budget): fan and
+   diamond DAGs and chains of 8-15 LLM stages on 4 nodes x 8 mixed GPUs with 30+ running instances at
+   30-95% load, near-identical model clones, all-reuse optima, unplaceable stages, utilization cap 0.5
+   and latency SLOs at the edge of feasibility; reports time, whether optimality was proven, and the
+   proven gap.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 from flowmaker.catalog import default_models, get_gpu_type, make_cluster, params_from_arch
 from flowmaker.domain import (
     Cluster,
+    Gpu,
     Instance,
     Model,
     Profile,
@@ -34,6 +40,7 @@ from flowmaker.domain import (
     Variant,
     Workflow,
 )
+from flowmaker.errors import DeadlineExceeded
 from flowmaker.eval.tasks import EVAL_TASKS
 from flowmaker.eval.traces import quantile
 from flowmaker.profiling.analytic import profiles_for
@@ -55,6 +62,9 @@ class BenchConfig:
     depth_budget_s: float = 5.0
     catalog_sizes: tuple[int, ...] = (11, 25, 50, 125)
     seed: int = 0
+    adversarial_per_kind: int = 4  # seeded instances per adversarial kind (0: skip the section)
+    adversarial_budget_s: float = 1.9  # exact's time budget on them (the answer must come within 2 s)
+    sections: tuple[str, ...] = ("paper", "depth", "catalog", "adversarial")
 
 
 # ------------------------------------------------------------------ cluster states
@@ -260,6 +270,188 @@ def catalog(cfg: BenchConfig, progress: Progress) -> list[dict[str, Any]]:
     return rows
 
 
+# ------------------------------------------------------------------ adversarial instances
+
+ADVERSARIAL_KINDS = ("fan", "diamond", "chain15", "reuse", "unplaceable", "clones")
+
+
+def _adv_catalog(rng: random.Random, clones: int) -> tuple[tuple[Model, ...], tuple[Profile, ...]]:
+    """The 11 catalog models (A6000 profiles) plus `clones` near-identical copies of random models:
+    accuracy +-0.003, latency coefficients and capacity within +-1%, memory within +0.5%."""
+    models = list(default_models())
+    profiles = list(profiles_for(models, get_gpu_type("A6000"), max_gpus=8))
+    for c in range(clones):
+        t = rng.choice(default_models()[1:])
+        m = dataclasses.replace(t, id=f"{t.id}-clone{c}", accuracy=t.accuracy + rng.uniform(-0.003, 0.003))
+        models.append(m)
+        for p in [p for p in profiles if p.model_id == t.id]:
+            f = 1 + rng.uniform(-0.01, 0.01)
+            profiles.append(dataclasses.replace(
+                p, model_id=m.id, fixed_s=p.fixed_s * f, prefill_s_per_token=p.prefill_s_per_token * f,
+                decode_s_per_token=p.decode_s_per_token * f, max_output_tokens_per_s=p.max_output_tokens_per_s / f,
+                memory_gb_per_gpu=p.memory_gb_per_gpu * (1 + rng.choice((0.0, 0.0, rng.uniform(0, 0.005))))))
+    return tuple(models), tuple(profiles)
+
+
+def _adv_cluster(rng: random.Random, profiles: Sequence[Profile], n_instances: int,
+                 load: tuple[float, float] = (0.3, 0.95)) -> Cluster:
+    """4 nodes x 8 GPUs of mixed memory (48 / 80 GB) with `n_instances` running 1-2 GPU instances
+    placed where they fit, each at a uniform share of its capacity in `load`."""
+    totals = {f"n{n}-g{g}": rng.choice((48.0, 80.0)) for n in range(4) for g in range(8)}
+    used = dict.fromkeys(totals, 0.0)
+    small = [p for p in profiles if p.tp * p.pp <= 2 and p.memory_gb_per_gpu <= 40]
+    instances: list[Instance] = []
+    tries = 0
+    while len(instances) < n_instances and tries < 20 * n_instances:
+        tries += 1
+        p = rng.choice(small)
+        node = rng.randrange(4)
+        ids = [g for g in totals if g.startswith(f"n{node}-") and totals[g] - used[g] >= p.memory_gb_per_gpu]
+        if len(ids) < p.tp * p.pp:
+            continue
+        gids = tuple(sorted(rng.sample(ids, p.tp * p.pp)))
+        for g in gids:
+            used[g] += p.memory_gb_per_gpu
+        instances.append(Instance(f"run{len(instances)}", p.model_id, p.tp, p.pp, gids,
+                                  rng.uniform(*load) * p.max_output_tokens_per_s))
+    gpus = tuple(Gpu(g, g.split("-")[0], totals[g], used[g]) for g in totals)
+    return Cluster(gpus, tuple(instances))
+
+
+def _stage(rng: random.Random, i: int, deps: tuple[str, ...], scale: float = 1.0) -> Stage:
+    return Stage(f"s{i}", input_tokens=int(rng.uniform(200, 2000) * scale), output_tokens=rng.randint(60, 300),
+                 depends_on=deps)
+
+
+def _fan(rng: random.Random, n: int) -> Workflow:
+    """head -> n-2 parallel stages -> join."""
+    st = [_stage(rng, 0, ())]
+    st += [_stage(rng, i, ("s0",)) for i in range(1, n - 1)]
+    st.append(_stage(rng, n - 1, tuple(f"s{i}" for i in range(1, n - 1))))
+    return Workflow(f"fan{n}", tuple(st))
+
+
+def _diamond(rng: random.Random, n: int) -> Workflow:
+    """Layers of width 1-3, each stage depending on every stage of the layer before (stacked diamonds)."""
+    st: list[Stage] = []
+    prev: tuple[str, ...] = ()
+    while len(st) < n:
+        w = min(n - len(st), 1 if not prev or len(prev) > 1 else rng.randint(2, 3))
+        layer = [_stage(rng, len(st) + k, prev) for k in range(w)]
+        st += layer
+        prev = tuple(x.id for x in layer)
+    return Workflow(f"diamond{n}", tuple(st))
+
+
+def _chain_adv(rng: random.Random, n: int) -> Workflow:
+    return Workflow(f"chain{n}", tuple(_stage(rng, i, (f"s{i - 1}",) if i else ()) for i in range(n)))
+
+
+def _fastest_latency(wf: Workflow, profiles: Sequence[Profile], models: Sequence[Model], alpha: float) -> float:
+    """Longest path with every LLM stage at its fastest qualifying profile (capacity/placement ignored)."""
+    acc = {m.id: m.accuracy for m in models}
+    ok = [p for p in profiles if acc.get(p.model_id, 0.0) >= alpha]
+    fin: dict[str, float] = {}
+    for s in wf.stages:  # the generators list stages in a topological order
+        lat = min(s.calls_per_request * p.call_latency_s(s.input_tokens, s.output_tokens) for p in ok)
+        fin[s.id] = max((fin[d] for d in s.depends_on), default=0.0) + lat
+    return max(fin.values())
+
+
+def adversarial_request(kind: str, seed: int) -> SelectionRequest:
+    """One seeded hard instance of `kind` (see ADVERSARIAL_KINDS)."""
+    rng = random.Random(f"{kind}-{seed}")
+    n = 15 if kind == "chain15" else rng.randint(8, 15)
+    models, profiles = _adv_catalog(rng, 6 if kind == "clones" else 3)
+    alpha = rng.choice((0.2, 0.23, 0.26))
+    u = 0.5 if kind in ("fan", "clones") or rng.random() < 0.4 else 1.0
+    rate = rng.uniform(0.3, 1.5)
+    wf = {"fan": _fan, "clones": _fan, "diamond": _diamond}.get(kind, _chain_adv)(rng, n)
+    cluster = _adv_cluster(rng, profiles, rng.randint(30, 40))
+    slack = rng.uniform(1.03, 1.4)
+    if kind == "reuse":
+        # An all-reuse optimum: one running instance per stage of a qualifying model, each with spare
+        # capacity for exactly one stage (stage loads within a factor < 2 of each other).
+        acc = {m.id: m.accuracy for m in models}
+        ok = [p for p in profiles if acc[p.model_id] >= alpha and p.tp * p.pp == 1]
+        wf = Workflow(wf.id, tuple(dataclasses.replace(s, output_tokens=rng.randint(100, 180)) for s in wf.stages))
+        top = rate * 180
+        extra = []
+        gpus = list(cluster.gpus)
+        for i in range(n + rng.randint(0, 4)):
+            p = rng.choice(ok)
+            g = gpus[i % len(gpus)]
+            gpus[i % len(gpus)] = dataclasses.replace(g, memory_used_gb=min(g.memory_total_gb,
+                                                                            g.memory_used_gb + p.memory_gb_per_gpu))
+            extra.append(Instance(f"spare{i}", p.model_id, p.tp, p.pp, (g.id,),
+                                  max(0.0, u * p.max_output_tokens_per_s - top * rng.uniform(1.0, 1.1))))
+        cluster = Cluster(tuple(gpus), cluster.instances + tuple(extra))
+        slack = 3.0
+    if kind == "unplaceable":
+        # The last stage's prompt is so long that only 8-GPU configurations meet the SLO, and every node
+        # has one GPU with 2 GB free: no variant can be placed.
+        last = wf.stages[-1]
+        wf = Workflow(wf.id, (*wf.stages[:-1], dataclasses.replace(last, input_tokens=120_000)))
+        gpus = list(cluster.gpus)
+        for node in range(4):
+            i = next(k for k, g in enumerate(gpus) if g.node == f"n{node}")
+            gpus[i] = dataclasses.replace(gpus[i], memory_used_gb=gpus[i].memory_total_gb - 2.0)
+        cluster = Cluster(tuple(gpus), cluster.instances)
+        last1 = Workflow("x", (dataclasses.replace(wf.stages[-1], depends_on=()),))
+        fast8 = _fastest_latency(last1, [p for p in profiles if p.tp * p.pp == 8], models, alpha)
+        fast_other = _fastest_latency(last1, [p for p in profiles if p.tp * p.pp < 8], models, alpha)
+        rest = _fastest_latency(Workflow(wf.id, wf.stages[:-1]), profiles, models, alpha)
+        lam = rest + (fast8 + fast_other) / 2
+        return SelectionRequest(Slo(alpha, lam, rate), (wf,), models, profiles, cluster, SelectionOptions(
+            utilization_cap=u))
+    lam = _fastest_latency(wf, profiles, models, alpha) * slack
+    return SelectionRequest(Slo(alpha, lam, rate), (wf,), models, profiles, cluster,
+                            SelectionOptions(utilization_cap=u))
+
+
+def adversarial(cfg: BenchConfig, progress: Progress) -> dict[str, Any]:
+    """`exact` on every seeded adversarial instance, under its time budget."""
+    rows: list[dict[str, Any]] = []
+    for kind in ADVERSARIAL_KINDS:
+        for k in range(cfg.adversarial_per_kind):
+            seed = cfg.seed * 1000 + k
+            req = adversarial_request(kind, seed)
+            req = dataclasses.replace(req, options=dataclasses.replace(req.options,
+                                                                       time_budget_s=cfg.adversarial_budget_s))
+            progress(f"adversarial {kind:11s} {k}")
+            wf = req.workflows[0]
+            row: dict[str, Any] = {
+                "kind": kind, "seed": seed, "stages": len(wf.stages), "instances": len(req.cluster.instances),
+                "models": len(req.models), "utilization_cap": req.options.utilization_cap}
+            t0 = time.perf_counter()
+            try:
+                res = select(req, "exact")
+            except DeadlineExceeded:
+                row.update(time_s=time.perf_counter() - t0, answer="DEADLINE_EXCEEDED", optimal=False, gap=None,
+                           cost=None, lower_bound=None, evaluated=None)
+            else:
+                row.update(time_s=time.perf_counter() - t0, optimal=res.optimal,
+                           answer=("feasible" if res.variant else (res.reason.value if res.reason else "?")),
+                           cost=res.variant.cost if res.variant else None,
+                           lower_bound=res.lower_bound if res.variant else None,
+                           gap=res.gap, evaluated=res.variants_evaluated,
+                           reused=len(res.variant.reuse) if res.variant else 0,
+                           new_instances=len(res.variant.new_instances) if res.variant else 0)
+            rows.append(row)
+    times = sorted(r["time_s"] for r in rows)
+    summary = {
+        "instances": len(rows),
+        "answered_within_2s": sum(1 for r in rows if r["time_s"] <= 2.0 and r["answer"] != "DEADLINE_EXCEEDED"),
+        "proven_optimal_within_1s": sum(1 for r in rows if r["optimal"] and r["time_s"] <= 1.0),
+        "proven_optimal": sum(1 for r in rows if r["optimal"]),
+        "median_ms": 1e3 * statistics.median(times) if times else None,
+        "max_ms": 1e3 * times[-1] if times else None,
+        "max_gap": max((r["gap"] for r in rows if r["gap"] is not None), default=None),
+        "chain15_max_ms": max((1e3 * r["time_s"] for r in rows if r["kind"] == "chain15"), default=None),
+    }
+    return {"rows": rows, "summary": summary}
+
+
 # ------------------------------------------------------------------ output
 
 
@@ -269,7 +461,9 @@ def _plots(result: dict[str, Any], out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files = []
+    files: list[str] = []
+    if "depth" not in result or "catalog" not in result:
+        return files
     fig, ax = plt.subplots(figsize=(6, 4))
     d = result["depth"]
     for s in STRATEGIES:
@@ -311,9 +505,14 @@ def run_selector_bench(out_dir: str | Path = "out/bench-selector", cfg: BenchCon
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     result: dict[str, Any] = {"config": dataclasses.asdict(cfg)}
-    result["paper"] = paper_scale(cfg, progress)
-    result["depth"] = depth(cfg, progress)
-    result["catalog"] = catalog(cfg, progress)
+    if "paper" in cfg.sections:
+        result["paper"] = paper_scale(cfg, progress)
+    if "depth" in cfg.sections:
+        result["depth"] = depth(cfg, progress)
+    if "catalog" in cfg.sections:
+        result["catalog"] = catalog(cfg, progress)
+    if "adversarial" in cfg.sections and cfg.adversarial_per_kind > 0:
+        result["adversarial"] = adversarial(cfg, progress)
     result["wall_s"] = time.perf_counter() - started
     result["plots"] = _plots(result, out)
     (out / "selector.json").write_text(json.dumps(_finite(result), indent=1, allow_nan=False))
@@ -343,6 +542,45 @@ def _fmt_ms(x: float) -> str:
 
 
 def render(result: dict[str, Any], console: Any) -> None:
+
+    if "paper" in result:
+        _render_paper(result, console)
+    if "depth" in result:
+        _render_depth(result, console)
+    if "catalog" in result:
+        _render_catalog(result, console)
+    if "adversarial" in result:
+        _render_adversarial(result, console)
+    console.print(f"wall time {result['wall_s']:.0f} s" + (f"; plots: {', '.join(result['plots'])}"
+                                                           if result["plots"] else ""))
+
+
+def _render_adversarial(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    adv = result["adversarial"]
+    budget = result["config"]["adversarial_budget_s"]
+    t = Table(title=f"Adversarial: exact with a {budget:g} s budget (4 nodes x 8 mixed GPUs, 30+ running "
+                    "instances at 30-95% load; optimal = proven; gap = (cost - proven lower bound) / cost)")
+    for c in ("kind", "seed", "stages", "running", "models", "u", "ms", "answer", "optimal", "gap", "cost",
+              "lower bound", "variants"):
+        t.add_column(c, justify="right")
+    for r in adv["rows"]:
+        t.add_row(r["kind"], str(r["seed"]), str(r["stages"]), str(r["instances"]), str(r["models"]),
+                  f"{r['utilization_cap']:g}", _fmt_ms(r["time_s"]), r["answer"], "yes" if r["optimal"] else "no",
+                  "-" if r["gap"] is None else (f"{r['gap']:.1%}" if math.isfinite(r["gap"]) else "inf"),
+                  "-" if r["cost"] is None else f"{r['cost']:.1f}",
+                  "-" if r["lower_bound"] is None else f"{r['lower_bound']:.1f}",
+                  "-" if r.get("evaluated") is None else f"{r['evaluated']:,}")
+    console.print(t)
+    sm = adv["summary"]
+    console.print(f"adversarial: {sm['answered_within_2s']}/{sm['instances']} answered within 2 s, "
+                  f"{sm['proven_optimal_within_1s']}/{sm['instances']} proven optimal within 1 s "
+                  f"({sm['proven_optimal']} proven in all); median {sm['median_ms']:.0f} ms, max {sm['max_ms']:.0f} ms; "
+                  f"max gap {_fmt_gap(sm['max_gap'])}; 15-stage chains max {sm['chain15_max_ms']:.0f} ms")
+
+
+def _render_paper(result: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     tab = Table(title="Paper scale: 7 tasks x 3 workflows, 11 models x 10 configs, 8xA6000 "
@@ -362,6 +600,11 @@ def render(result: dict[str, Any], console: Any) -> None:
     for k, v in result["paper"]["space"].items():
         sp.add_row(k, f"{v:,}")
     console.print(sp)
+
+
+def _render_depth(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
     dt = Table(title="Depth: chains of n LLM stages, 11 models (ms; * = timed out at the budget)")
     for c in ("stages", "space", "exact", "heuristic", "exhaustive", "bayesopt", "exhaustive/exact",
               "bayesopt/exact", "exact cost", "heuristic cost", "BO cost"):
@@ -375,6 +618,11 @@ def render(result: dict[str, Any], console: Any) -> None:
                    *(("-" if r[s]["cost"] is None else f"{r[s]['cost']:.1f}") for s in ("exact", "heuristic",
                                                                                           "bayesopt")))
     console.print(dt)
+
+
+def _render_catalog(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
     ct = Table(title="Catalog size: 3-stage chain (ms; * = timed out)")
     for c in ("models", "profiles", "space", "exact", "heuristic", "exhaustive", "exact cost", "heuristic cost"):
         ct.add_column(c, justify="right")
@@ -385,6 +633,5 @@ def render(result: dict[str, Any], console: Any) -> None:
                    "-" if r["exact"]["cost"] is None else f"{r['exact']['cost']:.1f}",
                    "-" if r["heuristic"]["cost"] is None else f"{r['heuristic']['cost']:.1f}")
     console.print(ct)
-    console.print(f"wall time {result['wall_s']:.0f} s; plots: {', '.join(result['plots'])}")
 
 

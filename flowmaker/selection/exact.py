@@ -107,9 +107,9 @@ def _dominated(pb: Problem) -> list[bool]:
     n = len(profs)
     out = [False] * n
     groups: dict[tuple[int, float], list[int]] = {}
-    for i, p in enumerate(profs):
+    for i, prof in enumerate(profs):
         if pb.p_ok[i]:
-            groups.setdefault((pb.p_k[i], p.memory_gb_per_gpu), []).append(i)
+            groups.setdefault((pb.p_k[i], prof.memory_gb_per_gpu), []).append(i)
     for ids in groups.values():
         for q in ids:
             pq = profs[q]
@@ -337,6 +337,15 @@ class _Search:
         perf = time.perf_counter
         search = self
 
+        def usable(sp: float, lmin: float, two: float, j: int) -> float:
+            if sp <= 0.0 or not leq(lmin, sp):
+                return 0.0
+            if leq(two, sp):
+                return sp
+            ls = st.loads_sorted[j]
+            i = bisect.bisect_right(ls, sp * (1 + EPS) + EPS)
+            return ls[i - 1] if i else 0.0
+
         cover_memo: dict[tuple[int, int, int], tuple[list[float], list[float]]] = {}
 
         def cover(j: int, n: int, need: float) -> float:
@@ -446,10 +455,16 @@ class _Search:
             if check_cap:
                 need = st.w_rem[j]
                 if need > 0.0:
+                    # What spare capacity can absorb: nothing below the least remaining load, at most the
+                    # largest load that fits when two of them cannot.
+                    lmin = st.loads_sorted[j][0]
+                    two = st.two_min[j]
                     for k, pi in enumerate(slots):
-                        need -= max(0.0, p_cap[pi] - slot_load[k])
+                        sp = p_cap[pi] - slot_load[k]
+                        need -= usable(sp, lmin, two, j)
                     for r in reuse_any:
-                        need -= max(0.0, p_cap[r_prof[r]] - r_load0[r] - r_add[r])
+                        sp = p_cap[r_prof[r]] - r_load0[r] - r_add[r]
+                        need -= usable(sp, lmin, two, j)
                     if need > EPS * max(1.0, st.w_rem[j]):
                         if st.ratio[j] == INF:
                             return INF, Lb
