@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -518,8 +519,11 @@ def up(
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Start in the background and return once ready; "
                                                                 "stop it with `flowmaker down`.")] = False,
     foreground: Annotated[bool, typer.Option("--foreground", help="Run until Ctrl-C (the default).")] = True,
-    work_dir: Annotated[Path | None, typer.Option("--work-dir", help="etcd data + logs here (kept); default: a "
-                                                                     "temp dir removed on exit.")] = None,
+    work_dir: Annotated[Path | None, typer.Option("--work-dir", help="etcd data, logs and ports here, kept across "
+                                                  "`down`/`up` (tasks come back); default: `stack/` beside the "
+                                                  "state file (~/.flowmaker/stack).")] = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Empty the work dir first: start from a blank cluster "
+                                                        "state.")] = False,
     etcd_bin: Annotated[str | None, typer.Option("--etcd-bin", help="etcd executable (default: etcd on PATH).")
                         ] = None,
     as_json: JsonOpt = False,
@@ -536,8 +540,11 @@ def up(
     if detach:
         _up_detached(s.state_file, [a for a in sys.argv[1:] if a not in ("--detach", "-d")], as_json)
         return
+    work_dir = work_dir or s.state_file.parent / "stack"
+    if fresh and work_dir.exists():
+        shutil.rmtree(work_dir)
     cfg = StackConfig(gpus=gpus, gpu_type=gpu_type, time_scale=time_scale, work_dir=work_dir,
-                      keep_work_dir=work_dir is not None, ports={"orchestrator": port} if port else {})
+                      keep_work_dir=True, ports={"orchestrator": port} if port else {})
     if etcd_bin:
         cfg.etcd_bin = etcd_bin
     con = err
@@ -567,7 +574,7 @@ def up(
                 tab.add_row(name, addr)
             if st.get("gateway"):
                 tab.add_row("OpenAI-compatible gateway", st["gateway"])
-            tab.add_row("logs", str(stack.log_dir))
+            tab.add_row("work dir (etcd data, logs; kept)", str(stack.work_dir))
             tab.add_row("state file", str(s.state_file))
             out.print(tab)
             out.print(f"try: flowmaker task deploy \"Summarise a document\" --accuracy 0.3 --latency 20 --rate 0.5 "
@@ -577,7 +584,12 @@ def up(
                           "(model = the task id; GET /models lists the ACTIVE tasks)")
         while True:
             time.sleep(1.0)
-            stack.check_alive()
+            # Supervise: a child that died is restarted with backoff; the stack is never torn down for it.
+            events = stack.supervise()
+            for line in events:
+                con.print(f"  [yellow]![/yellow] {line}", highlight=False)
+            if events:
+                write_state(s.state_file, {**stack.state(), "ready": True})
     except KeyboardInterrupt:
         con.print("stopping…")
     except StackError as e:

@@ -21,6 +21,12 @@ every descendant of each service before stopping it and kills whatever of them i
 afterwards (checked by pid *and* start time, so a reused pid is never hit): no orphan processes.
 Children also get PR_SET_PDEATHSIG=SIGTERM, so they are told to stop even if the launcher itself
 is SIGKILLed.
+
+Supervision (`supervise()`, called by `flowmaker up` every second): a child that exits is started again
+with the same command, environment and port, after an exponential backoff (1 s, doubling to 30 s, reset
+after a minute of uptime), the way a process supervisor would; the stack is never torn down for it. With
+a work dir (`flowmaker up` keeps one by default) etcd data, logs and the chosen ports (`ports.json`)
+persist, so `flowmaker down` + `up` brings back the same cluster state on the same addresses.
 """
 
 from __future__ import annotations
@@ -63,6 +69,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind it: TIME_WAIT is no use
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _default_etcd_bin() -> str:
@@ -140,6 +156,11 @@ class _Child:
     log_path: Path
     log_file: IO[bytes]
     address: str = ""
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    started_at: float = 0.0  # monotonic
+    restarts: int = 0
+    exited_at: float = 0.0  # monotonic time its exit was first seen (0 = running)
 
     def log_tail(self, lines: int = 25) -> str:
         try:
@@ -159,7 +180,7 @@ def _spawn(name: str, argv: list[str], env: Mapping[str, str], log_path: Path) -
     except OSError as e:
         logf.close()
         raise StackError(f"cannot run {argv[0]!r} for {name}: {e}", field=name) from None
-    return _Child(name, proc, log_path, logf)
+    return _Child(name, proc, log_path, logf, argv=list(argv), env=dict(env), started_at=time.monotonic())
 
 
 def _health_serving(address: str, timeout_s: float = 1.0) -> bool:
@@ -248,12 +269,44 @@ class LocalStack:
             shutil.rmtree(self._tmp, ignore_errors=True)
         self._tmp = None
 
+    def pid_of(self, name: str) -> int | None:
+        """The pid of a running child ("etcd" or a service), None when it is not running."""
+        c = self._etcd if name == "etcd" else self._children.get(name)
+        return c.proc.pid if c is not None and c.proc.poll() is None else None
+
     def processes(self) -> list[tuple[int, str]]:
         """(pid, `procs.identity`) of every live process this stack started (etcd, services) and of their
         descendants (engines included): after `stop()`, `procs.is_same_alive` must be false for each."""
         roots = [c.proc.pid for c in [*([self._etcd] if self._etcd else []), *self._children.values()]]
         pids = roots + [pid for root in roots for pid, _ in descendants(root)]
         return [(pid, ident) for pid in pids if (ident := identity(pid))]
+
+    def supervise(self, *, backoff_s: float = 1.0, backoff_max_s: float = 30.0,
+                  healthy_after_s: float = 60.0) -> list[str]:
+        """Start again every child that has exited, once its backoff has passed; returns one line per event
+        (exit seen, restart) for the caller to print. Never raises for a child's death."""
+        events: list[str] = []
+        now = time.monotonic()
+        for c in [*([self._etcd] if self._etcd else []), *self._children.values()]:
+            if c.proc.poll() is None:
+                if c.restarts and now - c.started_at > healthy_after_s:
+                    c.restarts = 0  # it stayed up: the next crash starts from the shortest backoff
+                continue
+            if not c.exited_at:
+                c.exited_at = now
+                events.append(f"{c.name} exited with code {c.proc.returncode}; restarting it (log {c.log_path})")
+            delay = min(backoff_max_s, backoff_s * 2 ** c.restarts)
+            if now - c.exited_at < delay:
+                continue
+            c.log_file.close()
+            fresh = _spawn(c.name, c.argv, c.env, c.log_path)
+            fresh.address, fresh.restarts = c.address, c.restarts + 1
+            if c is self._etcd:
+                self._etcd = fresh
+            else:
+                self._children[c.name] = fresh
+            events.append(f"{c.name} restarted (pid {fresh.proc.pid}, restart #{fresh.restarts})")
+        return events
 
     def check_alive(self) -> None:
         """StackError naming the first child process that has exited (for `flowmaker up`'s watch loop)."""
@@ -270,6 +323,24 @@ class LocalStack:
 
     # -- start ----------------------------------------------------------------------------
 
+    def _port(self, name: str) -> int:
+        """The port `name` had in this work dir last time (`ports.json`) when it is free now, else a free one;
+        kept only where the work dir is (`keep_work_dir` or a given work dir)."""
+        assert self.work_dir is not None
+        path = self.work_dir / "ports.json"
+        try:
+            saved: dict[str, int] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            saved = {}
+        port = saved.get(name)
+        if not isinstance(port, int) or not _port_free(self.config.host, port):
+            port = free_port(self.config.host)
+        if self._tmp is None:
+            saved[name] = port
+            with contextlib.suppress(OSError):
+                path.write_text(json.dumps(saved, indent=2))
+        return port
+
     def _start_etcd(self) -> None:
         cfg = self.config
         if not os.path.exists(cfg.etcd_bin):
@@ -277,7 +348,7 @@ class LocalStack:
                              "--etcd-bin)", field="etcd_bin")
         self._progress("etcd", "starting")
         assert self.work_dir is not None
-        cport, pport = free_port(cfg.host), free_port(cfg.host)
+        cport, pport = self._port("etcd-client"), self._port("etcd-peer")
         curl, purl = f"http://{cfg.host}:{cport}", f"http://{cfg.host}:{pport}"
         argv = [cfg.etcd_bin, "--name", "flowmaker", "--data-dir", str(self.work_dir / "etcd-data"),
                 "--listen-client-urls", curl, "--advertise-client-urls", curl,
@@ -310,10 +381,12 @@ class LocalStack:
         if unknown:
             raise StackError(f"unknown service(s) {sorted(unknown)}; known: {list(SERVICES)}", field="services")
         for svc in SERVICES:
-            port = cfg.ports.get(svc) or free_port(cfg.host)
+            port = cfg.ports.get(svc) or self._port(svc)
             self.addresses[svc] = f"{cfg.host}:{port}"
         base_env = {**os.environ, "OTEL_TRACES_EXPORTER": os.environ.get("OTEL_TRACES_EXPORTER", "none"),
-                    "PYTHONUNBUFFERED": "1"}
+                    "PYTHONUNBUFFERED": "1",
+                    # Marks every process of this stack (engines inherit it): orphan checks find them by it.
+                    "FLOWMAKER_STACK": str(self.work_dir)}
         # The services must import this very checkout's packages (`services` is not installed as a
         # package when flowmaker is installed from a wheel; in a checkout it sits next to flowmaker/).
         root = str(Path(__file__).resolve().parents[2])

@@ -1,0 +1,286 @@
+"""Fault injection against a real local stack: kill -9 and SIGSTOP on its processes, steady load, invariants.
+
+Used by the self-healing tests (tests/e2e/test_self_healing.py) and by `flowmaker bench soak`. Everything
+runs on loopback against a `LocalStack` (real etcd, the five services as processes, emulated engines),
+with the launcher's supervisor restarting whatever is killed, as `flowmaker up` does.
+
+Invariants (`check_invariants`), read from ONE etcd range over the whole key space, so from one revision:
+- no GPU over-commit: every GPU's memory_used <= its total, and equals the sum over the instances holding
+  memory on it;
+- no orphan engine: every emulated engine process on the machine descends from the current deployer;
+- (settled only) no leaked reservation: every instance holding memory is referenced by a task, and every
+  reference names a task that exists.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from flowmaker import convert
+from flowmaker.api.common.v1 import task_pb2
+from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
+from flowmaker.domain import Slo, Stage, Workflow
+from flowmaker.launcher.procs import descendants
+from flowmaker.launcher.stack import LocalStack
+from flowmaker.state import keys
+from flowmaker.state.records import PROFILING_OWNER_PREFIX, GpuRecord, InstanceRecord
+
+ACTIVE = task_pb2.Task.STATE_ACTIVE
+FAILED = task_pb2.Task.STATE_FAILED
+ONE_STAGE = Workflow("one", (Stage("answer", input_tokens=50, output_tokens=8, prompt_template="{input}"),))
+SLO = Slo(min_accuracy=0.1, max_latency_s=30.0, arrival_rate_rps=0.5)
+_ENGINE_MODULE = "flowmaker.engine.server"
+
+
+# ---- etcd, read directly (JSON gateway: no client library, no event loop) ---------------------------
+
+def etcd_snapshot(endpoint: str, prefix: str = keys.ROOT, timeout_s: float = 3.0) -> dict[str, Any]:
+    """Every key under `prefix` at one revision, values decoded from JSON."""
+    end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    body = json.dumps({"key": base64.b64encode(prefix.encode()).decode(),
+                       "range_end": base64.b64encode(end.encode()).decode()}).encode()
+    req = urllib.request.Request(f"http://{endpoint}/v3/kv/range", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        resp = json.loads(r.read())
+    out: dict[str, Any] = {}
+    for kv in resp.get("kvs", []):
+        k = base64.b64decode(kv["key"]).decode()
+        with contextlib.suppress(ValueError):
+            out[k] = json.loads(base64.b64decode(kv.get("value", "")).decode() or "null")
+    return out
+
+
+def check_invariants(stack: LocalStack, *, settled: bool = False) -> list[str]:
+    """Violations of the invariants (module docstring); [] when all hold. etcd unreachable: not checked."""
+    bad: list[str] = []
+    try:
+        snap = etcd_snapshot(stack.etcd_endpoint)
+    except OSError:
+        return bad
+    gpus = [GpuRecord.from_json(v) for k, v in snap.items() if k.startswith(keys.GPUS)]
+    insts = [InstanceRecord.from_json(v) for k, v in snap.items() if k.startswith(keys.INSTANCES)]
+    for g in gpus:
+        held = sum(i.memory_gb_per_gpu for i in insts if i.memory_reserved and i.node == g.node and g.id in i.gpu_ids)
+        if g.memory_used_gb > g.memory_total_gb + 1e-6:
+            bad.append(f"GPU {g.id} over-committed: {g.memory_used_gb:g} > {g.memory_total_gb:g} GB")
+        if abs(held - g.memory_used_gb) > 1e-3:
+            bad.append(f"GPU {g.id} accounting: {g.memory_used_gb:g} GB used, instances hold {held:g} GB")
+    bad += orphan_engines(stack)
+    if settled:
+        tasks = {v.get("id", "") for k, v in snap.items() if k.startswith(keys.TASKS) and isinstance(v, dict)}
+        refs = [keys.parse_reuse(k) for k in snap if k.startswith(keys.REUSE)]
+        for iid, tid in refs:
+            if tid not in tasks and not tid.startswith(PROFILING_OWNER_PREFIX):
+                bad.append(f"reference of {iid} to task {tid}, which does not exist")
+        referenced = {iid for iid, _ in refs}
+        for i in insts:
+            if i.memory_reserved and i.id not in referenced:
+                bad.append(f"instance {i.id} ({i.state.value}) holds memory and no task references it")
+    return bad
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def engine_pids() -> list[int]:
+    """Every emulated engine process on this machine (of any stack)."""
+    return [int(d.name) for d in Path("/proc").iterdir()
+            if d.name.isdigit() and _ENGINE_MODULE in _cmdline(int(d.name)) and "setpriv" not in _cmdline(int(d.name))]
+
+
+def orphan_engines(stack: LocalStack) -> list[str]:
+    """This stack's engines (FLOWMAKER_STACK=<its work dir> in their environment) that do not descend from its
+    current deployer: left behind by a deployer that died."""
+    dep = stack.pid_of("deployer")
+    ours = {pid for pid, _ in descendants(dep)} if dep else set()
+    marker = f"FLOWMAKER_STACK={stack.work_dir}\0".encode()
+    out = []
+    for pid in engine_pids():
+        if pid in ours:
+            continue
+        try:
+            if marker not in Path(f"/proc/{pid}/environ").read_bytes() + b"\0":
+                continue
+        except OSError:
+            continue
+        out.append(f"orphan engine pid {pid}: {_cmdline(pid)[:120]}")
+    return out
+
+
+# ---- the stack's API, synchronously ---------------------------------------------------------------
+
+@dataclass
+class Client:
+    stack: LocalStack
+    channel: grpc.Channel = field(init=False)
+    stub: orchestrator_pb2_grpc.OrchestratorServiceStub = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reconnect()
+
+    def reconnect(self) -> None:
+        self.channel = grpc.insecure_channel(self.stack.addresses["orchestrator"])
+        self.stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def deploy(self, name: str, wf: Workflow = ONE_STAGE, slo: Slo = SLO, timeout_s: float = 30) -> task_pb2.Task:
+        r = self.stub.DeployTask(pb.DeployTaskRequest(description=f"task {name}", name=name,
+                                                      slo=convert.slo_to_proto(slo),
+                                                      workflows=[convert.workflow_to_proto(wf)]), timeout=timeout_s)
+        return r.task
+
+    def approve(self, task_id: str, wf_id: str = "one", timeout_s: float = 120) -> task_pb2.Task:
+        return self.stub.ApproveWorkflows(pb.ApproveWorkflowsRequest(task_id=task_id, workflow_ids=[wf_id]),
+                                          timeout=timeout_s).task
+
+    def get(self, task_id: str, timeout_s: float = 5) -> task_pb2.Task:
+        return self.stub.GetTask(pb.GetTaskRequest(task_id=task_id), timeout=timeout_s).task
+
+    def invoke(self, task_id: str, text: str = "hello", timeout_s: float = 30) -> pb.InvokeResponse:
+        return self.stub.Invoke(pb.InvokeRequest(task_id=task_id, input=text), timeout=timeout_s)
+
+    def delete(self, task_id: str, timeout_s: float = 60) -> None:
+        self.stub.DeleteTask(pb.DeleteTaskRequest(task_id=task_id), timeout=timeout_s)
+
+    def wait_state(self, task_id: str, states: tuple[int, ...], timeout_s: float) -> tuple[task_pb2.Task | None, float]:
+        """(the task once in one of `states`, seconds waited); (last seen, waited) on timeout."""
+        t0 = time.monotonic()
+        last = None
+        while time.monotonic() - t0 < timeout_s:
+            with contextlib.suppress(grpc.RpcError):
+                last = self.get(task_id)
+                if last.state in states and not last.HasField("healing"):
+                    return last, time.monotonic() - t0
+            time.sleep(0.2)
+        return last, time.monotonic() - t0
+
+
+# ---- steady load --------------------------------------------------------------------------------
+
+@dataclass
+class Load:
+    """Requests at a steady rate to some tasks, from a thread; counts outcomes by gRPC code name."""
+
+    client: Client
+    task_ids: list[str]
+    rate_rps: float = 2.0
+    timeout_s: float = 30.0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    failures: list[tuple[float, str, str]] = field(default_factory=list)  # (time, task, message)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> Load:
+        def one(tid: str) -> None:
+            try:
+                self.client.invoke(tid, "steady load", timeout_s=self.timeout_s)
+                self.outcomes["OK"] += 1
+            except grpc.RpcError as e:
+                self.outcomes[e.code().name] += 1
+                self.failures.append((time.time(), tid, (e.details() or "")[:200]))
+
+        def loop() -> None:
+            i = 0
+            next_at = time.monotonic()
+            while not self._stop.is_set():
+                tid = self.task_ids[i % len(self.task_ids)]
+                i += 1
+                t = threading.Thread(target=one, args=(tid,), daemon=True)
+                t.start()
+                self._threads.append(t)
+                next_at += 1.0 / self.rate_rps
+                self._stop.wait(max(0.0, next_at - time.monotonic()))
+        t = threading.Thread(target=loop, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return self
+
+    def stop(self, join_s: float = 40.0) -> None:
+        self._stop.set()
+        end = time.monotonic() + join_s
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+
+    @property
+    def sent(self) -> int:
+        return sum(self.outcomes.values())
+
+
+# ---- faults -------------------------------------------------------------------------------------
+
+def kill_engine(stack: LocalStack) -> int | None:
+    """kill -9 one engine of this stack (the first by pid); its pid, or None when none runs."""
+    dep = stack.pid_of("deployer")
+    pids = sorted(pid for pid, _ in descendants(dep) if _ENGINE_MODULE in _cmdline(pid)) if dep else []
+    if not pids:
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pids[0], signal.SIGKILL)
+    return pids[0]
+
+
+def kill_service(stack: LocalStack, name: str) -> int | None:
+    """kill -9 a service (or "etcd"); the launcher's supervisor restarts it."""
+    pid = stack.pid_of(name)
+    if pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@contextlib.contextmanager
+def etcd_stopped(stack: LocalStack) -> Iterator[None]:
+    """SIGSTOP etcd for the duration of the block (SIGCONT afterwards, whatever happens)."""
+    pid = stack.pid_of("etcd")
+    assert pid, "etcd is not running"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+class Supervisor:
+    """Calls `stack.supervise()` every `interval_s` from a thread, as `flowmaker up` does."""
+
+    def __init__(self, stack: LocalStack, interval_s: float = 0.5) -> None:
+        self.stack = stack
+        self.events: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._interval = interval_s
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            for e in self.stack.supervise(backoff_s=0.5):
+                self.events.append((time.time(), e))
+
+    def __enter__(self) -> Supervisor:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._t.join(5)
