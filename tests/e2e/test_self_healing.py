@@ -99,7 +99,7 @@ def test_engine_and_deployer_kill_heal_under_load(stack: LocalStack) -> None:
             # 1. kill -9 the engine: restarted in place (same instance id), ACTIVE and serving within 30 s.
             assert kill_engine(stack) is not None
             killed_at = time.monotonic()
-            t, waited = c.wait_state(a.id, (ACTIVE,), 30)
+            t, _ = c.wait_state(a.id, (ACTIVE,), 30)
             assert t is not None and t.state == ACTIVE and not t.HasField("healing"), t
             assert t.stage_instances["answer"] == iid  # healed in place
             assert c.invoke(a.id, "after the engine kill").output
@@ -162,7 +162,7 @@ def test_etcd_stall_and_kill_during_approve(stack: LocalStack) -> None:
                 time.sleep(0.5)
         assert ok >= 10 and failed == 0, (ok, failed)
         th.join(100)
-        t, waited = c.wait_state(pending.id, (ACTIVE, FAILED), 60)
+        t, _ = c.wait_state(pending.id, (ACTIVE, FAILED), 60)
         assert t is not None and t.state in (ACTIVE, FAILED), t
         if t.state == FAILED:
             assert t.failure.message
