@@ -151,7 +151,7 @@ class InstanceMetrics:
     output_tokens_per_s: float  # over the window
     busy_equiv_tokens_per_s: float
     utilization: float  # busy_equiv / max_output_tokens_per_s
-    busy_fraction: float = 0.0  # share of the window its batch was non-empty (at whatever co-location speed)
+    busy_fraction: float = 0.0  # share of its residence its batch was non-empty (at whatever co-location speed)
     residence_s: float = 0.0
     cost_usd: float = 0.0
 
@@ -232,7 +232,8 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     Requests of a task with no deployment are rejected (counted, not lost); `unplaced` says why.
     `colocation`: how instances sharing a GPU share its compute (`COLOCATION_MODES`).
     `measure_from_s`: `per_instance` loads count only the calls submitted from then on, over the window
-    [measure_from_s, end of the arrivals or duration_s] (what a load monitor reads just before a deploy).
+    [max(measure_from_s, the instance's start_s), end of the arrivals or duration_s] (what a load monitor
+    reads just before a deploy).
     """
     used = check_memory(instances, gpus)
     unplaced = dict(unplaced or {})
@@ -458,15 +459,18 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     n_all = len(done) + len(rejected)
     total_mem = {g.id: g.memory_total_gb for g in gpus}
     end = max(duration_s, arr[-1].time_s if arr else 0.0)
-    window = (end - measure_from_s) if end > measure_from_s else 1.0  # the arrival window, not the drain
     per_inst = []
     for iid in order:
         eng = engines[iid]
-        prof = inst_by_id[iid].profile  # the profile's own speed: load is in its capacity unit
+        inst = inst_by_id[iid]
+        prof = inst.profile  # the profile's own speed: load is in its capacity unit
+        # the arrival window while the instance existed (not the drain)
+        since = max(measure_from_s, inst.start_s)
+        window = end - since if end > since else 1.0
         busy = win_out[iid] / prof.pure_decode_tokens_per_s + prof.prefill_s_per_token * win_in[iid]
         per_inst.append(InstanceMetrics(iid, win_calls[iid], win_out[iid], win_in[iid],
                                         win_out[iid] / window, busy / window * prof.max_output_tokens_per_s,
-                                        busy / window, busy_fraction=eng.busy_s / max(end, 1e-9),
+                                        busy / window, busy_fraction=eng.busy_s / resid[iid] if resid[iid] > 0 else 0.0,
                                         residence_s=resid[iid],
                                         cost_usd=inst_by_id[iid].memory_gb * resid[iid] * price))
     return SimResult(

@@ -325,3 +325,16 @@ def test_monitor_window_counts_only_calls_from_measure_from() -> None:
     s = t.workflow_for_request("chat-direct", 100, 100).stage("respond")
     assert m.calls == 5 and m.output_tokens == 5 * s.output_tokens
     assert m.output_tokens_per_s == pytest.approx(5 * s.output_tokens / 5.0)
+
+
+def test_measured_load_counts_only_while_the_instance_existed() -> None:
+    """An instance deployed at 6 s in a [0, 10) window carries its calls over 4 s, not 10 s."""
+    p = _flat()
+    inst = [SimInstance("late", p, ("node0-gpu0",), start_s=6.0)]
+    t = get_task("chat")
+    dep = TaskDeployment(t, (Route("chat-direct", (("respond", "late"),)),))
+    arr = [Arrival(6.0 + i, "chat", f"c{i}", 100, 100) for i in range(4)]
+    (m,) = simulate(inst, [dep], arr, CLUSTER.gpus, BY_ID, GPU, duration_s=10.0).per_instance
+    s = t.workflow_for_request("chat-direct", 100, 100).stage("respond")
+    assert m.output_tokens_per_s == pytest.approx(4 * s.output_tokens / 4.0)
+    assert 0.0 < m.busy_fraction <= 1.0
