@@ -74,13 +74,23 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
 
 async def _with_stubs(fn: Callable[[Stubs], Awaitable[T]], *, orchestrator: str | None = None,
                       deployer: str | None = None, status: str = "") -> T:
-    """`fn(stubs)` with channels to the resolved addresses (closed afterwards), under a spinner if `status`."""
+    """`fn(stubs)` with channels to the resolved addresses (closed afterwards), under a spinner if `status`.
+
+    The whole command is one CLIENT span (`flowmaker task deploy`, ...), so its calls (DeployTask then
+    ApproveWorkflows) are one trace across the services, exported as OTEL_TRACES_EXPORTER says."""
+    import click
+    from opentelemetry.trace import SpanKind
+
+    from flowmaker import telemetry
+
+    ctx = click.get_current_context(silent=True)
     stubs = _stubs(orchestrator, deployer)
     try:
-        if not status:
-            return await fn(stubs)
-        with err.status(status):
-            return await fn(stubs)
+        with telemetry.tracer().start_as_current_span(ctx.command_path if ctx else "flowmaker", kind=SpanKind.CLIENT):
+            if not status:
+                return await fn(stubs)
+            with err.status(status):
+                return await fn(stubs)
     finally:
         await stubs.close()
 

@@ -346,10 +346,11 @@ async def test_process_entry_point_registers_serves_and_shuts_down_on_sigterm(et
         await _kill(proc)
 
 
-async def test_restarted_deployer_kills_the_engines_a_sigkilled_one_left(etcd, etcd_namespace: str,  # type: ignore[no-untyped-def]
+async def test_engines_die_with_a_sigkilled_deployer_and_its_successor_reconciles(etcd, etcd_namespace: str,  # type: ignore[no-untyped-def]
                                                                         etcd_store: EtcdStore) -> None:
-    """Engines run in their own session, so SIGKILLing the deployer leaves them running. The next
-    deployer of the same node finds them by the pid + process identity in their records and kills them."""
+    """Engines run in their own session, but with PR_SET_PDEATHSIG: SIGKILLing the deployer kills them too
+    (no orphan). The next deployer of the same node marks their instances FAILED (NODE_RESTARTED) and gives
+    their memory back; it would also kill an engine still running (found by pid + process identity)."""
     env = _deployer_env(etcd, etcd_namespace, "phoenix", FLOWMAKER_DEPLOYER_LEASE_TTL_S="2",
                         FLOWMAKER_DEPLOYER_ENGINE_STOP_GRACE_S="1")
     lines: list[str] = []
@@ -368,9 +369,12 @@ async def test_restarted_deployer_kills_the_engines_a_sigkilled_one_left(etcd, e
 
         first.kill()  # no shutdown hook runs: the engine is left behind
         await first.wait()
-        await asyncio.sleep(0.5)
-        assert procs.is_same_alive(engine_pid, rec.engine_identity), "the engine should outlive a SIGKILLed deployer"
-        await _chat(inst.endpoint, MODEL)
+        deadline = time.monotonic() + 5
+        while procs.is_same_alive(engine_pid, rec.engine_identity):
+            assert time.monotonic() < deadline, "the engine outlived its SIGKILLed deployer (an orphan)"
+            await asyncio.sleep(0.05)
+        with pytest.raises(aiohttp.ClientError):
+            await _chat(inst.endpoint, MODEL)
 
         second, _ = await _spawn_deployer(env, lines)
         assert not procs.is_same_alive(engine_pid, rec.engine_identity), "the restarted deployer left the engine"

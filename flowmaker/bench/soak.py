@@ -1,0 +1,204 @@
+"""`flowmaker bench soak`: a seeded random schedule of kills under steady load, for minutes, on a real local stack.
+
+Faults, drawn with a seeded RNG one after the other (the next only once the last has healed, or timed out):
+kill -9 of an engine, of the deployer, of the orchestrator, of etcd (the launcher's supervisor restarts the
+processes, as `flowmaker up` does), and a 15 s SIGSTOP of etcd. Steady load runs throughout. Every second
+the invariants of `flowmaker.bench.faults` are checked (a violation counts when it persists over two
+checks: a process between its parent's death and its own is no orphan yet).
+
+Reported: goodput (requests answered OK / sent), requests lost (answered with an error), time to heal per
+fault (until every task is ACTIVE again, not healing, and a probe request succeeds: p50 and max) and the
+invariant checks with any violation. JSON in the output folder and a table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import statistics
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from flowmaker.bench.faults import (
+    ACTIVE,
+    Client,
+    Load,
+    Supervisor,
+    check_invariants,
+    etcd_stopped,
+    kill_engine,
+    kill_service,
+)
+from flowmaker.launcher.stack import LocalStack, StackConfig
+
+FAULTS = ("engine", "deployer", "orchestrator", "etcd_kill", "etcd_stop")
+FAST_ENV = {
+    "FLOWMAKER_ORCHESTRATOR_RECONCILE_INTERVAL_S": "1",
+    "FLOWMAKER_ORCHESTRATOR_RECONCILE_NODE_LOST_GRACE_S": "5",
+    "FLOWMAKER_ORCHESTRATOR_RECONCILE_HEAL_BACKOFF_MAX_S": "3",
+    "FLOWMAKER_DEPLOYER_LEASE_TTL_S": "5",
+    "FLOWMAKER_DEPLOYER_RESYNC_INTERVAL_S": "2",
+}
+
+
+@dataclass
+class SoakConfig:
+    duration_s: float = 600.0
+    seed: int = 1
+    tasks: int = 3
+    rate_rps: float = 3.0
+    gap_s: tuple[float, float] = (10.0, 30.0)  # quiet time between a heal and the next fault
+    heal_timeout_s: float = 120.0
+    etcd_stop_s: float = 15.0
+    time_scale: float = 20.0
+    gpus: int = 4
+
+
+@dataclass
+class FaultRecord:
+    at_s: float  # since the soak started
+    kind: str
+    healed: bool
+    heal_s: float
+    detail: str = ""
+
+
+@dataclass
+class SoakResult:
+    config: dict[str, Any]
+    wall_s: float = 0.0
+    requests: dict[str, int] = field(default_factory=dict)
+    goodput: float = 0.0
+    lost: int = 0
+    faults: list[FaultRecord] = field(default_factory=list)
+    heal_p50_s: float = 0.0
+    heal_max_s: float = 0.0
+    invariant_checks: int = 0
+    violations: list[str] = field(default_factory=list)
+    supervisor_events: list[str] = field(default_factory=list)
+
+
+def _healed(c: Client, task_ids: list[str]) -> bool:
+    try:
+        for tid in task_ids:
+            t = c.get(tid, timeout_s=3)
+            if t.state != ACTIVE or t.HasField("healing"):
+                return False
+        c.invoke(task_ids[0], "probe", timeout_s=10)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def run_soak(cfg: SoakConfig, out: Path, progress: Callable[[str], None] = lambda m: None) -> SoakResult:
+    rng = random.Random(cfg.seed)
+    res = SoakResult(config=asdict(cfg))
+    with tempfile.TemporaryDirectory(prefix="flowmaker-soak-") as tmp:
+        stack = LocalStack(StackConfig(gpus=cfg.gpus, time_scale=cfg.time_scale, log_level="WARNING",
+                                       work_dir=Path(tmp) / "stack", keep_work_dir=True, extra_env=dict(FAST_ENV)))
+        progress("starting the stack")
+        stack.start()
+        t0 = time.monotonic()
+        stop = threading.Event()
+        pending: dict[str, int] = {}
+        try:
+            with Supervisor(stack) as sup:
+                c = Client(stack)
+                task_ids = []
+                for i in range(cfg.tasks):
+                    t = c.approve(c.deploy(f"soak{i}").id)
+                    if t.state != ACTIVE:
+                        raise RuntimeError(f"task soak{i} did not deploy: {t.failure.message}")
+                    task_ids.append(t.id)
+
+                def checker() -> None:
+                    while not stop.wait(1.0):
+                        bad = set(check_invariants(stack))
+                        res.invariant_checks += 1
+                        for v in list(pending):
+                            if v not in bad:
+                                del pending[v]
+                        for v in bad:
+                            pending[v] = pending.get(v, 0) + 1
+                            if pending[v] == 2:
+                                res.violations.append(f"{time.monotonic() - t0:.0f}s: {v}")
+                th = threading.Thread(target=checker, daemon=True)
+                th.start()
+                load = Load(c, task_ids, rate_rps=cfg.rate_rps).start()
+                end = t0 + cfg.duration_s
+                while time.monotonic() < end:
+                    quiet = rng.uniform(*cfg.gap_s)
+                    if time.monotonic() + quiet >= end:
+                        break
+                    time.sleep(quiet)
+                    kind = rng.choice(FAULTS)
+                    at = time.monotonic() - t0
+                    progress(f"{at:5.0f}s: {kind}")
+                    detail = ""
+                    if kind == "engine":
+                        detail = f"pid {kill_engine(stack)}"
+                    elif kind == "etcd_stop":
+                        with etcd_stopped(stack):
+                            time.sleep(cfg.etcd_stop_s)
+                    else:
+                        detail = f"pid {kill_service(stack, 'etcd' if kind == 'etcd_kill' else kind)}"
+                    t_fault = time.monotonic()
+                    healed = False
+                    while time.monotonic() - t_fault < cfg.heal_timeout_s:
+                        time.sleep(0.25)
+                        if _healed(c, task_ids):
+                            healed = True
+                            break
+                        if kind == "orchestrator":
+                            c.reconnect()
+                    heal = time.monotonic() - t_fault
+                    res.faults.append(FaultRecord(round(at, 1), kind, healed, round(heal, 2), detail))
+                    progress(f"{at:5.0f}s: {kind} healed={healed} in {heal:.1f}s")
+                load.stop()
+                stop.set()
+                th.join(5)
+                res.supervisor_events = [e for _, e in sup.events]
+                res.requests = dict(Counter(load.outcomes))
+                sent = load.sent
+                res.goodput = load.outcomes["OK"] / sent if sent else 0.0
+                res.lost = sent - load.outcomes["OK"]
+                c.close()
+        finally:
+            stop.set()
+            with contextlib.suppress(Exception):
+                stack.stop()
+    res.wall_s = round(time.monotonic() - t0, 1)
+    heals = [f.heal_s for f in res.faults if f.healed]
+    res.heal_p50_s = round(statistics.median(heals), 2) if heals else 0.0
+    res.heal_max_s = round(max(heals), 2) if heals else 0.0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(asdict(res), indent=2))
+    return res
+
+
+def render(res: SoakResult, console: Any) -> None:
+    from rich.table import Table
+
+    tab = Table(title=f"soak: {len(res.faults)} faults over {res.wall_s:.0f}s (seed {res.config['seed']})")
+    for col in ("at", "fault", "healed", "time to heal", "detail"):
+        tab.add_column(col)
+    for f in res.faults:
+        tab.add_row(f"{f.at_s:.0f}s", f.kind, "yes" if f.healed else "[red]NO[/red]", f"{f.heal_s:.1f}s", f.detail)
+    console.print(tab)
+    sent = sum(res.requests.values())
+    console.print(f"requests: {sent} sent, {res.requests.get('OK', 0)} OK, {res.lost} lost "
+                  f"({', '.join(f'{k} {v}' for k, v in sorted(res.requests.items()) if k != 'OK') or 'none'}); "
+                  f"goodput {res.goodput:.4f}")
+    console.print(f"time to heal: p50 {res.heal_p50_s:.1f}s, max {res.heal_max_s:.1f}s; invariant checks "
+                  f"{res.invariant_checks}, violations {len(res.violations)}")
+    for v in res.violations[:10]:
+        console.print(f"  [red]violation[/red] {v}", markup=True)
