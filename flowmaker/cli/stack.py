@@ -78,15 +78,15 @@ async def _with_stubs(fn: Callable[[Stubs], Awaitable[T]], *, orchestrator: str 
 
     The whole command is one CLIENT span (`flowmaker task deploy`, ...), so its calls (DeployTask then
     ApproveWorkflows) are one trace across the services, exported as OTEL_TRACES_EXPORTER says."""
-    import click
     from opentelemetry.trace import SpanKind
 
     from flowmaker import telemetry
 
-    ctx = click.get_current_context(silent=True)
+    # The command as typed, options and free text left out: "flowmaker task deploy", "flowmaker instances".
+    words = [a for a in sys.argv[1:3] if not a.startswith("-")][:2 if sys.argv[1:2] == ["task"] else 1]
     stubs = _stubs(orchestrator, deployer)
     try:
-        with telemetry.tracer().start_as_current_span(ctx.command_path if ctx else "flowmaker", kind=SpanKind.CLIENT):
+        with telemetry.tracer().start_as_current_span(" ".join(["flowmaker", *words]), kind=SpanKind.CLIENT):
             if not status:
                 return await fn(stubs)
             with err.status(status):

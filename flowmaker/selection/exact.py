@@ -95,6 +95,7 @@ class _Static:
     after: list[list[int]]  # [decision j] TOOL stages that follow decision j in topo order (before j+1)
     before: list[int]  # TOOL stages before the first decision
     feasible: bool  # every LLM stage has at least one usable option
+    any_heavy: bool
     cov: list[list[tuple[float, float]]]  # [decision j] (memory, capacity) Pareto front of new options of j..
     cov_at: list[list[int]]  # [decision j][threshold i] how many of cov[j] have memory <= mus[i]
     cov_ratio: list[list[float]]  # [decision j][n] least memory per capacity among cov[j][:n + 1]
@@ -239,7 +240,7 @@ def _static(pb: Problem, pw: PWorkflow, check_cap: bool, usable: list[bool]) -> 
         cov.append(fr2)
     cov_at = [[bisect.bisect_right([m for m, _ in fr], mu) for mu in mus] for fr in cov]
     cov_ratio = [list(itertools.accumulate((m / cp for m, cp in fr), min)) for fr in cov]
-    return _Static(cov=cov, cov_at=cov_at, cov_ratio=cov_ratio, new_opts=new_opts, reuse_opts=reuse_opts, front=front, mus=mus, f_at=f_at, changes=changes,
+    return _Static(any_heavy=any(heavy), cov=cov, cov_at=cov_at, cov_ratio=cov_ratio, new_opts=new_opts, reuse_opts=reuse_opts, front=front, mus=mus, f_at=f_at, changes=changes,
                    und=und, done=done, umap=umap, w_rem=w_rem, two_min=two_min, loads_sorted=loads_sorted,
                    heavy=heavy, heavy_mem=heavy_mem, ratio=ratio, after=after, before=before, feasible=feasible)
 
@@ -335,6 +336,7 @@ class _Search:
         # Running instances some stage could reuse: their spare capacity counts in the capacity bound.
         reuse_any = sorted({r for s in llm for r in reuse_opts[s]})
         perf = time.perf_counter
+        zero_free = all(m > 0.0 for m in p_mem)  # every new instance costs: cost 0 means no new instance
         search = self
 
         def usable(sp: float, lmin: float, two: float, j: int) -> float:
@@ -448,8 +450,20 @@ class _Search:
                     cut = best[0] * (1 + REL_TOL) if Lb < best[1] * (1 - REL_TOL) else best[0] * (1 - REL_TOL)
             # Capacity: load still to place beyond the spare capacity of instances already in play
             # needs new instances, at best at the least memory per unit of capacity (fractional relaxation).
+            # Free instances in play (running ones, new ones of this variant) with spare capacity.
+            free_sp: list[tuple[int, float]] = []
+            if check_cap:
+                for r in reuse_any:
+                    pi = r_prof[r]
+                    sp = p_cap[pi] - r_load0[r] - r_add[r]
+                    if sp > 0.0:
+                        free_sp.append((pi, sp))
+                for k, pi in enumerate(slots):
+                    sp = p_cap[pi] - slot_load[k]
+                    if sp > 0.0:
+                        free_sp.append((pi, sp))
             # A completion whose largest new instance has memory mu uses only profiles of memory <= mu,
-            # so the memory that covers the load is taken over those (dm_at), at least dm over all.
+            # so the memory that covers the load is taken over those (in the mu loop), at least dm over all.
             dm = 0.0
             need = 0.0
             if check_cap:
@@ -459,11 +473,7 @@ class _Search:
                     # largest load that fits when two of them cannot.
                     lmin = st.loads_sorted[j][0]
                     two = st.two_min[j]
-                    for k, pi in enumerate(slots):
-                        sp = p_cap[pi] - slot_load[k]
-                        need -= usable(sp, lmin, two, j)
-                    for r in reuse_any:
-                        sp = p_cap[r_prof[r]] - r_load0[r] - r_add[r]
+                    for _, sp in free_sp:
                         need -= usable(sp, lmin, two, j)
                     if need > EPS * max(1.0, st.w_rem[j]):
                         if st.ratio[j] == INF:
@@ -476,91 +486,109 @@ class _Search:
                         need = 0.0
                     # Integrality: stages too heavy to share any new instance with another heavy
                     # stage, and that fit no spare capacity in play, each need an instance of their own.
-                    big = 0.0
-                    for jj in range(j, nd):
-                        s = llm[jj]
-                        if not st.heavy[s]:
-                            continue
-                        ld = load[s]
-                        if any(leq(slot_load[k] + ld, p_cap[pi]) for k, pi in enumerate(slots)):
-                            continue
-                        if any(leq(r_load0[r] + r_add[r] + ld, p_cap[r_prof[r]]) for r in reuse_opts[s]):
-                            continue
-                        big += st.heavy_mem[s]
-                    if big > dm:
-                        dm = big
-            # Free options (running instances, new instances of this variant) have limited spare
-            # capacity: a Lagrangian relaxation prices it, so that undecided stages do not all count
-            # on the same headroom. Instances of one profile form one group (their spare adds up).
+                    if st.any_heavy:
+                        big = 0.0
+                        for jj in range(j, nd):
+                            s = llm[jj]
+                            if not st.heavy[s]:
+                                continue
+                            ld = load[s]
+                            if any(leq(ld, sp) for _, sp in free_sp):
+                                continue
+                            big += st.heavy_mem[s]
+                        if big > dm:
+                            dm = big
+            # Free options have limited spare capacity: a Lagrangian relaxation prices it, so that
+            # undecided stages do not all count on the same headroom. Instances of one profile form one
+            # group (their spare adds up). Only groups whose demand exceeds their spare get a price.
             cons: list[int] = []
             gcap: dict[int, float] = {}
-            opts: list[list[tuple[int, float]]] = []
-            if check_cap:
+            min_u: list[float] = []  # [u] fastest free option of an unpriced group
+            con_lat: list[list[tuple[int, float]]] = []  # [u] (priced group, latency) usable by stage u
+            if len(free_sp) > 1:
                 gmax: dict[int, float] = {}
-                for r in reuse_any:
-                    pi = r_prof[r]
-                    sp = p_cap[pi] - r_load0[r] - r_add[r]
-                    if sp > 0.0:
-                        gcap[pi] = gcap.get(pi, 0.0) + sp
-                        if sp > gmax.get(pi, 0.0):
-                            gmax[pi] = sp
-                for k, pi in enumerate(slots):
-                    sp = p_cap[pi] - slot_load[k]
-                    if sp > 0.0:
-                        gcap[pi] = gcap.get(pi, 0.0) + sp
-                        if sp > gmax.get(pi, 0.0):
-                            gmax[pi] = sp
-                if gcap:
-                    demand: dict[int, float] = {}
+                lmin, two = st.loads_sorted[j][0], st.two_min[j]
+                for pi, sp in free_sp:
+                    gcap[pi] = gcap.get(pi, 0.0) + usable(sp, lmin, two, j)
+                    if sp > gmax.get(pi, 0.0):
+                        gmax[pi] = sp
+                demand: dict[int, float] = dict.fromkeys(gcap, 0.0)
+                usel: list[list[int]] = []
+                for u in range(nu):
+                    s, _, _, isl = U[u]
+                    if not isl:
+                        usel.append([])
+                        continue
+                    ld = load[s]
+                    o = [pi for pi, mx in gmax.items() if ld <= mx * (1 + EPS) + EPS]
+                    usel.append(o)
+                    for pi in o:
+                        demand[pi] += ld
+                cons = [pi for pi, d in demand.items() if d > gcap[pi] * (1 + EPS) + EPS]
+                if cons:
+                    cset = set(cons)
                     for u in range(nu):
-                        s, _, _, isl = U[u]
-                        if not isl:
-                            opts.append([])
-                            continue
-                        ld = load[s]
-                        o = [(pi, lat_new[s][pi]) for pi, mx in gmax.items() if leq(ld, mx)]
-                        opts.append(o)
-                        for pi, _ in o:
-                            demand[pi] = demand.get(pi, 0.0) + ld
-                    cons = [pi for pi, d in demand.items() if not leq(d, gcap[pi])]
+                        s = U[u][0]
+                        ln = lat_new[s] if U[u][3] else ()
+                        mn = INF
+                        cl: list[tuple[int, float]] = []
+                        for pi in usel[u]:
+                            if pi in cset:
+                                cl.append((pi, ln[pi]))
+                            elif ln[pi] < mn:
+                                mn = ln[pi]
+                        min_u.append(mn)
+                        con_lat.append(cl)
 
             def lag_lp(i: int) -> float:
-                """Longest-path bound with the free options' capacity priced (Lagrangian), when the
-                new options are those of memory <= mus[i] (i < 0: none). INF: infeasible."""
-                price: dict[int, float] = {}
-                for g in cons:
-                    bps: list[tuple[float, float]] = []
-                    tot = 0.0
-                    for u in range(nu):
-                        o = opts[u]
-                        if not o:
-                            continue
-                        s = U[u][0]
-                        ld = load[s]
-                        b = INF
-                        a = f_at[s][i] if i >= 0 else INF
-                        for h, lv in o:
-                            if h == g:
-                                b = lv
-                            else:
-                                v = lv + price.get(h, 0.0) * ld
-                                if v < a:
-                                    a = v
-                        if b < a and ld > 0.0:
-                            bps.append(((a - b) / ld, ld))
-                            tot += ld
-                    if tot <= gcap[g]:
-                        continue
-                    bps.sort(reverse=True)
-                    acc = 0.0
-                    for pr, ld in bps:
-                        acc += ld
-                        if acc > gcap[g]:
+                """Longest-path bound with the priced free options, when the new options are those of
+                memory <= mus[i] (i < 0: none); -INF when no price helps, INF when infeasible."""
+                price: dict[int, float] = dict.fromkeys(cons, 0.0)
+                alt = [0.0] * nu  # best option of stage u that no price touches
+                cls: list[list[tuple[int, float]]] = []  # priced groups faster than that, per stage
+                for u in range(nu):
+                    if con_lat[u]:
+                        f = f_at[U[u][0]][i] if i >= 0 else INF
+                        a = f if f < min_u[u] else min_u[u]
+                        alt[u] = a
+                        cls.append([x for x in con_lat[u] if x[1] < a])
+                    else:
+                        cls.append([])
+                for _ in range(2):  # coordinate ascent over the priced groups
+                    for g in cons:
+                        bps: list[tuple[float, float]] = []
+                        tot = 0.0
+                        cap_g = gcap[g]
+                        for u in range(nu):
+                            cl = cls[u]
+                            if not cl:
+                                continue
+                            ld = load[U[u][0]]
+                            a = alt[u]
+                            b = INF
+                            for h, lv in cl:
+                                if h == g:
+                                    b = lv
+                                else:
+                                    v = lv + price[h] * ld
+                                    if v < a:
+                                        a = v
+                            if b < a and ld > 0.0:
+                                bps.append(((a - b) / ld, ld))
+                                tot += ld
+                        pr = 0.0
+                        if tot > cap_g:
+                            bps.sort(reverse=True)
+                            acc = 0.0
+                            for x, ld in bps:
+                                acc += ld
+                                if acc > cap_g:
+                                    pr = x
+                                    break
                             if pr == INF:
                                 return INF  # stages with no other option overload the group
-                            price[g] = pr
-                            break
-                if not price:
+                        price[g] = pr
+                if not any(price.values()):
                     return -INF
                 lat2 = [0.0] * nu
                 for u in range(nu):
@@ -568,15 +596,24 @@ class _Search:
                     if not isl:
                         lat2[u] = tool_lat[s]
                         continue
+                    f = f_at[s][i] if i >= 0 else INF
+                    v = f if f < min_u[u] else min_u[u]
                     ld = load[s]
-                    v = f_at[s][i] if i >= 0 else INF
-                    for h, lv in opts[u]:
-                        w = lv + price.get(h, 0.0) * ld
+                    for h, lv in cls[u]:
+                        w = lv + price[h] * ld
                         if w < v:
                             v = w
                     lat2[u] = v
                 return lp(lat2) - sum(pr * gcap[g] for g, pr in price.items())
 
+            if not full and zero_free and M == 0.0 and search.best is not None and search.best[0] == 0.0:
+                # Only completions without new instances can tie a free incumbent: bound their latency.
+                if n_inf or need > 0.0:
+                    return INF, Lb
+                L0 = lp(zl)
+                if cons:
+                    L0 = max(L0, lag_lp(-1))
+                return (0.0, L0) if leq(L0, lam) else (INF, L0)
             # The memory/latency coupling over all undecided stages at once, mu ascending.
             best_t = INF
             if n_inf == 0 and need == 0.0:
