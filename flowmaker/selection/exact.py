@@ -616,6 +616,7 @@ class _Search:
                 return (0.0, L0) if leq(L0, lam) else (INF, L0)
             # The memory/latency coupling over all undecided stages at once, mu ascending.
             best_t = INF
+            prev_done = n_inf == 0 and need == 0.0  # the mu = 0 class is evaluated
             if n_inf == 0 and need == 0.0:
                 L0 = lp(zl)
                 if cons:
@@ -645,8 +646,9 @@ class _Search:
                             lat = list(lat) if lat is zl else lat
                             changed = True
                         lat[u] = f
-                if not changed or n_inf:
-                    continue
+                if n_inf or (not changed and prev_done and need == 0.0):
+                    continue  # no option for some stage / the same class as the previous one
+                prev_done = True
                 if need > 0.0:
                     # Only profiles of memory <= mu cover the load in this class.
                     nc = st.cov_at[j][i]
