@@ -31,7 +31,19 @@ for _mod in _AREAS:
 
 
 def main() -> None:
-    app()
+    """The `flowmaker` command. Client commands are traced like the services (OTEL_* settings, default
+    exporter none): one span per command, flushed before the process exits."""
+    from flowmaker import telemetry
+    from flowmaker.errors import FlowMakerError
+
+    try:
+        telemetry.setup_tracing("flowmaker-cli")
+    except FlowMakerError as e:  # e.g. OTEL_TRACES_EXPORTER=otlp without the exporter installed: run untraced
+        typer.echo(f"warning: tracing off: {e}", err=True)
+    try:
+        app()
+    finally:
+        telemetry.shutdown_tracing()
 
 
 if __name__ == "__main__":

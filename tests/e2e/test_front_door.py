@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -143,6 +144,29 @@ def tool_last_task(stack: LocalStack, tmp_path_factory: pytest.TempPathFactory) 
     return str(t["id"])
 
 
+# ---- telemetry first: the first deploy on a fresh stack starts new instances (Deploy RPCs) --------
+
+def test_deploy_with_approve_is_one_trace_across_the_services(stack: LocalStack, collector: Collector) -> None:
+    t = ok_json(cli(stack, "task", "deploy", SUMMARIZE, "--accuracy", "0.2", "--latency", "15", "--rate", "0.3",
+                    "--approve", "all", "--json", env_extra=otlp_env(collector)))
+    assert t["state"] == "STATE_ACTIVE", t
+    roots = wait_for(lambda: collector.traces_with("flowmaker task deploy"))
+    assert len(roots) >= 1
+    want = {"flowmaker-cli", "flowmaker-orchestrator", "flowmaker-generator", "flowmaker-selector",
+            "flowmaker-deployer"}
+    # The CLI's one span holds DeployTask and ApproveWorkflows: one trace reaches every service they call.
+    seen = wait_for(lambda: next((collector.services_in(tid) for tid in roots
+                                  if want <= collector.services_in(tid)), None))
+    assert seen is not None, {tid.hex(): collector.services_in(tid) for tid in roots}
+    ids = {tid for tid in roots if want <= collector.services_in(tid)}
+    tid = ids.pop()
+    with collector._lock:
+        names = {s.name for svc, s in collector.spans if s.trace_id == tid}
+    assert {"/flowmaker.orchestrator.v1.OrchestratorService/DeployTask",
+            "/flowmaker.orchestrator.v1.OrchestratorService/ApproveWorkflows"} <= names, names
+    assert any(n.startswith("/flowmaker.deployer.v1.DeployerService/") for n in names), names
+
+
 # ---- the CLI's rough edges ---------------------------------------------------------------------
 
 def test_deploy_approve_all_exits_1_when_the_task_ends_failed(stack: LocalStack) -> None:
@@ -254,3 +278,33 @@ def test_openai_errors(stack: LocalStack, summarize_task: str) -> None:
     with pytest.raises(openai.BadRequestError) as br:
         c.chat.completions.create(model=summarize_task, messages=[{"role": "user", "content": "x"}], max_tokens=0)
     assert br.value.param == "max_tokens"
+
+
+# ---- telemetry: an OTLP receiver sees the services ---------------------------------------------
+
+def wait_for(cond: Any, timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = cond()
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+def test_every_service_and_the_gateway_export_spans(stack: LocalStack, collector: Collector,
+                                                    summarize_task: str) -> None:
+    from flowmaker.api.profiler.v1 import profiler_pb2, profiler_pb2_grpc
+
+    # The profiler is not on the deploy path (profiles are read from etcd): call it directly.
+    with grpc.insecure_channel(stack.addresses["profiler"]) as ch:
+        profiler_pb2_grpc.ProfilerServiceStub(ch).ListModels(profiler_pb2.ListModelsRequest(), timeout=30)
+    raw = client(stack).chat.completions.with_raw_response.create(
+        model=summarize_task, messages=[{"role": "user", "content": "trace me"}], max_tokens=4)
+    gw_trace = bytes.fromhex(raw.headers["x-flowmaker-trace-id"])
+    services = wait_for(lambda: (lambda s: s if {"flowmaker-gateway", "flowmaker-orchestrator"} <= s else None)(
+        collector.services_in(gw_trace)))
+    assert services, collector.services_in(gw_trace)  # the header's trace id is the request's trace
+    with collector._lock:
+        everyone = {svc for svc, _ in collector.spans}
+    assert {"flowmaker-orchestrator", "flowmaker-generator", "flowmaker-selector", "flowmaker-deployer",
+            "flowmaker-profiler", "flowmaker-gateway", "flowmaker-cli"} <= everyone, everyone
