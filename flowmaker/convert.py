@@ -381,7 +381,7 @@ def selection_result_to_proto(r: SelectionResult) -> selector_pb2.SelectVariantR
         strategy=r.strategy, variants_evaluated=min(r.variants_evaluated, _INT64_MAX),
         # The variant space can exceed int64 (it grows as profiles^stages); saturate rather than fail.
         search_space_size=min(r.search_space_size, _INT64_MAX),
-        elapsed_s=r.elapsed_s, timed_out=r.timed_out,
+        elapsed_s=r.elapsed_s, timed_out=r.timed_out, optimal=r.optimal, lower_bound=r.lower_bound,
     )
     if r.variant is not None:
         m.variant.CopyFrom(variant_to_proto(r.variant))
@@ -397,7 +397,7 @@ def selection_result_from_proto(m: selector_pb2.SelectVariantResponse) -> Select
         strategy=m.strategy, variant=variant_from_proto(m.variant) if has_variant else None,
         reason=infeasibility_from_proto(m.reason), reason_detail=m.reason_detail,
         variants_evaluated=m.variants_evaluated, search_space_size=m.search_space_size,
-        elapsed_s=m.elapsed_s, timed_out=m.timed_out,
+        elapsed_s=m.elapsed_s, timed_out=m.timed_out, optimal=m.optimal, lower_bound=m.lower_bound,
     )
 
 

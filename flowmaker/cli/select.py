@@ -14,8 +14,14 @@ from flowmaker.errors import FlowMakerError
 def select_cmd(request: Path = typer.Option(..., "--request", "-r", help="SelectVariant request, proto3 JSON."),
                strategy: str | None = typer.Option(None, help="exact (default) | heuristic | exhaustive | bayesopt; "
                                                               "overrides the file's `strategy`."),
+               time_budget: float | None = typer.Option(
+                   None, "--time-budget", min=0.0,
+                   help="Seconds the strategy may search (overrides the file's options.time_budget_s). exact then "
+                        "answers with the best variant found, optimal=false and a proven lower bound."),
                json_out: bool = typer.Option(False, "--json", help="Print the SelectVariant response JSON.")) -> None:
     """Pick the least-cost feasible workflow variant (see docs/selection-spec.md and examples/README.md)."""
+    import dataclasses
+
     from flowmaker.convert import select_variant_request_from_json, selection_result_to_json
     from flowmaker.selection import select
 
@@ -25,6 +31,8 @@ def select_cmd(request: Path = typer.Option(..., "--request", "-r", help="Select
         fail("INVALID_ARGUMENT", f"cannot read {request}: {e.strerror}", field="--request")
     try:
         req, file_strategy = select_variant_request_from_json(text)
+        if time_budget is not None:
+            req = dataclasses.replace(req, options=dataclasses.replace(req.options, time_budget_s=time_budget))
         res = select(req, strategy or file_strategy or "exact")
     except FlowMakerError as e:
         fail_from(e)
@@ -43,8 +51,15 @@ def select_cmd(request: Path = typer.Option(..., "--request", "-r", help="Select
             t.add_row(a.stage_id, a.instance_id if a.reused else f"{a.new_key} (new)", a.model_id, str(a.tp),
                       str(a.pp), ",".join(a.gpu_ids), f"{a.latency_s:.3f}")
         con.print(t)
+    if res.optimal:
+        proof = "proven optimal" if res.variant is not None else "proven infeasible"
+    elif res.variant is not None and res.gap is not None:
+        gap = f"{res.gap:.1%}" if res.gap != float("inf") else "unbounded"
+        proof = f"not proven optimal: lower bound {res.lower_bound:.2f} GB·s, gap {gap}"
+    else:
+        proof = "not proven"
     con.print(f"strategy {res.strategy}: {res.variants_evaluated:,} variants evaluated of {res.search_space_size:,} "
-              f"in {res.elapsed_s * 1e3:.2f} ms" + (" (timed out)" if res.timed_out else ""))
+              f"in {res.elapsed_s * 1e3:.2f} ms" + (" (timed out)" if res.timed_out else "") + f"; {proof}")
     if res.variant is None:
         raise typer.Exit(1)
 

@@ -2,7 +2,8 @@
 
 Gaussian-process BO (scikit-optimize `gp_minimize`, expected improvement): 10
 random initial points, then sequential trials up to `max_trials` (default 200,
-as the published baseline ran). A point is a workflow plus, per LLM stage, an
+as the published baseline ran; at most 1000). It stops before a trial that would end after the
+time budget (default 120 s; the selector service also applies the call's deadline). A point is a workflow plus, per LLM stage, an
 integer option: reuse running instance r, open a new instance of profile p
 (profiles ordered by total memory so that neighbouring integers are similar),
 or share the instance of an earlier stage. Infeasible points are penalised
@@ -25,6 +26,7 @@ from flowmaker.selection.problem import NEW, REUSE, Choice, Problem, better, inf
 from flowmaker.selection.registry import register
 
 DEFAULT_TRIALS = 200
+MAX_TRIALS = 1000
 INITIAL_POINTS = 10
 DEFAULT_BUDGET_S = 120.0
 
@@ -40,7 +42,8 @@ def select_bayesopt(req: SelectionRequest) -> SelectionResult:
                                  field="strategy", reason="OPTIONAL_DEPENDENCY_MISSING") from e
     started = time.perf_counter()
     pb = Problem(req)
-    trials = req.options.max_trials or DEFAULT_TRIALS
+    # Trials are capped: each GP fit costs O(trials^3), so a huge count would hold the worker for minutes.
+    trials = min(req.options.max_trials or DEFAULT_TRIALS, MAX_TRIALS)
     deadline = started + (req.options.time_budget_s or DEFAULT_BUDGET_S)
     R, P = len(pb.reusable), len(pb.profiles)
     order = sorted(range(P), key=lambda pi: (pb.p_mem[pi], pi))
@@ -92,10 +95,15 @@ def select_bayesopt(req: SelectionRequest) -> SelectionResult:
         return key[0]
 
     timed_out = False
+    last = [time.perf_counter(), 0.0]  # end of the previous trial, duration of the longest one
 
     def stop(_res: object) -> bool:
+        # Stop when the next trial would not end before the deadline (a GP fit cannot be interrupted).
         nonlocal timed_out
-        if time.perf_counter() > deadline:
+        now = time.perf_counter()
+        last[1] = max(last[1], now - last[0])
+        last[0] = now
+        if now + last[1] > deadline:
             timed_out = True
             return True
         return False

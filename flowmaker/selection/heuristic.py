@@ -90,6 +90,9 @@ def select_heuristic(req: SelectionRequest) -> SelectionResult:
                 found: tuple[tuple[float, float, int], tuple] | None = None
                 for cfg in itertools.product(*(opts[m] for m in models)):
                     evaluated += 1
+                    if evaluated & 255 == 0 and time.perf_counter() > deadline:
+                        timed_out = True
+                        break
                     by_model = dict(zip(models, cfg, strict=True))
                     slot_of: dict[str, int] = {}
                     slots: list[int] = []
@@ -113,6 +116,8 @@ def select_heuristic(req: SelectionRequest) -> SelectionResult:
                 if found is not None:
                     if better(*found[0], best):
                         best, best_at = found
+                    break
+                if timed_out:
                     break
             if timed_out:
                 break

@@ -27,7 +27,7 @@ from flowmaker.api.common.v1 import selection_pb2 as flowmaker_dot_common_dot_v1
 from flowmaker.api.common.v1 import workflow_pb2 as flowmaker_dot_common_dot_v1_dot_workflow__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$flowmaker/selector/v1/selector.proto\x12\x15\x66lowmaker.selector.v1\x1a!flowmaker/common/v1/cluster.proto\x1a#flowmaker/common/v1/selection.proto\x1a\"flowmaker/common/v1/workflow.proto\"\xc4\x02\n\x14SelectVariantRequest\x12%\n\x03slo\x18\x01 \x01(\x0b\x32\x18.flowmaker.common.v1.Slo\x12\x30\n\tworkflows\x18\x02 \x03(\x0b\x32\x1d.flowmaker.common.v1.Workflow\x12*\n\x06models\x18\x03 \x03(\x0b\x32\x1a.flowmaker.common.v1.Model\x12.\n\x08profiles\x18\x04 \x03(\x0b\x32\x1c.flowmaker.common.v1.Profile\x12-\n\x07\x63luster\x18\x05 \x01(\x0b\x32\x1c.flowmaker.common.v1.Cluster\x12\x36\n\x07options\x18\x06 \x01(\x0b\x32%.flowmaker.common.v1.SelectionOptions\x12\x10\n\x08strategy\x18\x07 \x01(\t\"\x92\x02\n\x15SelectVariantResponse\x12\x10\n\x08\x66\x65\x61sible\x18\x01 \x01(\x08\x12-\n\x07variant\x18\x02 \x01(\x0b\x32\x1c.flowmaker.common.v1.Variant\x12\x32\n\x06reason\x18\x03 \x01(\x0e\x32\".flowmaker.common.v1.Infeasibility\x12\x15\n\rreason_detail\x18\x04 \x01(\t\x12\x10\n\x08strategy\x18\x05 \x01(\t\x12\x1a\n\x12variants_evaluated\x18\x06 \x01(\x03\x12\x19\n\x11search_space_size\x18\x07 \x01(\x03\x12\x11\n\telapsed_s\x18\x08 \x01(\x01\x12\x11\n\ttimed_out\x18\t \x01(\x08\x32}\n\x0fSelectorService\x12j\n\rSelectVariant\x12+.flowmaker.selector.v1.SelectVariantRequest\x1a,.flowmaker.selector.v1.SelectVariantResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$flowmaker/selector/v1/selector.proto\x12\x15\x66lowmaker.selector.v1\x1a!flowmaker/common/v1/cluster.proto\x1a#flowmaker/common/v1/selection.proto\x1a\"flowmaker/common/v1/workflow.proto\"\xc4\x02\n\x14SelectVariantRequest\x12%\n\x03slo\x18\x01 \x01(\x0b\x32\x18.flowmaker.common.v1.Slo\x12\x30\n\tworkflows\x18\x02 \x03(\x0b\x32\x1d.flowmaker.common.v1.Workflow\x12*\n\x06models\x18\x03 \x03(\x0b\x32\x1a.flowmaker.common.v1.Model\x12.\n\x08profiles\x18\x04 \x03(\x0b\x32\x1c.flowmaker.common.v1.Profile\x12-\n\x07\x63luster\x18\x05 \x01(\x0b\x32\x1c.flowmaker.common.v1.Cluster\x12\x36\n\x07options\x18\x06 \x01(\x0b\x32%.flowmaker.common.v1.SelectionOptions\x12\x10\n\x08strategy\x18\x07 \x01(\t\"\xb8\x02\n\x15SelectVariantResponse\x12\x10\n\x08\x66\x65\x61sible\x18\x01 \x01(\x08\x12-\n\x07variant\x18\x02 \x01(\x0b\x32\x1c.flowmaker.common.v1.Variant\x12\x32\n\x06reason\x18\x03 \x01(\x0e\x32\".flowmaker.common.v1.Infeasibility\x12\x15\n\rreason_detail\x18\x04 \x01(\t\x12\x10\n\x08strategy\x18\x05 \x01(\t\x12\x1a\n\x12variants_evaluated\x18\x06 \x01(\x03\x12\x19\n\x11search_space_size\x18\x07 \x01(\x03\x12\x11\n\telapsed_s\x18\x08 \x01(\x01\x12\x11\n\ttimed_out\x18\t \x01(\x08\x12\x0f\n\x07optimal\x18\n \x01(\x08\x12\x13\n\x0blower_bound\x18\x0b \x01(\x01\x32}\n\x0fSelectorService\x12j\n\rSelectVariant\x12+.flowmaker.selector.v1.SelectVariantRequest\x1a,.flowmaker.selector.v1.SelectVariantResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,7 +37,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SELECTVARIANTREQUEST']._serialized_start=172
   _globals['_SELECTVARIANTREQUEST']._serialized_end=496
   _globals['_SELECTVARIANTRESPONSE']._serialized_start=499
-  _globals['_SELECTVARIANTRESPONSE']._serialized_end=773
-  _globals['_SELECTORSERVICE']._serialized_start=775
-  _globals['_SELECTORSERVICE']._serialized_end=900
+  _globals['_SELECTVARIANTRESPONSE']._serialized_end=811
+  _globals['_SELECTORSERVICE']._serialized_start=813
+  _globals['_SELECTORSERVICE']._serialized_end=938
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class SelectVariantRequest(_message.Message):
     def __init__(self, slo: _Optional[_Union[_workflow_pb2.Slo, _Mapping]] = ..., workflows: _Optional[_Iterable[_Union[_workflow_pb2.Workflow, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[_cluster_pb2.Model, _Mapping]]] = ..., profiles: _Optional[_Iterable[_Union[_cluster_pb2.Profile, _Mapping]]] = ..., cluster: _Optional[_Union[_cluster_pb2.Cluster, _Mapping]] = ..., options: _Optional[_Union[_selection_pb2.SelectionOptions, _Mapping]] = ..., strategy: _Optional[str] = ...) -> None: ...
 
 class SelectVariantResponse(_message.Message):
-    __slots__ = ("feasible", "variant", "reason", "reason_detail", "strategy", "variants_evaluated", "search_space_size", "elapsed_s", "timed_out")
+    __slots__ = ("feasible", "variant", "reason", "reason_detail", "strategy", "variants_evaluated", "search_space_size", "elapsed_s", "timed_out", "optimal", "lower_bound")
     FEASIBLE_FIELD_NUMBER: _ClassVar[int]
     VARIANT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class SelectVariantResponse(_message.Message):
     SEARCH_SPACE_SIZE_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    OPTIMAL_FIELD_NUMBER: _ClassVar[int]
+    LOWER_BOUND_FIELD_NUMBER: _ClassVar[int]
     feasible: bool
     variant: _selection_pb2.Variant
     reason: _selection_pb2.Infeasibility
@@ -47,4 +49,6 @@ class SelectVariantResponse(_message.Message):
     search_space_size: int
     elapsed_s: float
     timed_out: bool
-    def __init__(self, feasible: _Optional[bool] = ..., variant: _Optional[_Union[_selection_pb2.Variant, _Mapping]] = ..., reason: _Optional[_Union[_selection_pb2.Infeasibility, str]] = ..., reason_detail: _Optional[str] = ..., strategy: _Optional[str] = ..., variants_evaluated: _Optional[int] = ..., search_space_size: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., timed_out: _Optional[bool] = ...) -> None: ...
+    optimal: bool
+    lower_bound: float
+    def __init__(self, feasible: _Optional[bool] = ..., variant: _Optional[_Union[_selection_pb2.Variant, _Mapping]] = ..., reason: _Optional[_Union[_selection_pb2.Infeasibility, str]] = ..., reason_detail: _Optional[str] = ..., strategy: _Optional[str] = ..., variants_evaluated: _Optional[int] = ..., search_space_size: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., timed_out: _Optional[bool] = ..., optimal: _Optional[bool] = ..., lower_bound: _Optional[float] = ...) -> None: ...
