@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from flowmaker import metrics
 from flowmaker.errors import FlowMakerError
 from flowmaker.orchestration.reconcile import Action, Kind, Memory, Observed, Policy, plan
 from flowmaker.orchestration.task import TaskRecord
@@ -141,7 +142,8 @@ class Reconciler:
         while True:
             self._kick.clear()
             try:
-                await self.pass_once()
+                with metrics.time_reconcile("orchestrator"):  # flowmaker_reconcile_duration_seconds
+                    await self.pass_once()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # etcd unavailable (or a bug): the next pass tries again
