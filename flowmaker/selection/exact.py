@@ -252,13 +252,15 @@ class _Search:
     their bound to `frontier`, so min(best cost, frontier) is a proven lower bound of the optimum."""
 
     def __init__(self, pb: Problem, *, check_cap: bool = True, check_place: bool = True,
-                 stop_first: bool = False, deadline: float = INF, grace: float = INF) -> None:
+                 stop_first: bool = False, deadline: float = INF, grace: float = INF,
+                 max_nodes: int | None = None) -> None:
         self.pb = pb
         self.check_cap = check_cap
         self.check_place = check_place
         self.stop_first = stop_first
         self.deadline = deadline
         self.grace = grace
+        self.max_nodes = max_nodes  # a deterministic deadline (tests): stop after this many nodes
         self.best: tuple[float, float, int] | None = None
         self.best_at: tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]] | None = None
         self.nodes = 0
@@ -290,7 +292,8 @@ class _Search:
         for root_lb, _, go in searches:
             if self.done:
                 break
-            if self.stopped or time.perf_counter() > self.deadline:
+            if self.stopped or time.perf_counter() > self.deadline or (
+                    self.max_nodes is not None and self.nodes > self.max_nodes):
                 self.stopped = True
                 self.frontier = min(self.frontier, root_lb)
                 continue
@@ -753,7 +756,8 @@ class _Search:
             if j == nd:
                 leaf()
                 return
-            if not search.stopped and perf() > search.deadline:
+            if not search.stopped and (perf() > search.deadline or (search.max_nodes is not None
+                                                                    and search.nodes > search.max_nodes)):
                 search.stopped = True
             depth[0] = j
             if search.stopped:
@@ -881,8 +885,9 @@ def _best_node(layout, free: dict[str, float], k: int) -> tuple[float, str, tupl
     return best
 
 
-def solve(pb: Problem, *, deadline: float = INF, grace: float = INF, **kw: bool) -> _Search:
-    s = _Search(pb, deadline=deadline, grace=grace, **kw)
+def solve(pb: Problem, *, deadline: float = INF, grace: float = INF, max_nodes: int | None = None,
+          **kw: bool) -> _Search:
+    s = _Search(pb, deadline=deadline, grace=grace, max_nodes=max_nodes, **kw)
     s.run()
     return s
 

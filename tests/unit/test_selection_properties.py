@@ -400,3 +400,139 @@ def test_exhaustive_reports_timeout() -> None:
 
 
 
+
+
+# ---------------------------------------------------------------- harder instances: clones, tight reuse, capacity
+
+
+@st.composite
+def dense_requests(draw: st.DrawFn) -> SelectionRequest:
+    """Small enough for the brute force, but with what makes `exact` prune: near-identical and identical
+    model clones, several running instances with spare room for about one stage, loads that need more than
+    one new instance, fans and chains, a utilization cap of 0.5."""
+    gpus = [Gpu(f"n{n}-g{g}", f"n{n}", 48.0, draw(st.sampled_from([0.0, 0.0, 10.0, 30.0, 46.0])))
+            for n in range(draw(st.integers(1, 2))) for g in range(4)]
+    base = [Profile("a", 1, 1, 10.0, 0.01, 1e-4, 0.01, 300.0), Profile("a", 2, 1, 6.0, 0.01, 6e-5, 0.006, 420.0),
+            Profile("b", 1, 1, 20.0, 0.02, 2e-4, 0.02, 500.0), Profile("b", 4, 1, 8.0, 0.01, 8e-5, 0.008, 900.0)]
+    models = [Model("a", 0.3, 3.0, 3.0), Model("b", 0.4, 8.0, 8.0)]
+    profiles = list(base)
+    for c in range(draw(st.integers(0, 2))):
+        src = draw(st.sampled_from(base))
+        f = draw(st.sampled_from([1.0, 1.0, 0.99, 1.01]))
+        cid = f"{src.model_id}-clone{c}"
+        if cid not in {m.id for m in models}:
+            models.append(Model(cid, draw(st.sampled_from([0.3, 0.4])), 3.0, 3.0))
+        profiles.append(dataclasses.replace(src, model_id=cid, fixed_s=src.fixed_s * f,
+                                            decode_s_per_token=src.decode_s_per_token * f,
+                                            max_output_tokens_per_s=src.max_output_tokens_per_s / f))
+    profiles = list({p.key: p for p in profiles}.values())
+    instances = []
+    for i in range(draw(st.integers(0, 5))):
+        p = draw(st.sampled_from(profiles))
+        node_gpus = [g for g in gpus if g.node == "n0"][:p.tp * p.pp]
+        instances.append(Instance(f"run{i}", p.model_id, p.tp, p.pp, tuple(g.id for g in node_gpus),
+                                  p.max_output_tokens_per_s * draw(st.sampled_from([0.1, 0.3, 0.4, 0.45, 0.9]))))
+    n = draw(st.integers(2, 3))
+    fan = draw(st.booleans())
+    stages = []
+    for k in range(n):
+        deps = (() if k == 0 else ("s0",) if fan and k < n - 1 else (f"s{k - 1}",) if not fan
+                else tuple(f"s{i}" for i in range(1, n - 1)) or ("s0",))
+        stages.append(Stage(f"s{k}", StageKind.LLM, deps, draw(st.sampled_from([100, 1000])),
+                            draw(st.sampled_from([50, 100, 150]))))
+    wf = Workflow("w", tuple(stages))
+    slo = Slo(draw(st.sampled_from([0.25, 0.35])), draw(st.sampled_from([1.5, 3.0, 6.0])),
+              draw(st.sampled_from([0.5, 1.0, 2.0])))
+    return SelectionRequest(slo, (wf,), tuple(models), tuple(profiles), Cluster(tuple(gpus), tuple(instances)),
+                            SelectionOptions(utilization_cap=draw(st.sampled_from([0.5, 1.0]))))
+
+
+@settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(dense_requests())
+def test_exact_equals_brute_force_with_clones_reuse_and_tight_capacity(req: SelectionRequest) -> None:
+    want, level = brute_force(req)
+    res = select(req, "exact")
+    assert res.optimal
+    if want is None:
+        assert res.variant is None and res.reason == LEVEL[level], (res.reason, level)
+    else:
+        assert res.variant is not None
+        assert close(res.variant.cost, want[0]), (res.variant.cost, want)
+        assert close(res.variant.latency_s, want[1]), (res.variant.latency_s, want)
+        assert close(res.lower_bound, res.variant.cost)
+        recheck(req, res.variant)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(requests(), dense_requests()), st.integers(0, 12))
+def test_a_stopped_search_keeps_a_feasible_incumbent_and_a_valid_lower_bound(req: SelectionRequest,
+                                                                             limit: int) -> None:
+    """The anytime contract: stopped after `limit` search nodes, exact's incumbent is feasible and costs at
+    least the optimum, and its lower bound is at most the optimum."""
+    from flowmaker.selection.exact import solve
+    from flowmaker.selection.problem import Problem
+
+    want, _ = brute_force(req)
+    pb = Problem(req)
+    s = solve(pb, max_nodes=limit)
+    if want is None:
+        assert s.best is None
+        return
+    assert s.lower_bound <= want[0] * (1 + 1e-9) + 1e-12, (s.lower_bound, want)
+    if s.best_at is not None:
+        res = pb.result("exact", s.best_at, 0.0, s.leaves, timed_out=s.stopped, optimal=not s.stopped,
+                        lower_bound=s.lower_bound)
+        assert res.variant is not None
+        recheck(req, res.variant)
+        assert res.variant.cost >= want[0] * (1 - 1e-9) - 1e-12
+        assert res.lower_bound <= res.variant.cost
+        assert res.gap is not None and res.gap >= 0.0
+    if not s.stopped:
+        assert s.best is not None and close(s.best[0], want[0])
+
+
+def test_exact_without_time_to_find_anything_raises_deadline_exceeded() -> None:
+    from flowmaker.errors import DeadlineExceeded
+    req = dataclasses.replace(_chain_request(rate=1.0), options=SelectionOptions(time_budget_s=1e-9))
+    with pytest.raises(DeadlineExceeded) as e:
+        select(req, "exact")
+    assert e.value.reason == "SELECTION_DEADLINE_EXCEEDED"
+
+
+def test_exact_proves_its_answers() -> None:
+    res = select(_chain_request(rate=1.0), "exact")
+    assert res.optimal and res.variant is not None and not res.timed_out
+    assert res.lower_bound == res.variant.cost and res.gap == 0.0
+    infeasible = select(dataclasses.replace(_chain_request(), slo=Slo(0.9, 10.0, 0.0)), "exact")
+    assert infeasible.optimal and infeasible.variant is None
+    assert not select(_chain_request(rate=1.0), "heuristic").optimal
+
+
+def test_spare_room_of_a_running_instance_for_one_stage_only_is_not_a_capacity_failure() -> None:
+    """Regression: a running instance with room for one of two stages, the other on a new instance of the same
+    profile (the memory classes of the bound had equal latencies but different capacity)."""
+    wf = Workflow("w0", (Stage("s0", StageKind.LLM, (), 50, 100, 1), Stage("s1", StageKind.LLM, (), 50, 100, 2)))
+    models = (Model("m0", 0.1, 1.0, 1.0), Model("m1", 0.1, 2.0, 2.0))
+    profiles = (Profile("m0", 2, 1, 4.0, 0.0, 1e-5, 0.005, 200.0), Profile("m1", 1, 1, 4.0, 0.0, 1e-5, 0.005, 40.0))
+    gpus = tuple(Gpu(f"n0-g{i}", "n0", 48.0) for i in range(4))
+    running = (Instance("inst0", "m0", 2, 1, ("n0-g0", "n0-g1"), 0.0),)
+    req = SelectionRequest(Slo(0.0, 2.0, 0.5), (wf,), models, profiles, Cluster(gpus, running),
+                           SelectionOptions(utilization_cap=0.7))
+    res = select(req, "exact")
+    assert res.variant is not None and close(res.variant.cost, 8.0 * 1.001)
+    recheck(req, res.variant)
+
+
+def test_dominated_clone_profiles_are_not_needed_for_the_optimum() -> None:
+    """An identical clone and a slower clone of the cheapest profile change nothing: same cost and latency."""
+    base = _chain_request(rate=1.0)
+    clone = Model("small-clone", 0.3, 1.0, 1.0)
+    profs = base.profiles + (dataclasses.replace(base.profiles[0], model_id="small-clone"),
+                             dataclasses.replace(base.profiles[0], model_id="small-slow", decode_s_per_token=0.011))
+    req = dataclasses.replace(base, models=base.models + (clone, Model("small-slow", 0.3, 1.0, 1.0)),
+                              profiles=profs)
+    a, b = select(base, "exact"), select(req, "exact")
+    assert a.variant is not None and b.variant is not None
+    assert close(a.variant.cost, b.variant.cost) and close(a.variant.latency_s, b.variant.latency_s)
+    assert b.variant.new_instances[0].model_id == "small"  # the lower index wins a tie
