@@ -88,7 +88,7 @@ def test_schema_catches_a_mistake(compose: dict[str, Any]) -> None:
 
 def test_every_service_present_with_a_real_command(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    for name in (*FLOWMAKER_SERVICES, "etcd", "otel-collector", "jaeger"):
+    for name in (*FLOWMAKER_SERVICES, "gateway", "etcd", "otel-collector", "jaeger", "prometheus", "grafana"):
         assert name in services, f"compose.yaml lacks service {name!r}"
     for name, svc in services.items():
         cmd = svc.get("command")
@@ -111,7 +111,7 @@ def test_env_vars_are_real_settings(compose: dict[str, Any]) -> None:
             m = re.fullmatch(r"FLOWMAKER_([A-Z]+)_([A-Z0-9_]+)", var)
             assert m, f"{name}: {var} is not FLOWMAKER_<SERVICE>_<FIELD>"
             service, field = m.group(1).lower(), m.group(2).lower()
-            assert service in FLOWMAKER_SERVICES, f"{name}: {var} names no service"
+            assert service in (*FLOWMAKER_SERVICES, "gateway"), f"{name}: {var} names no service"
             assert field in _settings_fields(service), f"{name}: {var}: services/{service}/settings.py has no " \
                                                        f"field {field!r}"
 
@@ -175,3 +175,57 @@ def test_referenced_files_exist(compose: dict[str, Any]) -> None:
     assert set(pipeline["exporters"]) <= set(collector["exporters"])
     assert set(pipeline["receivers"]) <= set(collector["receivers"])
     assert (root / "pyproject.toml").is_file()
+
+
+def test_gateway_serves_the_orchestrator_on_its_port(compose: dict[str, Any]) -> None:
+    from services.gateway.settings import GatewaySettings
+
+    gw = compose["services"]["gateway"]
+    env = _env_of(gw)
+    port = int(env.get("FLOWMAKER_GATEWAY_PORT", GatewaySettings.model_fields["port"].default))
+    assert f"{port}:{port}" in gw["ports"] and env["FLOWMAKER_GATEWAY_HOST"] == "0.0.0.0"
+    assert f"localhost:{port}/health" in " ".join(gw["healthcheck"]["test"])
+
+
+def _metric_names() -> set[str]:
+    """Every sample name FlowMaker's services and the gateway export (flowmaker.metrics + the gateway's own),
+    from the metric families' names and types (a labelled metric has no sample until first used)."""
+    from prometheus_client import REGISTRY
+
+    from flowmaker import metrics  # noqa: F401  (registers its metrics)
+    from services.gateway.app import Gateway
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    fams = [*REGISTRY.collect(), *Gateway("127.0.0.1:1").registry.collect()]
+    return {f.name + s for f in fams for s in suffixes.get(f.type, ("",))}
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port(compose: dict[str, Any]) -> None:
+    prom = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    for name in FLOWMAKER_SERVICES:
+        port = _env_of(compose["services"][name]).get(f"FLOWMAKER_{name.upper()}_METRICS_PORT")
+        assert port is not None and int(port) >= 0, f"{name}: no metrics port set"
+        assert f"{name}:{port}" in targets, f"prometheus.yml does not scrape {name}:{port}"
+    assert f"gateway:{_env_of(compose['services']['gateway'])['FLOWMAKER_GATEWAY_PORT']}" in targets
+    assert all(t.split(":")[0] in compose["services"] for t in targets)
+
+
+def test_grafana_dashboard_queries_real_metrics(compose: dict[str, Any]) -> None:
+    dash = json.loads((COMPOSE / "grafana" / "flowmaker-dashboard.json").read_text())
+    ds = yaml.safe_load((COMPOSE / "grafana" / "datasource.yaml").read_text())["datasources"][0]
+    known = _metric_names()
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= 8
+    for p in dash["panels"]:
+        assert p["datasource"]["uid"] == ds["uid"], p["title"]
+    used = {n for e in exprs for n in re.findall(r"\b(flowmaker_[a-z_]+)\b", e)}
+    assert used, exprs
+    missing = sorted(used - known)
+    assert not missing, f"the dashboard queries metrics nothing exports: {missing}"
+    # RPCs, reconcile, selection, instance load and headroom are all on it
+    for m in ("flowmaker_rpc_requests_total", "flowmaker_rpc_duration_seconds_bucket",
+              "flowmaker_reconcile_duration_seconds_bucket", "flowmaker_selection_duration_seconds_bucket",
+              "flowmaker_instance_load_output_tokens_per_second",
+              "flowmaker_instance_headroom_output_tokens_per_second"):
+        assert m in used, m
