@@ -17,8 +17,8 @@ import pytest
 
 from flowmaker import convert
 from flowmaker.api.selector.v1 import selector_pb2, selector_pb2_grpc
-from flowmaker.domain import Profile, ProfileSource, Slo, Stage, Workflow
-from flowmaker.errors import InvalidSpec
+from flowmaker.domain import Cluster, Profile, ProfileSource, Slo, Stage, Workflow
+from flowmaker.errors import DeadlineExceeded, InvalidSpec
 from flowmaker.rpc.channels import insecure_channel
 from flowmaker.rpc.errors import call, field_violations
 from flowmaker.state import keys
@@ -166,3 +166,43 @@ async def test_service_processes_start_serve_and_stop_on_sigterm(etcd: Any, etcd
             p.send_signal(signal.SIGTERM)
         rcs = [p.wait(15) for p in (orch, sel)]
     assert rcs == [0, 0]
+
+
+async def test_answers_are_proven_and_a_spent_budget_is_deadline_exceeded(etcd_store: Any, selector: Any) -> None:
+    await seed(etcd_store)
+    res = convert.selection_result_from_proto(await call(selector.SelectVariant(request(rate=1.0))))
+    assert res.optimal and not res.timed_out and res.lower_bound == res.variant.cost == 0.0  # type: ignore[union-attr]
+    req = request(rate=1.0)
+    req.options.time_budget_s = 1e-9  # no time to find any variant
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await selector.SelectVariant(req)
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(DeadlineExceeded) as e:
+        await call(selector.SelectVariant(req))
+    assert e.value.reason == "SELECTION_DEADLINE_EXCEEDED"
+
+
+async def test_the_call_deadline_bounds_exact_on_a_hard_request(selector: Any) -> None:
+    """A 15-stage chain that takes exact far longer than the call's deadline to prove: the answer still comes
+    back in time, with the best variant found and a proven lower bound (or proven optimal on a fast machine)."""
+    from flowmaker.bench.selector import adversarial_request
+
+    req = convert.selection_request_to_proto(adversarial_request("chain15", 1))
+    res = convert.selection_result_from_proto(await call(selector.SelectVariant(req, timeout=6.0)))
+    assert res.variant is not None
+    assert 0.0 <= res.lower_bound <= res.variant.cost * (1 + 1e-9)
+    assert res.optimal or res.timed_out
+
+
+def test_with_deadline_caps_the_budget_and_keeps_a_margin() -> None:
+    from flowmaker.domain import SelectionOptions, SelectionRequest
+    from services.selector.servicer import with_deadline
+
+    req = SelectionRequest(Slo(0.2, 10.0, 1.0), (WF,), (), (), Cluster(), SelectionOptions(time_budget_s=5.0))
+    assert with_deadline(req, None) is req
+    assert with_deadline(req, 100.0) is req  # the budget is already shorter
+    assert 0.0 < with_deadline(req, 2.0).options.time_budget_s < 2.0
+    unbudgeted = SelectionRequest(Slo(0.2, 10.0, 1.0), (WF,), (), (), Cluster())
+    assert 0.0 < with_deadline(unbudgeted, 1.0).options.time_budget_s < 1.0
+    with pytest.raises(DeadlineExceeded):
+        with_deadline(req, 0.01)

@@ -528,9 +528,9 @@ def test_dominated_clone_profiles_are_not_needed_for_the_optimum() -> None:
     """An identical clone and a slower clone of the cheapest profile change nothing: same cost and latency."""
     base = _chain_request(rate=1.0)
     clone = Model("small-clone", 0.3, 1.0, 1.0)
-    profs = base.profiles + (dataclasses.replace(base.profiles[0], model_id="small-clone"),
-                             dataclasses.replace(base.profiles[0], model_id="small-slow", decode_s_per_token=0.011))
-    req = dataclasses.replace(base, models=base.models + (clone, Model("small-slow", 0.3, 1.0, 1.0)),
+    profs = (*base.profiles, dataclasses.replace(base.profiles[0], model_id="small-clone"),
+             dataclasses.replace(base.profiles[0], model_id="small-slow", decode_s_per_token=0.011))
+    req = dataclasses.replace(base, models=(*base.models, clone, Model("small-slow", 0.3, 1.0, 1.0)),
                               profiles=profs)
     a, b = select(base, "exact"), select(req, "exact")
     assert a.variant is not None and b.variant is not None
