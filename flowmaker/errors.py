@@ -74,3 +74,16 @@ class DeadlineExceeded(FlowMakerError):
     """Work did not finish within its deadline or budget: DEADLINE_EXCEEDED."""
 
     reason = "DEADLINE_EXCEEDED"
+
+
+class Unauthenticated(FlowMakerError):
+    """No valid credentials (no client certificate, no or an unknown bearer token): UNAUTHENTICATED."""
+
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(FlowMakerError):
+    """Valid credentials, but not allowed to do this (another owner's task, a deployer write from a
+    caller other than the orchestrator or the profiler): PERMISSION_DENIED."""
+
+    reason = "PERMISSION_DENIED"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,15 @@ class ServiceSettings(BaseSettings):
     grace_s: float = Field(default=5.0, ge=0, description="On SIGTERM, how long in-flight RPCs may finish before they are cancelled.")
     call_timeout_s: float = Field(default=30.0, gt=0, description="Default deadline of outgoing gRPC calls.")
     log_level: str = Field(default="INFO", description="Python logging level.")
+    # mTLS (flowmaker.rpc.tls): all three set = TLS on the listener and on every channel this service opens;
+    # all empty = plaintext (local debugging: `flowmaker up --insecure`), logged as a warning.
+    tls_ca_file: str = Field(default="", description="PEM CA that signs the suite's certificates (peers are verified "
+                                                     "against it).")
+    tls_cert_file: str = Field(default="", description="PEM certificate of this service (its identity is the common "
+                                                       "name).")
+    tls_key_file: str = Field(default="", description="PEM private key of tls_cert_file.")
+    auth_tokens_file: str = Field(default="", description="JSON {token: {user, admin}} of bearer tokens the public "
+                                                          "API accepts (orchestrator).")
     metrics_port: int = Field(default=-1, ge=-1, le=65535, description="Prometheus /metrics port (on `host`); "
                                                                        "-1 = off, 0 = any free port.")
 
@@ -43,6 +52,17 @@ class ServiceSettings(BaseSettings):
         return v
 
     @property
+    def tls_enabled(self) -> bool:
+        return bool(self.tls_ca_file and self.tls_cert_file and self.tls_key_file)
+
+    @model_validator(mode="after")
+    def _tls_all_or_none(self) -> ServiceSettings:
+        given = [bool(self.tls_ca_file), bool(self.tls_cert_file), bool(self.tls_key_file)]
+        if any(given) and not all(given):
+            raise ValueError("tls_ca_file, tls_cert_file and tls_key_file go together (all set or none)")
+        return self
+
+    @property
     def etcd_endpoint_list(self) -> list[str]:
         return [e.strip() for e in self.etcd_endpoints.split(",") if e.strip()]
 
@@ -51,7 +71,7 @@ class ServiceSettings(BaseSettings):
         return f"{self.host}:{self.port}"
 
     def log_effective(self, service: str) -> None:
-        """One line with every effective setting (they hold no secrets)."""
+        """One line with every effective setting (they hold no secrets: TLS keys and tokens are file paths)."""
         log.info("%s settings %s", service, json.dumps(self.model_dump(mode="json"), sort_keys=True))
 
 

@@ -394,11 +394,15 @@ async def etcd_snapshot(store: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def fuzz_stack(store: Any, *, host: str = "127.0.0.1", gpu_count: int = 2) -> AsyncIterator[dict[str, str]]:
+async def fuzz_stack(store: Any, *, host: str = "127.0.0.1", gpu_count: int = 2, pki: str | None = None,
+                     tokens_file: str = "") -> AsyncIterator[dict[str, str]]:
     """The five services in this process on `host`:0 (real gRPC servers, the given etcd store);
-    yields their addresses by short name."""
+    yields their addresses by short name. With `pki` (a dir made by flowmaker.rpc.tls.ensure_pki) every
+    service runs with its own certificate and the suite's auth policy, as `flowmaker up` runs them."""
     from flowmaker.generator import TemplateGenerator
+    from flowmaker.rpc.channels import configure_client_tls
     from flowmaker.rpc.server import RunningServer, start_server
+    from flowmaker.rpc.tls import pki_files
     from services.deployer.node import NodeAgent
     from services.deployer.servicer import service_hooks
     from services.deployer.settings import DeployerSettings
@@ -414,28 +418,40 @@ async def fuzz_stack(store: Any, *, host: str = "127.0.0.1", gpu_count: int = 2)
     from services.selector.settings import SelectorSettings
 
     started: list[RunningServer] = []
-    common: dict[str, Any] = {"host": host, "port": 0, "grace_s": 0.2}
+    base: dict[str, Any] = {"host": host, "port": 0, "grace_s": 0.2}
+
+    def common(svc: str) -> dict[str, Any]:
+        if pki is None:
+            return base
+        f = pki_files(pki, svc)
+        return {**base, "tls_ca_file": f.ca, "tls_cert_file": f.cert, "tls_key_file": f.key,
+                "auth_tokens_file": tokens_file if svc == "orchestrator" else ""}
+
     try:
         gen = TemplateGenerator()
         from flowmaker.settings import ServiceSettings
 
-        started.append(await start_server("generator", lambda s: add_generator(s, gen), ServiceSettings(**common)))
-        pset = ProfilerSettings(**common, engine_backend="", deployer_address="", preload_catalog=True)
+        started.append(await start_server("generator", lambda s: add_generator(s, gen),
+                                          ServiceSettings(**common("generator"))))
+        pset = ProfilerSettings(**common("profiler"), engine_backend="", deployer_address="", preload_catalog=True)
         papp = build_profiler(pset, store)
         started.append(await start_server("profiler", lambda s: add_profiler(s, papp.servicer), pset,
                                           on_ready=papp.start, on_shutdown=[papp.close]))
-        sset = SelectorSettings(**common)
+        sset = SelectorSettings(**common("selector"))
         started.append(await start_server("selector", lambda s: add_selector(s, sset, store), sset))
-        dset = DeployerSettings(**common, node="n0", gpu_type="A6000", gpu_count=gpu_count, use_nvml=False,
+        dset = DeployerSettings(**common("deployer"), node="n0", gpu_type="A6000", gpu_count=gpu_count, use_nvml=False,
                                 backend="emulated", engine_time_scale=50, engine_start_timeout_s=30,
                                 engine_stop_grace_s=2, lease_ttl_s=10)
         agent = NodeAgent(store, dset)
         add_dep, dep_ready = service_hooks(agent)
         started.append(await start_server("deployer", add_dep, dset, on_ready=dep_ready,
                                           on_shutdown=[agent.shutdown]))
-        oset = OrchestratorSettings(**common, selector_address=started[2].address,
+        oset = OrchestratorSettings(**common("orchestrator"), selector_address=started[2].address,
                                     generator_address=started[0].address, deploy_timeout_s=30,
                                     invoke_timeout_s=10)
+        # The orchestrator's channels (deployers' too, opened later) present its certificate, as its
+        # __main__ arranges; the only other client here, the profiler, opens no channel in this stack.
+        configure_client_tls(oset)
         clients = Clients(oset.selector_address, oset.generator_address, timeout_s=10)
         orch = Orchestrator(oset, store, clients)
 
@@ -453,6 +469,7 @@ async def fuzz_stack(store: Any, *, host: str = "127.0.0.1", gpu_count: int = 2)
         for r in reversed(started):
             with contextlib.suppress(Exception):
                 await r.stop(0.2)
+        configure_client_tls(None)
 
 
 async def fuzz_with_etcd(endpoint: str, *, per_rpc: int, seed: int, timeout_s: float = 5.0,

@@ -1,4 +1,5 @@
-"""Outgoing gRPC channels: every call gets a deadline (a default, capped by the deadline of the RPC being served)."""
+"""Outgoing gRPC channels: every call gets a deadline (a default, capped by the deadline of the RPC being served),
+and every channel presents the process's mTLS identity once one is configured."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import grpc.aio
 
 from flowmaker.errors import DeadlineExceeded
 from flowmaker.rpc.errors import incoming_deadline
+from flowmaker.rpc.tls import TlsFiles, channel_credentials
 from flowmaker.telemetry import client_interceptors
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -57,13 +59,39 @@ class _DeadlineInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryS
         return await continuation(self._details(client_call_details), request_iterator)
 
 
+# The identity this process presents on every channel it opens (mTLS), set once at start from the
+# service's settings (`configure_client_tls`); None = plaintext channels.
+_client_tls: TlsFiles | None = None
+
+
+def configure_client_tls(settings: Any) -> None:
+    """Use the service's TLS files (ServiceSettings.tls_*) for every channel opened from now on."""
+    global _client_tls
+    _client_tls = (TlsFiles(settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file)
+                   if getattr(settings, "tls_enabled", False) else None)
+
+
+def channel(target: str, *, default_timeout_s: float = DEFAULT_TIMEOUT_S,
+            interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+            options: Sequence[tuple[str, Any]] = (), tracing: bool = True,
+            tls: TlsFiles | bool | None = True) -> grpc.aio.Channel:
+    """An aio channel to `target` ("host:port") whose calls always carry a deadline.
+    `interceptors` run outside the deadline interceptor. With `tracing` (default), OpenTelemetry's
+    client interceptors come first: every call is a CLIENT span and carries the trace context.
+    `tls`: True = the process's identity (configure_client_tls; plaintext when none is configured),
+    explicit TlsFiles, or False/None = plaintext."""
+    otel = client_interceptors() if tracing else []
+    chain = [*otel, *interceptors, _DeadlineInterceptor(default_timeout_s)]
+    files = _client_tls if tls is True else (tls or None)
+    if files is not None:
+        return grpc.aio.secure_channel(target, channel_credentials(files), options=list(options),
+                                       interceptors=chain)  # type: ignore[arg-type]
+    return grpc.aio.insecure_channel(target, options=list(options), interceptors=chain)  # type: ignore[arg-type]
+
+
 def insecure_channel(target: str, *, default_timeout_s: float = DEFAULT_TIMEOUT_S,
                      interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
                      options: Sequence[tuple[str, Any]] = (), tracing: bool = True) -> grpc.aio.Channel:
-    """An aio channel to `target` ("host:port") whose calls always carry a deadline.
-    `interceptors` run outside the deadline interceptor. With `tracing` (default), OpenTelemetry's
-    client interceptors come first: every call is a CLIENT span and carries the trace context."""
-    otel = client_interceptors() if tracing else []
-    return grpc.aio.insecure_channel(
-        target, options=list(options),
-        interceptors=[*otel, *interceptors, _DeadlineInterceptor(default_timeout_s)])  # type: ignore[list-item]
+    """Kept for its callers: `channel()`, which is TLS once the process has an identity configured."""
+    return channel(target, default_timeout_s=default_timeout_s, interceptors=interceptors, options=options,
+                   tracing=tracing)

@@ -23,6 +23,7 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -42,9 +43,12 @@ from flowmaker.errors import (
     InvalidSpec,
     NoCapacity,
     NotFound,
+    PermissionDenied,
+    Unauthenticated,
     Unavailable,
 )
 from flowmaker.limits import LIMITS
+from flowmaker.rpc.auth import ANONYMOUS_ADMIN, AuthPolicy, current_principal
 from flowmaker.rpc.validate import validate_request
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,8 @@ CODES: tuple[tuple[type[FlowMakerError], grpc.StatusCode], ...] = (
     (NoCapacity, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
 )
 _BY_CODE: dict[grpc.StatusCode, type[FlowMakerError]] = {code: cls for cls, code in CODES}
 
@@ -274,66 +280,92 @@ class CallerLimiter:
 _UNLIMITED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 
 
-def _wrap_unary(behavior: Callable[..., Any], method: str, limiter: CallerLimiter | None = None,
-                check: bool = True) -> Callable[..., Any]:
+@dataclass
+class _Edge:
+    """What runs before a handler, in order: authentication (the service's AuthPolicy), decoding and
+    validation of the request, the per-caller concurrency limit."""
+
+    method: str
+    limiter: CallerLimiter | None
+    auth: AuthPolicy | None
+    check: bool = True
+
+    def enter(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[str | None, Any]:
+        """(caller counted by the limiter, token of the principal binding) - give both to exit()."""
+        principal = self.auth.authenticate(context, self.method) if self.auth is not None else ANONYMOUS_ADMIN
+        ptoken = current_principal.set(principal)
+        try:
+            if self.check:
+                _check_request(request)
+            caller = None
+            if self.limiter is not None:
+                c = f"principal:{principal.name}" if principal.name else caller_of(context)
+                self.limiter.enter(c)
+                caller = c
+        except BaseException:
+            current_principal.reset(ptoken)
+            raise
+        return caller, ptoken
+
+    def exit(self, state: tuple[str | None, Any] | None) -> None:
+        if state is None:
+            return
+        caller, ptoken = state
+        if caller is not None and self.limiter is not None:
+            self.limiter.exit(caller)
+        current_principal.reset(ptoken)
+
+
+def _wrap_unary(behavior: Callable[..., Any], edge: _Edge) -> Callable[..., Any]:
     async def wrapper(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         token = _set_deadline(context)
-        caller: str | None = None
+        state = None
         try:
-            if check:
-                _check_request(request_or_iterator)
-            if limiter is not None:
-                c = caller_of(context)
-                limiter.enter(c)
-                caller = c
+            state = edge.enter(request_or_iterator, context)
             result = behavior(request_or_iterator, context)
             return (await result) if inspect.isawaitable(result) else result
         except grpc.aio.AbortError:
             raise  # the servicer aborted on purpose; its status stands
         except Exception as e:
-            await _abort(context, e, method)
+            await _abort(context, e, edge.method)
         finally:
-            if caller is not None and limiter is not None:
-                limiter.exit(caller)
+            edge.exit(state)
             incoming_deadline.reset(token)
     return wrapper
 
 
-def _wrap_stream(behavior: Callable[..., Any], method: str, limiter: CallerLimiter | None = None,
-                 check: bool = True) -> Callable[..., Any]:
+def _wrap_stream(behavior: Callable[..., Any], edge: _Edge) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(behavior):
         async def gen_wrapper(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             token = _set_deadline(context)
-            caller: str | None = None
+            state = None
             try:
-                if check:
-                    _check_request(request_or_iterator)
-                if limiter is not None:
-                    c = caller_of(context)
-                    limiter.enter(c)
-                    caller = c
+                state = edge.enter(request_or_iterator, context)
                 async for item in behavior(request_or_iterator, context):
                     yield item
             except grpc.aio.AbortError:
                 raise
             except Exception as e:
-                await _abort(context, e, method)
+                await _abort(context, e, edge.method)
             finally:
-                if caller is not None and limiter is not None:
-                    limiter.exit(caller)
+                edge.exit(state)
                 incoming_deadline.reset(token)
         return gen_wrapper
     # A coroutine handler that writes with context.write() (or a sync iterator): same as unary.
-    return _wrap_unary(behavior, method, limiter, check)
+    return _wrap_unary(behavior, edge)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """The one server interceptor of every service: undecodable or invalid requests become
     INVALID_ARGUMENT before the handler runs, per-caller concurrency is bounded, and the error map
-    applies to every RPC (unary and streaming alike)."""
+    applies to every RPC (unary and streaming alike). With an `auth` policy, every call is
+    authenticated first (UNAUTHENTICATED / PERMISSION_DENIED) and its principal bound to
+    `flowmaker.rpc.auth.current_principal` for the handler."""
 
-    def __init__(self, max_calls_per_caller: int = LIMITS.concurrent_calls_per_caller) -> None:
+    def __init__(self, max_calls_per_caller: int = LIMITS.concurrent_calls_per_caller, *,
+                 auth: AuthPolicy | None = None) -> None:
         self.limiter = CallerLimiter(max_calls_per_caller) if max_calls_per_caller > 0 else None
+        self.auth = auth
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
@@ -342,20 +374,20 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = handler_call_details.method
         limiter = None if method.startswith(_UNLIMITED_PREFIXES) else self.limiter
+        edge = _Edge(method, limiter, self.auth)
         deser = _safe_deserializer(handler.request_deserializer)
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method, limiter),
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, edge),
                                                        deser, handler.response_serializer)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, method, limiter),
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, edge),
                                                         deser, handler.response_serializer)
         # Client streaming: the request is an iterator; its messages are the handler's to check.
+        raw = _Edge(method, limiter, self.auth, check=False)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method, limiter, check=False),
-                handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, raw),
+                                                        handler.request_deserializer, handler.response_serializer)
         if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream, method, limiter, check=False),
-                handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, raw),
+                                                         handler.request_deserializer, handler.response_serializer)
         return handler

@@ -29,7 +29,9 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from flowmaker.metrics import MetricsInterceptor, serve_metrics
+from flowmaker.rpc.auth import AuthPolicy, load_tokens, policy_for
 from flowmaker.rpc.errors import ErrorInterceptor
+from flowmaker.rpc.tls import TlsFiles, server_credentials
 from flowmaker.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ class RunningServer:
 
 async def start_server(service_name: str, add_servicers: AddServicers, settings: ServiceSettings, *,
                        on_ready: ReadyHook | None = None, on_shutdown: Sequence[Hook] = (),
-                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> RunningServer:
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                       auth: AuthPolicy | None = None) -> RunningServer:
     """Build, bind and start the server; SERVING once `on_ready(running)` has returned (it gets the
     RunningServer, so it can publish the bound address, e.g. in an etcd registration).
 
@@ -91,14 +94,33 @@ async def start_server(service_name: str, add_servicers: AddServicers, settings:
     (e.g. `["flowmaker.deployer.v1.DeployerService"]`) for health and reflection.
     `interceptors` (e.g. OpenTelemetry's) run outside the error interceptor, so they see the
     final status code.
+
+    With `settings.tls_enabled` the listener is TLS only: every service but the orchestrator demands
+    a client certificate of the suite's CA, and calls are authorized by `auth` (default: the suite's
+    policy for `service_name`, flowmaker.rpc.auth.policy_for). Without TLS files it is plaintext with
+    no authentication (local debugging), and says so in a warning.
     """
+    creds = None
+    if settings.tls_enabled:
+        files = TlsFiles(settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file)
+        creds = server_credentials(files, require_client_cert=service_name != "orchestrator")
+        if auth is None:
+            auth = policy_for(service_name, load_tokens(settings.auth_tokens_file))
+    elif auth is not None:
+        raise ValueError(f"{service_name}: an auth policy needs TLS (tls_ca_file, tls_cert_file, tls_key_file)")
     # Metrics outermost: they count the status the caller gets, whatever the inner interceptors did.
-    server = grpc.aio.server(interceptors=[MetricsInterceptor(service_name), *interceptors, ErrorInterceptor()])
+    server = grpc.aio.server(interceptors=[MetricsInterceptor(service_name), *interceptors, ErrorInterceptor(auth=auth)])
     names = tuple(add_servicers(server))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((*names, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if creds is not None:
+        port = server.add_secure_port(f"{settings.host}:{settings.port}", creds)
+    else:
+        if settings.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("%s: PLAINTEXT and unauthenticated on %s (no TLS files): local debugging only",
+                        service_name, settings.host)
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     if port == 0:
         raise OSError(f"{service_name}: cannot bind {settings.host}:{settings.port}")
     running = RunningServer(service_name, server, health, settings.host, port, names, list(on_shutdown),

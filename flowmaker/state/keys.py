@@ -21,6 +21,7 @@ REUSE = ROOT + "reuse/"
 PROFILES = ROOT + "profiles/"
 MODELS = ROOT + "models/"
 PROFILING_JOBS = ROOT + "profiling-jobs/"
+OWNERS = ROOT + "owners/"
 
 
 def _c(value: str, what: str) -> str:
@@ -51,6 +52,11 @@ def instance(instance_id: str) -> str:
 def task(task_id: str) -> str:
     """A task: spec, candidates, approved ids, chosen variant, state."""
     return TASKS + _c(task_id, "task_id")
+
+
+def owner(task_id: str) -> str:
+    """Who owns a task (the authenticated user that deployed it); only they, or an admin, may touch it."""
+    return OWNERS + _c(task_id, "task_id")
 
 
 def reuse(instance_id: str, task_id: str) -> str:
@@ -118,6 +124,11 @@ def parse_task(key: str) -> str:
 def parse_reuse(key: str) -> tuple[str, str]:
     i, t = _tail(key, REUSE, 2)
     return i, t
+
+
+def parse_owner(key: str) -> str:
+    (t,) = _tail(key, OWNERS, 1)
+    return t
 
 
 def parse_profile(key: str) -> tuple[str, str, int, int, str]:

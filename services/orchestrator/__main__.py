@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flowmaker import telemetry
+from flowmaker.rpc.channels import configure_client_tls
 from flowmaker.rpc.server import RunningServer, run, serve
 from flowmaker.state import connect
 from flowmaker.state.etcd import EtcdStore
@@ -14,6 +15,7 @@ from services.orchestrator.settings import OrchestratorSettings
 
 async def main() -> None:
     settings = OrchestratorSettings()
+    configure_client_tls(settings)  # every channel opened below presents this service's certificate
     telemetry.configure_logging(settings.log_level)
     telemetry.setup_tracing("flowmaker-orchestrator")
     store = connect(settings.etcd_endpoint_list, namespace=settings.etcd_namespace, timeout_s=settings.etcd_timeout_s)

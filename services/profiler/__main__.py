@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flowmaker import telemetry
+from flowmaker.rpc.channels import configure_client_tls
 from flowmaker.rpc.server import run, serve
 from flowmaker.state import connect
 from services.profiler.app import build
@@ -12,6 +13,7 @@ from services.profiler.settings import ProfilerSettings
 
 async def main() -> None:
     settings = ProfilerSettings()
+    configure_client_tls(settings)  # every channel opened below presents this service's certificate
     telemetry.configure_logging(settings.log_level)
     telemetry.setup_tracing("flowmaker-profiler")
     store = connect(settings.etcd_endpoints, namespace=settings.etcd_namespace, timeout_s=settings.etcd_timeout_s)
