@@ -433,6 +433,10 @@ class LocalStack:
                "FLOWMAKER_GATEWAY_HOST": cfg.host, "FLOWMAKER_GATEWAY_PORT": str(port),
                "FLOWMAKER_GATEWAY_ORCHESTRATOR_ADDRESS": self.addresses["orchestrator"],
                "FLOWMAKER_GATEWAY_LOG_LEVEL": cfg.log_level, "FLOWMAKER_GATEWAY_GRACE_S": "2", **cfg.extra_env}
+        orch = self._children.get("orchestrator")
+        ca = orch.env.get("FLOWMAKER_ORCHESTRATOR_TLS_CA_FILE", "") if orch is not None else ""
+        if ca:  # a TLS-only orchestrator: verify it against the suite's CA (the token stays the identity)
+            env["FLOWMAKER_GATEWAY_TLS_CA_FILE"] = ca
         self._progress("gateway", "starting")
         child = _spawn("gateway", [cfg.python, "-m", "services.gateway"], env, self.log_dir / "gateway.log")
         child.address = f"{cfg.host}:{port}"

@@ -20,7 +20,7 @@ async def main() -> None:
     telemetry.configure_logging(s.log_level)
     telemetry.setup_tracing("flowmaker-gateway")
     s.log_effective()
-    gw = Gateway(s.orchestrator_address, timeout_s=s.call_timeout_s)
+    gw = Gateway(s.orchestrator_address, timeout_s=s.call_timeout_s, ca_file=s.tls_ca_file)
     runner = web.AppRunner(gw.app(), shutdown_timeout=s.grace_s)
     await runner.setup()
     site = web.TCPSite(runner, s.host, s.port)

@@ -42,7 +42,7 @@ from flowmaker.api.common.v1 import task_pb2
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
 from flowmaker.orchestration.dag import final_stage
-from flowmaker.rpc.channels import insecure_channel
+from flowmaker.rpc.channels import channel
 from flowmaker.rpc.errors import error_info, field_violations
 
 log = logging.getLogger(__name__)
@@ -161,9 +161,18 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Gateway:
     """The HTTP handlers over one channel to the orchestrator."""
 
-    def __init__(self, orchestrator_address: str, *, timeout_s: float = 300.0) -> None:
+    def __init__(self, orchestrator_address: str, *, timeout_s: float = 300.0, ca_file: str = "") -> None:
         self.orchestrator_address = orchestrator_address
-        self.channel = insecure_channel(orchestrator_address, default_timeout_s=timeout_s)
+        if ca_file:
+            # TLS, verifying the orchestrator against the suite's CA, and deliberately no client certificate:
+            # the caller's bearer token, passed on below, is the only identity the orchestrator sees.
+            from flowmaker.rpc.tls import channel_credentials
+
+            self.channel = grpc.aio.secure_channel(orchestrator_address, channel_credentials(None, ca_file=ca_file),
+                                                   interceptors=telemetry.client_interceptors())
+        else:
+            self.channel = channel(orchestrator_address, default_timeout_s=timeout_s, tls=False)
+        self.timeout_s = timeout_s
         self.stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self.channel)
         self.registry = CollectorRegistry()
         self.requests = Counter("flowmaker_gateway_requests", "HTTP requests by route and status.",
@@ -225,11 +234,11 @@ class Gateway:
     async def _task(self, model: str, md: list[tuple[str, str]]) -> Any:
         """The task a `model` names (an id, or the unique name of a served task); 404 model_not_found if none."""
         try:
-            t = (await self.stub.GetTask(pb.GetTaskRequest(task_id=model), metadata=md)).task
+            t = (await self.stub.GetTask(pb.GetTaskRequest(task_id=model), metadata=md, timeout=self.timeout_s)).task
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.NOT_FOUND:
                 raise
-            served = (await self.stub.ListTasks(pb.ListTasksRequest(), metadata=md)).tasks
+            served = (await self.stub.ListTasks(pb.ListTasksRequest(), metadata=md, timeout=self.timeout_s)).tasks
             named = [x for x in served if x.name == model and x.state in SERVED]
             if len(named) != 1:
                 raise ApiError(404, f"The model `{model}` does not exist (no task with that id"
@@ -252,7 +261,7 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         resp = await self.stub.ListTasks(pb.ListTasksRequest(state=task_pb2.Task.STATE_ACTIVE),
-                                         metadata=self._metadata(request))
+                                         metadata=self._metadata(request), timeout=self.timeout_s)
         return web.json_response({"object": "list", "data": [model_card(t) for t in resp.tasks]})
 
     async def get_model(self, request: web.Request) -> web.Response:
@@ -271,7 +280,8 @@ class Gateway:
         span.set_attribute(telemetry.FLOWMAKER_TASK, t.id)
         if not req.stream:
             r = await self.stub.Invoke(pb.InvokeRequest(task_id=t.id, input=req.text,
-                                                        max_output_tokens=req.max_output_tokens), metadata=md)
+                                                        max_output_tokens=req.max_output_tokens), metadata=md,
+                                       timeout=self.timeout_s)
             return web.json_response({
                 "id": f"chatcmpl-{r.request_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": t.id, "choices": [{"index": 0, "message": {"role": "assistant", "content": r.output},
@@ -284,7 +294,8 @@ class Gateway:
         wf = next((w for w in t.candidates if w.id == t.variant.workflow_id), None)
         final_id = final_stage(convert.workflow_from_proto(wf)).id if wf is not None else ""
         call = self.stub.InvokeStream(pb.InvokeStreamRequest(task_id=t.id, input=req.text,
-                                                             max_output_tokens=req.max_output_tokens), metadata=md)
+                                                             max_output_tokens=req.max_output_tokens), metadata=md,
+                                      timeout=self.timeout_s)
         chunks = call.__aiter__()
         try:  # the first message (or the call's error) before any byte is sent: errors keep their status
             first: Any = await chunks.__anext__()

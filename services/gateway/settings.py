@@ -27,6 +27,10 @@ class GatewaySettings(BaseSettings):
     call_timeout_s: float = Field(default=300.0, gt=0, description="Deadline of each orchestrator call (an invoke "
                                                                    "runs the whole workflow).")
     grace_s: float = Field(default=5.0, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
+    tls_ca_file: str = Field(default="", description="PEM CA of the suite (flowmaker.rpc.tls): when set, the "
+                                                     "orchestrator is called over TLS and verified against it. No "
+                                                     "client certificate: at the orchestrator the caller's bearer "
+                                                     "token is the identity.")
     log_level: str = Field(default="INFO", description="Python logging level.")
 
     def log_effective(self) -> None:

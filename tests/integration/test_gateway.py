@@ -153,3 +153,40 @@ def test_parse_chat_reads_parts_and_usage_option() -> None:
     assert (r.text, r.max_output_tokens, r.stream, r.include_usage) == ("a\nb", 9, True, True)
     assert not parse_chat({"model": "t", "messages": [{"role": "user", "content": "x"}],
                            "stream_options": {"include_usage": True}}).include_usage  # not streamed: always usage
+
+
+async def test_tls_to_the_orchestrator_with_the_suite_ca(tmp_path: Any) -> None:
+    """With `tls_ca_file` the gateway verifies a TLS-only orchestrator against the CA and presents no client
+    certificate (the bearer token is the identity there)."""
+    from flowmaker.rpc.tls import ensure_pki, pki_files, server_credentials
+
+    ensure_pki(tmp_path, ("orchestrator",))
+    files = pki_files(tmp_path, "orchestrator")
+    fake = FakeOrchestrator()
+    server = grpc.aio.server()
+    orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(fake, server)
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(files, require_client_cert=False))
+    await server.start()
+    plain = Gateway(f"127.0.0.1:{port}", timeout_s=5)
+    gw = Gateway(f"127.0.0.1:{port}", timeout_s=5, ca_file=files.ca)
+    runners = []
+    try:
+        urls = []
+        for g in (gw, plain):
+            runner = web.AppRunner(g.app())
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1")  # type: ignore[union-attr]
+        ok = openai.AsyncOpenAI(base_url=urls[0], api_key=TOKEN, max_retries=0)
+        assert [m.id for m in (await ok.models.list()).data] == ["t1"]
+        with pytest.raises(openai.InternalServerError) as e:  # plaintext to a TLS-only listener: unavailable
+            await openai.AsyncOpenAI(base_url=urls[1], api_key=TOKEN, max_retries=0).models.list()
+        assert e.value.status_code == 503
+    finally:
+        for r in runners:
+            await r.cleanup()
+        await gw.close()
+        await plain.close()
+        await server.stop(0)
