@@ -22,6 +22,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from flowmaker.cli.output import EXIT_FAILED, console, error_line
@@ -174,6 +175,14 @@ def _print_task(t: Any) -> None:
               f"rate {slo.arrival_rate_rps:g} req/s")
     if t.HasField("failure") and (t.failure.code or t.failure.message):
         out.print(f"  [red]failure[/red]: {t.failure.message}", markup=True)
+    if t.HasField("healing"):
+        h = t.healing
+        since = time.time() - h.since_time.ToNanoseconds() / 1e9
+        nxt = ""
+        if h.HasField("next_attempt_time"):
+            nxt = f", next attempt in {max(0.0, h.next_attempt_time.ToNanoseconds() / 1e9 - time.time()):.0f}s"
+        out.print(f"  [yellow]healing[/yellow]: {h.action} for {since:.0f}s (attempt {h.attempts}{nxt}): "
+                  f"{escape(h.detail)}", markup=True)
     if t.variant.workflow_id:
         v = t.variant
         out.print(_variant_table(t))

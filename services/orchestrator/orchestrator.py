@@ -844,15 +844,25 @@ class Orchestrator:
         if not task_id:
             raise InvalidSpec("must not be empty", field="task_id")
         t = self.reconciler.task(task_id) if self.reconciler.fresh else None
-        if t is not None:
+        if t is not None and t.state in SERVING_STATES:
             return t
-        return (await self._get(task_id))[1]
+        # Not in the cache, or not serving there: etcd may be ahead of the watch (a task that has just gone
+        # ACTIVE). When etcd does not answer, the cache's word stands.
+        try:
+            return (await self._get(task_id))[1]
+        except Unavailable:
+            if t is None:
+                raise
+            return t
 
     async def _route_instance(self, iid: str) -> InstanceRecord | None:
         rec = self.reconciler.instance(iid) if self.reconciler.fresh else None
-        if rec is not None:
+        if rec is not None and rec.state is InstanceState.READY:
             return rec
-        kv = await self.store.get(keys.instance(iid))
+        try:
+            kv = await self.store.get(keys.instance(iid))
+        except Unavailable:
+            return rec
         return InstanceRecord.from_json(kv.value) if kv else None
 
     async def _await_replacement(self, task_id: str, iid: str, old_endpoint: str | None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +15,7 @@ from flowmaker.errors import FailedPrecondition, NoCapacity
 from flowmaker.orchestration.cluster import read_live_cluster
 from flowmaker.orchestration.commit import commit_ops, plan_commit, plan_release
 from flowmaker.orchestration.dag import StageResult, execute, fill_prompt, final_stage
-from flowmaker.orchestration.task import TaskRecord, TaskState, derive_state
+from flowmaker.orchestration.task import Healing, TaskRecord, TaskState, derive_state
 from flowmaker.state import keys
 from flowmaker.state.memory import MemoryStore
 from flowmaker.state.records import GpuRecord, InstanceRecord, InstanceState, NodeRecord
@@ -76,8 +77,16 @@ def test_task_json_roundtrip_and_state_machine() -> None:
     assert TaskRecord.from_json(t.to_json()) == t
     assert t.workflow == WF
     with pytest.raises(FailedPrecondition):
-        _task(TaskState.ACTIVE).moved(TaskState.SELECTING, 0.0)
+        _task(TaskState.ACTIVE).moved(TaskState.AWAITING_APPROVAL, 0.0)
+    with pytest.raises(FailedPrecondition):
+        _task(TaskState.FAILED).moved(TaskState.SELECTING, 0.0)
     assert _task(TaskState.FAILED).moved(TaskState.DELETING, 0.0).state is TaskState.DELETING
+    # Healing re-selects an ACTIVE task and sends a failed healing deploy back to SELECTING.
+    assert _task(TaskState.ACTIVE).moved(TaskState.SELECTING, 0.0).state is TaskState.SELECTING
+    assert _task(TaskState.DEPLOYING).moved(TaskState.SELECTING, 0.0).state is TaskState.SELECTING
+    healing = replace(t, healing=Healing("RESELECTING", "instance i0 is gone", 12.5, 2, 20.0),
+                      options_json='{"allow_reuse": false}')
+    assert TaskRecord.from_json(healing.to_json()) == healing
 
 
 def test_derive_state() -> None:
@@ -90,6 +99,12 @@ def test_derive_state() -> None:
         slow = slow.with_observation(2.0, 0.0, 10)
     assert derive_state(slow, {"i1": "READY"})[0] is TaskState.DEGRADED
     assert derive_state(_task(TaskState.FAILED), {"i1": "FAILED"})[0] is TaskState.FAILED
+    # A task being healed reads DEGRADED, whatever its stored state, and says what is being done.
+    for stored in (TaskState.ACTIVE, TaskState.SELECTING, TaskState.DEPLOYING):
+        h = replace(_task(stored), healing=Healing("WAITING_FOR_CAPACITY", "no node", 1.0, 3))
+        st, f = derive_state(h, {"i1": "READY"})
+        assert st is TaskState.DEGRADED and f is not None and f.reason == "TASK_HEALING"
+        assert "WAITING_FOR_CAPACITY" in f.message and "attempt 3" in f.message
 
 
 async def _seed(store: MemoryStore) -> None:
