@@ -545,6 +545,10 @@ def up(
                                                         "state.")] = False,
     etcd_bin: Annotated[str | None, typer.Option("--etcd-bin", help="etcd executable (default: etcd on PATH).")
                         ] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Plaintext gRPC with no authentication (local "
+                                                              "debugging only). Default: mTLS between all services "
+                                                              "with a local CA in <work dir>/pki, and bearer tokens "
+                                                              "at the orchestrator.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Start a local stack (etcd + the five services + an emulated GPU node) and keep it running until Ctrl-C.
@@ -563,7 +567,7 @@ def up(
     if fresh and work_dir.exists():
         shutil.rmtree(work_dir)
     cfg = StackConfig(gpus=gpus, gpu_type=gpu_type, time_scale=time_scale, work_dir=work_dir,
-                      keep_work_dir=True, ports={"orchestrator": port} if port else {})
+                      keep_work_dir=True, ports={"orchestrator": port} if port else {}, tls=not insecure)
     if etcd_bin:
         cfg.etcd_bin = etcd_bin
     con = err
@@ -594,6 +598,9 @@ def up(
             if st.get("gateway"):
                 tab.add_row("OpenAI-compatible gateway", st["gateway"])
             tab.add_row("work dir (etcd data, logs; kept)", str(stack.work_dir))
+            tls = st.get("tls")
+            tab.add_row("TLS (CA, admin cert, tokens)", f"{tls['ca']}, {tls['cert']}, {tls['tokens_file']}" if tls
+                        else "OFF (--insecure): plaintext, no authentication")
             tab.add_row("state file", str(s.state_file))
             out.print(tab)
             out.print(f"try: flowmaker task deploy \"Summarise a document\" --accuracy 0.3 --latency 20 --rate 0.5 "

@@ -9,7 +9,7 @@ Address resolution, first match wins: the command's `--orchestrator` / `--deploy
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,8 +23,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from flowmaker.errors import FlowMakerError
 from flowmaker.launcher.stack import read_state
-from flowmaker.rpc.channels import insecure_channel
+from flowmaker.rpc.channels import channel
 from flowmaker.rpc.errors import code_of, error_info, from_rpc_error
+from flowmaker.rpc.tls import TlsFiles
 from flowmaker.settings import DEFAULT_PORTS
 
 T = TypeVar("T")
@@ -42,6 +43,8 @@ class ClientSettings(BaseSettings):
                              description="Where `flowmaker up` records its endpoints and pid (read by the clients, "
                                          "`flowmaker down`).")
     call_timeout_s: float = Field(300.0, gt=0, description="Deadline of each CLI call (deploys can take minutes).")
+    token: str = Field("", description="Bearer token for the orchestrator (FLOWMAKER_TOKEN); default: the admin "
+                                       "token of the running `flowmaker up` stack, when it runs with TLS.")
 
 
 def settings() -> ClientSettings:
@@ -108,27 +111,47 @@ def to_json(msg: Message) -> dict[str, Any]:
     return json_format.MessageToDict(msg, preserving_proto_field_name=True)
 
 
+def stack_tls(addresses: Iterable[str] = (), s: ClientSettings | None = None) -> tuple[TlsFiles | None, str]:
+    """(admin certificate files, bearer token) of the running `flowmaker up` stack when it runs with
+    TLS (its state file says so) and serves one of `addresses`; else (None, FLOWMAKER_TOKEN)."""
+    s = s or settings()
+    state = read_state(s.state_file) or {}
+    tls = state.get("tls")
+    ours = set(state.get("services", {}).values())
+    if not isinstance(tls, dict) or not ours.intersection(a for a in addresses if a):
+        return None, s.token
+    return TlsFiles(tls["ca"], tls["cert"], tls["key"]), s.token or str(tls.get("token", ""))
+
+
 @dataclass
 class Stubs:
-    """aio channels and stubs of the services the CLI talks to; close() when done."""
+    """aio channels and stubs of the services the CLI talks to; close() when done. With `tls` (default:
+    what the running stack's state file says), channels are mTLS with the admin certificate and the
+    orchestrator's calls carry the bearer `token`."""
 
     orchestrator_addr: str = ""
     deployer_addr: str = ""
     profiler_addr: str = ""
     timeout_s: float = 300.0
+    tls: TlsFiles | bool | None = True  # True = from the state file
+    token: str = ""
 
     def __post_init__(self) -> None:
         self._channels: list[grpc.aio.Channel] = []
+        if self.tls is True:
+            self.tls, tok = stack_tls((self.orchestrator_addr, self.deployer_addr, self.profiler_addr))
+            self.token = self.token or tok
 
-    def _channel(self, addr: str) -> grpc.aio.Channel:
-        ch = insecure_channel(addr, default_timeout_s=self.timeout_s)
+    def _channel(self, addr: str, token: str = "") -> grpc.aio.Channel:
+        files = self.tls if isinstance(self.tls, TlsFiles) else None
+        ch = channel(addr, default_timeout_s=self.timeout_s, tls=files, token=token if files else "")
         self._channels.append(ch)
         return ch
 
     def orchestrator(self) -> Any:
         from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
 
-        return orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel(self.orchestrator_addr))
+        return orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel(self.orchestrator_addr, self.token))
 
     def deployer(self) -> Any:
         from flowmaker.api.deployer.v1 import deployer_pb2_grpc

@@ -35,6 +35,7 @@ import atexit
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -51,6 +52,7 @@ from typing import IO, Any
 
 from flowmaker.errors import Unavailable
 from flowmaker.launcher.procs import descendants, die_with_parent, identity, start_time
+from flowmaker.rpc.tls import ADMIN, TlsFiles, ensure_pki, pki_files
 
 # Start order; stop order is the reverse with the deployer held back until the others are gone.
 SERVICES: tuple[str, ...] = ("deployer", "profiler", "generator", "selector", "orchestrator")
@@ -79,6 +81,26 @@ def _port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+TOKENS_FILE = "tokens.json"
+
+
+def admin_token(pki_dir: Path) -> str:
+    """The stack's admin bearer token (created at the first start, in tokens.json with mode 0600)."""
+    path = pki_dir / TOKENS_FILE
+    try:
+        tokens = json.loads(path.read_text())
+    except (OSError, ValueError):
+        tokens = {}
+    for tok, who in tokens.items():
+        if isinstance(who, dict) and who.get("admin"):
+            return str(tok)
+    from flowmaker.rpc.auth import write_tokens
+
+    tok = secrets.token_urlsafe(32)
+    write_tokens(path, {**tokens, tok: {"user": ADMIN, "admin": True}})
+    return tok
 
 
 def _default_etcd_bin() -> str:
@@ -112,14 +134,24 @@ class StackConfig:
     # The OpenAI-compatible HTTP gateway (`services.gateway`) in front of the orchestrator; its base URL
     # is `LocalStack.gateway_url` and the state file's "gateway".
     gateway: bool = True
+    # mTLS between the services + bearer tokens at the orchestrator (flowmaker.rpc.tls / .auth): a local
+    # CA and per-service certificates in `<work dir>/pki`, an admin token in `<work dir>/pki/tokens.json`.
+    # `flowmaker up` turns it on unless --insecure; plaintext here keeps library callers (tests, benches
+    # that open their own channels) working as they are.
+    tls: bool = False
 
 
 def service_env(svc: str, *, host: str, port: int, addrs: Mapping[str, str], etcd_endpoint: str,
-                cfg: StackConfig, log_dir: Path) -> dict[str, str]:
+                cfg: StackConfig, log_dir: Path, pki_dir: Path | None = None) -> dict[str, str]:
     """The FLOWMAKER_<SVC>_* settings the launcher gives one service (read by services/<svc>/settings.py)."""
     p = f"FLOWMAKER_{svc.upper()}_"
     env = {p + "HOST": host, p + "PORT": str(port), p + "ETCD_ENDPOINTS": etcd_endpoint, p + "LOG_LEVEL": cfg.log_level,
            p + "GRACE_S": "2"}
+    if pki_dir is not None:  # this service's own certificate, and the CA every peer is checked against
+        f = pki_files(pki_dir, svc)
+        env.update({p + "TLS_CA_FILE": f.ca, p + "TLS_CERT_FILE": f.cert, p + "TLS_KEY_FILE": f.key})
+        if svc == "orchestrator":
+            env[p + "AUTH_TOKENS_FILE"] = str(pki_dir / TOKENS_FILE)
     # How services find each other: every peer's address is given to every service as
     # FLOWMAKER_<SVC>_<PEER>_ADDRESS (e.g. FLOWMAKER_ORCHESTRATOR_SELECTOR_ADDRESS); a settings class
     # ignores the peers it does not declare. Deployers are found through their node records in etcd.
@@ -183,11 +215,13 @@ def _spawn(name: str, argv: list[str], env: Mapping[str, str], log_path: Path) -
     return _Child(name, proc, log_path, logf, argv=list(argv), env=dict(env), started_at=time.monotonic())
 
 
-def _health_serving(address: str, timeout_s: float = 1.0) -> bool:
+def _health_serving(address: str, timeout_s: float = 1.0, tls: TlsFiles | None = None) -> bool:
     import grpc  # imported here: the launcher module stays importable without starting grpc threads
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as ch:
+    from flowmaker.rpc.tls import channel_credentials
+
+    with (grpc.secure_channel(address, channel_credentials(tls)) if tls else grpc.insecure_channel(address)) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
         except grpc.RpcError:
@@ -208,6 +242,7 @@ class LocalStack:
         self._children: dict[str, _Child] = {}
         self.addresses: dict[str, str] = {}
         self.gateway_url = ""  # http://host:port/v1 once the gateway serves
+        self.pki_dir: Path | None = None  # with config.tls: the CA, certificates and tokens
         self._tmp: Path | None = None
         self.work_dir: Path | None = None
         self.started_at = 0.0
@@ -225,7 +260,17 @@ class LocalStack:
         return {"pid": os.getpid(), "etcd": self.etcd_endpoint, "services": dict(self.addresses),
                 "work_dir": str(self.work_dir or ""), "gpus": self.config.gpus, "gpu_type": self.config.gpu_type,
                 "node": self.config.node, "time_scale": self.config.time_scale, "gateway": self.gateway_url,
-                "pids": {n: c.proc.pid for n, c in self._children.items()}}
+                "pids": {n: c.proc.pid for n, c in self._children.items()},
+                "tls": self.client_tls()}
+
+    def client_tls(self) -> dict[str, str] | None:
+        """What a client of this stack needs (the CLI reads it from the state file): the CA, the admin
+        certificate and key, and the admin bearer token for the orchestrator; None when plaintext."""
+        if self.pki_dir is None:
+            return None
+        f = pki_files(self.pki_dir, ADMIN)
+        return {"ca": f.ca, "cert": f.cert, "key": f.key, "tokens_file": str(self.pki_dir / TOKENS_FILE),
+                "token": admin_token(self.pki_dir)}
 
     def start(self) -> LocalStack:
         cfg = self.config
@@ -237,6 +282,9 @@ class LocalStack:
             self.work_dir = Path(cfg.work_dir)
             self.work_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)
+        if cfg.tls:
+            self.pki_dir = ensure_pki(self.work_dir / "pki", hosts=(cfg.host,))
+            admin_token(self.pki_dir)  # created once, kept with the certificates
         try:
             self._start_etcd()
             self._start_services()
@@ -396,7 +444,8 @@ class LocalStack:
             host, port_s = self.addresses[svc].rsplit(":", 1)
             env = {**base_env,
                    **service_env(svc, host=host, port=int(port_s), addrs=self.addresses,
-                                 etcd_endpoint=self.etcd_endpoint, cfg=cfg, log_dir=self.log_dir),
+                                 etcd_endpoint=self.etcd_endpoint, cfg=cfg, log_dir=self.log_dir,
+                                 pki_dir=self.pki_dir),
                    **cfg.extra_env}
             self._progress(svc, "starting")
             child = _spawn(svc, [cfg.python, "-m", f"services.{svc}"], env, self.log_dir / f"{svc}.log")
@@ -410,7 +459,7 @@ class LocalStack:
                     raise StackError(f"{name} exited with code {c.proc.returncode} during start-up (is "
                                      f"{c.address} free?); last log lines of {c.log_path}:\n{c.log_tail()}",
                                      field=name)
-                if _health_serving(c.address):
+                if _health_serving(c.address, tls=pki_files(self.pki_dir, ADMIN) if self.pki_dir else None):
                     del waiting[name]
                     self._progress(name, f"ready on {c.address}")
             if not waiting:
@@ -432,7 +481,9 @@ class LocalStack:
                                                          os.environ.get("PYTHONPATH", "")) if p),
                "FLOWMAKER_GATEWAY_HOST": cfg.host, "FLOWMAKER_GATEWAY_PORT": str(port),
                "FLOWMAKER_GATEWAY_ORCHESTRATOR_ADDRESS": self.addresses["orchestrator"],
-               "FLOWMAKER_GATEWAY_LOG_LEVEL": cfg.log_level, "FLOWMAKER_GATEWAY_GRACE_S": "2", **cfg.extra_env}
+               "FLOWMAKER_GATEWAY_LOG_LEVEL": cfg.log_level, "FLOWMAKER_GATEWAY_GRACE_S": "2",
+               **({"FLOWMAKER_GATEWAY_TLS_CA_FILE": str(self.pki_dir / "ca.pem")} if self.pki_dir else {}),
+               **cfg.extra_env}
         orch = self._children.get("orchestrator")
         ca = orch.env.get("FLOWMAKER_ORCHESTRATOR_TLS_CA_FILE", "") if orch is not None else ""
         if ca:  # a TLS-only orchestrator: verify it against the suite's CA (the token stays the identity)

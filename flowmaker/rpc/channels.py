@@ -74,18 +74,21 @@ def configure_client_tls(settings: Any) -> None:
 def channel(target: str, *, default_timeout_s: float = DEFAULT_TIMEOUT_S,
             interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
             options: Sequence[tuple[str, Any]] = (), tracing: bool = True,
-            tls: TlsFiles | bool | None = True) -> grpc.aio.Channel:
+            tls: TlsFiles | bool | None = True, token: str = "") -> grpc.aio.Channel:
     """An aio channel to `target` ("host:port") whose calls always carry a deadline.
     `interceptors` run outside the deadline interceptor. With `tracing` (default), OpenTelemetry's
     client interceptors come first: every call is a CLIENT span and carries the trace context.
     `tls`: True = the process's identity (configure_client_tls; plaintext when none is configured),
-    explicit TlsFiles, or False/None = plaintext."""
+    explicit TlsFiles, or False/None = plaintext. `token`: sent as `authorization: Bearer <token>` on
+    every call (TLS only: gRPC never sends call credentials in the clear)."""
     otel = client_interceptors() if tracing else []
     chain = [*otel, *interceptors, _DeadlineInterceptor(default_timeout_s)]
     files = _client_tls if tls is True else (tls or None)
     if files is not None:
-        return grpc.aio.secure_channel(target, channel_credentials(files), options=list(options),
-                                       interceptors=chain)  # type: ignore[arg-type]
+        creds = channel_credentials(files)
+        if token:
+            creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+        return grpc.aio.secure_channel(target, creds, options=list(options), interceptors=chain)  # type: ignore[arg-type]
     return grpc.aio.insecure_channel(target, options=list(options), interceptors=chain)  # type: ignore[arg-type]
 
 

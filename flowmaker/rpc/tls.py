@@ -19,9 +19,10 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
+if TYPE_CHECKING:  # grpc is imported where credentials are built: the launcher imports this module too
+    import grpc
 
 SERVICES = ("generator", "profiler", "selector", "deployer", "orchestrator")
 IDENTITIES = (*SERVICES, "etcd", "admin")
@@ -121,6 +122,8 @@ def server_credentials(files: TlsFiles, *, require_client_cert: bool) -> grpc.Se
     """TLS for a listener: this identity's certificate; client certificates are verified against the
     CA, and demanded when `require_client_cert` (then a plaintext or certificate-less client fails the
     handshake)."""
+    import grpc
+
     ca, cert, key = files.read()
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                        require_client_auth=require_client_cert)
@@ -128,6 +131,8 @@ def server_credentials(files: TlsFiles, *, require_client_cert: bool) -> grpc.Se
 
 def channel_credentials(files: TlsFiles | None = None, *, ca_file: str = "") -> grpc.ChannelCredentials:
     """TLS for a channel: trust the CA; present this identity's certificate when `files` has one."""
+    import grpc
+
     if files is None:
         return grpc.ssl_channel_credentials(root_certificates=Path(ca_file).read_bytes() if ca_file else None)
     ca, cert, key = files.read()
