@@ -13,8 +13,10 @@ One config is measured in three steps (`measure_config`):
    is what saturates); a level is saturated when it delivers less than 95% of what `C` lone
    requests would. Saturated levels still climbing (the batch is not full all the time: clients
    between two requests) are not at capacity yet, so the sweep goes on until the achieved rate
-   grows by less than `PLATEAU_GROWTH` from one saturated level to the next, and the profile's
-   `max_output_tokens_per_s` is fitted (median, `fit_saturation`) from the plateau levels only; each
+   grows by less than `PLATEAU_GROWTH` from one saturated level to the next, and the profile's pure-decode
+   `decode_tokens_per_s` is fitted (median, `fit_saturation`) from the plateau levels only (its
+   `max_output_tokens_per_s` follows from it and the fitted prefill by the analytic rule,
+   `capacity_from_decode`); each
    level's rate is read off the engine's own token counter over a steady-state window when it has one
    (`vllm:generation_tokens_total`), so ramp-up and drain do not dilute it. On the emulator it still
    comes out 3-5% low (measured here: -4.5% and -5.2% for Llama-3.2-1B at time scales 1 and 4, -3.5% for
