@@ -1,0 +1,213 @@
+"""deploy/kubernetes checked without a cluster: the example overlay rendered (tests/unit/k8s_render.py, the
+kustomize features it uses), every object validated against the Kubernetes OpenAPI schemas
+(kubernetes-validate, offline, strict), and every command, FLOWMAKER_* variable, port, probe, Secret and
+ConfigMap it names checked against the code and the other manifests, as test_compose.py does for compose/."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic_settings import BaseSettings
+
+from flowmaker.settings import DEFAULT_PORTS
+
+k8s_render = pytest.importorskip("k8s_render")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "kubernetes"
+SERVICES = ("generator", "profiler", "selector", "deployer", "orchestrator")
+K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests target (gRPC probes are GA since 1.27)
+OTEL_VARS = {"OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
+             "OTEL_PROPAGATORS", "OTEL_RESOURCE_ATTRIBUTES"}
+OTHER_VARS = {"HF_HOME", "HF_TOKEN", "POD_NAME"}  # read by huggingface_hub (vLLM) / used in etcd's args
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[dict[str, Any]]:
+    return k8s_render.render(K8S / "overlays" / "example")
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def pod_spec(d: dict[str, Any]) -> dict[str, Any]:
+    return d["spec"]["template"]["spec"]
+
+
+def workloads(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] in ("Deployment", "DaemonSet", "StatefulSet")]
+
+
+def settings_fields(service: str) -> set[str]:
+    mod = importlib.import_module(f"services.{service}.settings")
+    prefix = f"FLOWMAKER_{service.upper()}_"
+    classes = [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, BaseSettings)
+               and c.model_config.get("env_prefix") == prefix]
+    assert classes, f"services/{service}/settings.py has no settings class with env prefix {prefix}"
+    return {name for c in classes for name in c.model_fields}
+
+
+def test_every_object_validates_against_the_kubernetes_schema(docs: list[dict[str, Any]]) -> None:
+    assert len(docs) > 20
+    errors = []
+    for d in docs:
+        try:
+            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            errors.append(f"{d['kind']}/{d['metadata']['name']}: {e.message}")
+    assert not errors, "\n".join(errors)
+
+
+def test_validation_catches_a_mistake(docs: list[dict[str, Any]]) -> None:
+    bad = json.loads(json.dumps(by_kind(docs, "Deployment")["orchestrator"]))
+    bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = bad["spec"]["template"]["spec"][
+        "containers"][0].pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_the_shape_the_issue_asks_for(docs: list[dict[str, Any]]) -> None:
+    sts = by_kind(docs, "StatefulSet")["etcd"]
+    assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == "etcd"
+    assert by_kind(docs, "Service")["etcd"]["spec"]["clusterIP"] == "None"  # stable member names
+    deployments = by_kind(docs, "Deployment")
+    for svc in ("orchestrator", "selector", "generator", "profiler"):
+        c = pod_spec(deployments[svc])["containers"][0]
+        port = DEFAULT_PORTS[svc]
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == port, f"{svc}: {probe} is not gRPC health on {port}"
+    ds = by_kind(docs, "DaemonSet")["deployer"]
+    spec = pod_spec(ds)
+    c = spec["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] == 4
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["FLOWMAKER_DEPLOYER_USE_NVML"]["value"] == "true"
+    assert env["FLOWMAKER_DEPLOYER_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    for name in (*SERVICES, "gateway", "etcd", "otel-collector"):
+        assert name in by_kind(docs, "Service"), f"no Service {name}"
+    pdbs = by_kind(docs, "PodDisruptionBudget")
+    assert pdbs["etcd"]["spec"]["minAvailable"] == 2
+    assert {"orchestrator", "selector", "generator", "profiler", "gateway"} <= set(pdbs)
+    nps = by_kind(docs, "NetworkPolicy")
+    assert nps["default-deny-ingress"]["spec"] == {"podSelector": {}, "policyTypes": ["Ingress"], "ingress": []}
+    assert {"flowmaker-tls", "flowmaker-auth", "flowmaker-llm", "flowmaker-hf"} <= set(by_kind(docs, "Secret"))
+    assert "otel-collector" in deployments
+    dash = by_kind(docs, "ConfigMap")["flowmaker-grafana-dashboard"]
+    assert json.loads(dash["data"]["flowmaker-dashboard.json"])["uid"] == "flowmaker"
+
+
+def test_commands_env_vars_and_ports_exist_in_the_code(docs: list[dict[str, Any]]) -> None:
+    otel = by_kind(docs, "ConfigMap")["flowmaker-otel"]["data"]
+    assert set(otel) <= OTEL_VARS
+    for d in workloads(docs):
+        for c in pod_spec(d)["containers"]:
+            cmd = c.get("command", [])
+            if cmd[:2] == ["python", "-m"]:
+                assert importlib.util.find_spec(cmd[2] + ".__main__") is not None, f"{d['metadata']['name']}: {cmd}"
+            env = {e["name"]: e for e in c.get("env", [])}
+            for var in env:
+                if var.startswith("OTEL_"):
+                    assert var in OTEL_VARS, f"{c['name']}: unknown OpenTelemetry variable {var}"
+                elif var.startswith("FLOWMAKER_"):
+                    m = re.fullmatch(r"FLOWMAKER_([A-Z]+)_([A-Z0-9_]+)", var)
+                    assert m, var
+                    svc, field = m.group(1).lower(), m.group(2).lower()
+                    assert svc == c["name"], f"{c['name']}: {var} is another service's setting"
+                    assert field in settings_fields(svc), f"{c['name']}: {var}: no field {field!r}"
+                else:
+                    assert var in OTHER_VARS, f"{c['name']}: unexpected variable {var}"
+            ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+            if c["name"] in SERVICES:
+                bound = int(env[f"FLOWMAKER_{c['name'].upper()}_PORT"]["value"])
+                assert bound == DEFAULT_PORTS[c["name"]] == ports["grpc"], c["name"]
+                assert int(env[f"FLOWMAKER_{c['name'].upper()}_METRICS_PORT"]["value"]) == ports["metrics"]
+                assert env[f"FLOWMAKER_{c['name'].upper()}_HOST"]["value"] == "0.0.0.0"
+            if c["name"] == "gateway":
+                assert int(env["FLOWMAKER_GATEWAY_PORT"]["value"]) == ports["http"]
+                assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_addresses_and_etcd_endpoints_name_real_services(docs: list[dict[str, Any]]) -> None:
+    services = by_kind(docs, "Service")
+    replicas = by_kind(docs, "StatefulSet")["etcd"]["spec"]["replicas"]
+    for d in workloads(docs):
+        for c in pod_spec(d)["containers"]:
+            for e in c.get("env", []):
+                v = e.get("value", "")
+                if e["name"].endswith("_ADDRESS") and v:
+                    host, _, port = v.rpartition(":")
+                    assert host in services, f"{c['name']}: {e['name']}={v}"
+                    assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]], v
+                if e["name"].endswith("_ETCD_ENDPOINTS"):
+                    assert v.split(",") == [f"etcd-{i}.etcd:2379" for i in range(replicas)], v
+
+
+def test_selectors_ports_and_references_resolve(docs: list[dict[str, Any]]) -> None:
+    pods = {d["metadata"]["name"]: d for d in workloads(docs)}
+    config_maps, secrets = by_kind(docs, "ConfigMap"), by_kind(docs, "Secret")
+    accounts = by_kind(docs, "ServiceAccount")
+    for s in by_kind(docs, "Service").values():
+        sel = s["spec"]["selector"]
+        targets = [d for d in pods.values() if sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert targets, f"Service {s['metadata']['name']} selects no pods"
+        names = {p["name"] for d in targets for c in pod_spec(d)["containers"] for p in c.get("ports", [])}
+        for p in s["spec"]["ports"]:
+            tp = p.get("targetPort", p["name"])
+            assert tp in names or isinstance(tp, int), f"Service {s['metadata']['name']}: no port {tp}"
+    for pdb in by_kind(docs, "PodDisruptionBudget").values():
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        assert any(sel.items() <= d["spec"]["template"]["metadata"]["labels"].items() for d in pods.values())
+    for d in pods.values():
+        spec = pod_spec(d)
+        assert spec.get("serviceAccountName", "flowmaker") in accounts or "serviceAccountName" not in spec
+        for v in spec.get("volumes", []):
+            if "secret" in v and not v["secret"].get("optional"):
+                assert v["secret"]["secretName"] in secrets, v
+            if "configMap" in v:
+                assert v["configMap"]["name"] in config_maps, v
+        for c in spec["containers"]:
+            for ef in c.get("envFrom", []):
+                assert ef["configMapRef"]["name"] in config_maps
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["name"] in secrets and ref["key"] in secrets[ref["name"]]["stringData"], ref
+            mounts = {m["name"] for m in c.get("volumeMounts", [])}
+            assert mounts <= {v["name"] for v in spec.get("volumes", [])} | {
+                t["metadata"]["name"] for t in d["spec"].get("volumeClaimTemplates", [])}, c["name"]
+
+
+def test_overlay_sets_namespace_images_and_labels(docs: list[dict[str, Any]]) -> None:
+    for d in docs:
+        if d["kind"] != "Namespace":
+            assert d["metadata"]["namespace"] == "flowmaker", d["metadata"]["name"]
+    for d in workloads(docs):
+        for c in pod_spec(d)["containers"]:
+            if c["image"].startswith(("flowmaker", "registry.example.com")):
+                assert c["image"].startswith("registry.example.com/flowmaker/") and c["image"].endswith(":0.1.0")
+        if d["metadata"]["name"] in (*SERVICES, "gateway"):
+            assert d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "flowmaker"
+    gen = pod_spec(by_kind(docs, "Deployment")["generator"])["containers"][0]
+    env = {e["name"]: e for e in gen["env"]}
+    assert env["FLOWMAKER_GENERATOR_LLM_BASE_URL"]["value"].startswith("https://")  # the overlay's patch
+    assert "valueFrom" in env["FLOWMAKER_GENERATOR_LLM_API_KEY"]  # the base's Secret reference survived
+
+
+def test_dashboard_is_the_compose_one() -> None:
+    assert (K8S / "base" / "flowmaker-dashboard.json").read_text() == \
+        (ROOT / "compose" / "grafana" / "flowmaker-dashboard.json").read_text()
+
+
+def test_renderer_refuses_what_it_does_not_render(tmp_path: Path) -> None:
+    (tmp_path / "kustomization.yaml").write_text("resources: []\nreplacements: []\n")
+    with pytest.raises(ValueError, match="replacements"):
+        k8s_render.render(tmp_path)
