@@ -363,7 +363,8 @@ def adversarial_request(kind: str, seed: int) -> SelectionRequest:
     rng = random.Random(f"{kind}-{seed}")
     n = 15 if kind == "chain15" else rng.randint(8, 15)
     models, profiles = _adv_catalog(rng, 6 if kind == "clones" else 3)
-    alpha = rng.choice((0.2, 0.23, 0.26))
+    # Unplaceable: only large models qualify, whose 8-GPU configurations are the fastest on a long prompt.
+    alpha = rng.choice((0.2, 0.23, 0.26)) if kind != "unplaceable" else 0.43
     u = 0.5 if kind in ("fan", "clones") or rng.random() < 0.4 else 1.0
     rate = rng.uniform(0.3, 1.5)
     wf = {"fan": _fan, "clones": _fan, "diamond": _diamond}.get(kind, _chain_adv)(rng, n)
@@ -401,6 +402,8 @@ def adversarial_request(kind: str, seed: int) -> SelectionRequest:
         fast8 = _fastest_latency(last1, [p for p in profiles if p.tp * p.pp == 8], models, alpha)
         fast_other = _fastest_latency(last1, [p for p in profiles if p.tp * p.pp < 8], models, alpha)
         rest = _fastest_latency(Workflow(wf.id, wf.stages[:-1]), profiles, models, alpha)
+        if not fast8 < fast_other:
+            raise AssertionError(f"unplaceable generator: 8-GPU configurations are not the fastest ({seed=})")
         lam = rest + (fast8 + fast_other) / 2
         return SelectionRequest(Slo(alpha, lam, rate), (wf,), models, profiles, cluster, SelectionOptions(
             utilization_cap=u))

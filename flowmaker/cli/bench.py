@@ -18,15 +18,27 @@ def selector(out: Path = typer.Option(Path("out/bench-selector"), help="Output f
              bayesopt_trials: int = typer.Option(200, help="Bayesian-optimisation trials."),
              depth_budget: float = typer.Option(5.0, help="Budget (s) for exhaustive/bayesopt in depth/catalog."),
              quick: bool = typer.Option(False, help="Small run for smoke tests (depth 4, catalogs 11/25)."),
+             section: list[str] = typer.Option(
+                 ["paper", "depth", "catalog", "adversarial"], "--section",
+                 help="Experiments to run (repeatable): paper, depth, catalog, adversarial."),
+             adversarial_per_kind: int = typer.Option(4, help="Seeded adversarial instances per kind."),
+             adversarial_budget: float = typer.Option(1.9, help="exact's time budget (s) on adversarial instances."),
+             seed: int = typer.Option(0, help="Seed of the synthetic catalog, BO and the adversarial generators."),
              json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
-    """Exact vs heuristic vs exhaustive vs Bayesian optimisation: paper scale, depth, catalog size."""
+    """Exact vs heuristic vs exhaustive vs Bayesian optimisation: paper scale, depth, catalog size; exact on
+    seeded adversarial instances under its time budget (proven optimal or not, gap)."""
+    import dataclasses
+
     from flowmaker.bench.selector import BenchConfig, render, run_selector_bench
 
     cfg = BenchConfig(repeats=repeats, exhaustive_budget_s=exhaustive_budget, bayesopt_budget_s=bayesopt_budget,
                       bayesopt_trials=bayesopt_trials, depth_budget_s=depth_budget)
     if quick:
         cfg = BenchConfig(repeats=1, exhaustive_budget_s=2.0, bayesopt_budget_s=2.0, bayesopt_trials=15,
-                          depth_max=4, depth_budget_s=1.0, catalog_sizes=(11, 25))
+                          depth_max=4, depth_budget_s=1.0, catalog_sizes=(11, 25), adversarial_per_kind=1)
+    cfg = dataclasses.replace(cfg, sections=tuple(section), seed=seed,
+                              adversarial_per_kind=1 if quick else adversarial_per_kind,
+                              adversarial_budget_s=adversarial_budget)
     console = Console(stderr=json_out, width=max(150, Console().width))
     with console.status("benchmarking selection strategies") as status:
         result = run_selector_bench(out, cfg, progress=lambda m: status.update(m))

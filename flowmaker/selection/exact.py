@@ -48,6 +48,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from flowmaker.domain import SelectionRequest, SelectionResult
 from flowmaker.errors import DeadlineExceeded
@@ -71,6 +72,9 @@ DEFAULT_BUDGET_S = 60.0
 # Share of the budget for the search; up to GRACE_SHARE the unexplored subtrees' bounds are tightened.
 SEARCH_SHARE = 0.88
 GRACE_SHARE = 0.96
+LAG_PASSES = 2  # coordinate-ascent passes of the Lagrangian prices
+# The LP relaxation (HiGHS) strengthens the bound at the root and once a search has taken this many nodes.
+LP_AFTER_NODES = 200
 
 
 @dataclass(slots=True)
@@ -265,6 +269,7 @@ class _Search:
         self.best_at: tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]] | None = None
         self.nodes = 0
         self.leaves = 0
+        self.lp_solves = 0
         self.done = False  # stop_first found its variant
         self.stopped = False  # the deadline passed: only bounds are computed from now on
         self.frontier = INF  # least bound of the subtrees left unexplored
@@ -509,12 +514,17 @@ class _Search:
             min_u: list[float] = []  # [u] fastest free option of an unpriced group
             con_lat: list[list[tuple[int, float]]] = []  # [u] (priced group, latency) usable by stage u
             if len(free_sp) > 1:
+                # A group: the instances of one profile whose spare fits the same remaining stages
+                # (key = profile * 1024 + how many of the remaining loads fit), so that a stage only
+                # counts on the spare of instances it fits in.
                 gmax: dict[int, float] = {}
                 lmin, two = st.loads_sorted[j][0], st.two_min[j]
+                ls = st.loads_sorted[j]
                 for pi, sp in free_sp:
-                    gcap[pi] = gcap.get(pi, 0.0) + usable(sp, lmin, two, j)
-                    if sp > gmax.get(pi, 0.0):
-                        gmax[pi] = sp
+                    key = pi * 1024 + bisect.bisect_right(ls, sp * (1 + EPS) + EPS)
+                    gcap[key] = gcap.get(key, 0.0) + usable(sp, lmin, two, j)
+                    if key not in gmax or sp < gmax[key]:
+                        gmax[key] = sp
                 demand: dict[int, float] = dict.fromkeys(gcap, 0.0)
                 usel: list[list[int]] = []
                 for u in range(nu):
@@ -535,11 +545,12 @@ class _Search:
                         ln = lat_new[s] if U[u][3] else ()
                         mn = INF
                         cl: list[tuple[int, float]] = []
-                        for pi in usel[u]:
-                            if pi in cset:
-                                cl.append((pi, ln[pi]))
-                            elif ln[pi] < mn:
-                                mn = ln[pi]
+                        for g in usel[u]:
+                            lv = ln[g >> 10]
+                            if g in cset:
+                                cl.append((g, lv))
+                            elif lv < mn:
+                                mn = lv
                         min_u.append(mn)
                         con_lat.append(cl)
 
@@ -557,7 +568,7 @@ class _Search:
                         cls.append([x for x in con_lat[u] if x[1] < a])
                     else:
                         cls.append([])
-                for _ in range(2):  # coordinate ascent over the priced groups
+                for _ in range(LAG_PASSES):  # coordinate ascent over the priced groups
                     for g in cons:
                         bps: list[tuple[float, float]] = []
                         tot = 0.0
@@ -609,6 +620,18 @@ class _Search:
                     lat2[u] = v
                 return lp(lat2) - sum(pr * gcap[g] for g, pr in price.items())
 
+            use_lp = bool(cons) and _HIGHS is not None and (full or search.nodes >= LP_AFTER_NODES)
+
+            def lp_lp(i: int) -> float:
+                """The same relaxation solved exactly as a linear program (HiGHS): fractional assignment of
+                the undecided stages to the free groups (their spare) and to the new options of memory
+                <= mus[i] (i < 0: none), longest path by potentials. INF: infeasible."""
+                search.lp_solves += 1
+                return _lp_longest_path(U, h0, Lfix, [(load[U[u][0]], lat_new[U[u][0]],
+                                                      (f_at[U[u][0]][i] if i >= 0 else INF)) if U[u][3]
+                                                     else None for u in range(nu)],
+                                        tool_lat, gcap, gmax)
+
             if not full and zero_free and M == 0.0 and search.best is not None and search.best[0] == 0.0:
                 # Only completions without new instances can tie a free incumbent: bound their latency.
                 if n_inf or need > 0.0:
@@ -616,6 +639,8 @@ class _Search:
                 L0 = lp(zl)
                 if cons:
                     L0 = max(L0, lag_lp(-1))
+                    if use_lp and L0 < search.best[1] * (1 - REL_TOL) and leq(L0, lam):
+                        L0 = max(L0, lp_lp(-1))
                 return (0.0, L0) if leq(L0, lam) else (INF, L0)
             # The memory/latency coupling over all undecided stages at once, mu ascending.
             best_t = INF
@@ -624,6 +649,8 @@ class _Search:
                 L0 = lp(zl)
                 if cons:
                     L0 = max(L0, lag_lp(-1))
+                    if use_lp and leq(L0, lam) and (M + dm) * L0 < (best_t if full else cut):
+                        L0 = max(L0, lp_lp(-1))
                 if leq(L0, lam):
                     best_t = (M + dm) * L0
             if best_t < cut:
@@ -665,6 +692,8 @@ class _Search:
                 L = lp(lat)
                 if mm * L < best_t and cons:
                     L = max(L, lag_lp(i))
+                    if use_lp and leq(L, lam) and mm * L < (best_t if full else min(best_t, cut)):
+                        L = max(L, lp_lp(i))
                 if leq(L, lam):
                     t = mm * L
                     if t < best_t:
@@ -762,11 +791,13 @@ class _Search:
             depth[0] = j
             if search.stopped:
                 # Out of time: this subtree stays unexplored; its bound goes to the frontier.
-                lb = parent_lb if perf() > search.grace else bound(True)[0]
+                lb = parent_lb if perf() > search.grace else max(parent_lb, bound(True)[0])
                 if lb < search.frontier:
                     search.frontier = lb
                 return
             lb, Lb = bound(False)
+            if lb < parent_lb:
+                lb = parent_lb  # every completion here is one of the parent's
             if prune(lb, Lb):
                 return
             s = llm[j]
@@ -869,6 +900,135 @@ class _Search:
                 rec(0, root_lb)
 
         return root_lb, go
+
+
+def _highs() -> Any:
+    """HiGHS' solver class without its start-up banner on stdout (None when highspy is missing)."""
+    try:
+        from highspy import _core
+    except ImportError:  # pragma: no cover - highspy is a dependency; the bound only gets weaker
+        return None
+    return getattr(_core, "_Highs", None)
+
+
+_HIGHS = _highs()
+
+
+def _lp_longest_path(U: list[tuple[int, tuple[int, ...], tuple[int, ...], bool]], h0: list[float], Lfix: float,
+                     stage: list[tuple[float, tuple[float, ...], float] | None], tool_lat: tuple[float, ...],
+                     gcap: dict[int, float], gmin: dict[int, float]) -> float:
+    """min L over fractional assignments: each undecided LLM stage u (load, latency per profile, latency of its
+    fastest new option or INF) splits over the free groups it fits (group g = profile g >> 10, spare
+    gcap[g]) and its new option; t_u >= t_pred + latency, t_u >= h0[u], L >= t_u, L >= Lfix.
+    A lower bound of the longest path of every completion in the class; INF when infeasible."""
+    nu = len(U)
+    cols_lo: list[float] = []
+    cols_hi: list[float] = []
+    cost: list[float] = []
+    entries: list[list[tuple[int, float]]] = []
+    rlo: list[float] = []
+    rhi: list[float] = []
+
+    def row(lo: float, hi: float) -> int:
+        rlo.append(lo)
+        rhi.append(hi)
+        return len(rlo) - 1
+
+    def col(lo: float, hi: float, c: float, e: list[tuple[int, float]]) -> int:
+        cols_lo.append(lo)
+        cols_hi.append(hi)
+        cost.append(c)
+        entries.append(e)
+        return len(cost) - 1
+
+    big = 1e30
+    grow = {g: row(-big, cap * (1 + 1e-7) + 1e-7) for g, cap in gcap.items()}
+    # Rows: per stage u, "assign" (LLM), "own" t_u - lat >= h0[u], one per undecided pred, "top" L - t_u >= 0.
+    t_col: list[int] = []
+    own = [row(h0[u], big) for u in range(nu)]
+    pred_rows: list[list[tuple[int, int]]] = []
+    for u in range(nu):
+        pr = []
+        for q in U[u][2]:
+            r = row(0.0, big)
+            pr.append((q, r))
+        pred_rows.append(pr)
+    top = [row(0.0, big) for _ in range(nu)]
+    for u in range(nu):
+        e = [(own[u], 1.0), (top[u], -1.0)] + [(r, 1.0) for _, r in pred_rows[u]]
+        # t_u appears as -1 in the pred rows of its successors: filled below
+        t_col.append(col(0.0, big, 0.0, e))
+    for u in range(nu):
+        for q, r in pred_rows[u]:
+            entries[t_col[q]].append((r, -1.0))
+    for u in range(nu):
+        info = stage[u]
+        lat_rows = [own[u]] + [r for _, r in pred_rows[u]]
+        if info is None:  # a TOOL stage: its latency is a constant on the right-hand side
+            tl = tool_lat[U[u][0]]
+            for r in lat_rows:
+                rlo[r] += tl
+            continue
+        ld, lat_new, f = info
+        a = row(1.0, 1.0)
+        opts: list[tuple[float, int]] = []
+        for g, m in gmin.items():
+            if ld <= m * (1 + 1e-9) + 1e-9:
+                opts.append((lat_new[g >> 10], g))
+        if f < INF:
+            opts.append((f, -1))
+        if not opts:
+            return INF
+        for lv, g in opts:
+            e = [(a, 1.0)] + [(r, -lv) for r in lat_rows]
+            if g >= 0:
+                e.append((grow[g], ld))
+            col(0.0, 1.0, 0.0, e)
+    col(Lfix, big, 1.0, [(top[u], 1.0) for u in range(nu)])
+    assert _HIGHS is not None
+    h = _HIGHS()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    lp = _core_lp(cols_lo, cols_hi, cost, entries, rlo, rhi)
+    h.passModel(lp)
+    h.run()
+    status = h.getModelStatus()
+    name = h.modelStatusToString(status)
+    if name == "Infeasible":
+        return INF
+    if name != "Optimal":
+        return -INF  # no proof: the bound stays what it was
+    v = h.getInfo().objective_function_value
+    return v - 1e-6 * max(1.0, abs(v))  # solver tolerances: keep the bound safe
+
+
+def _core_lp(cols_lo: list[float], cols_hi: list[float], cost: list[float], entries: list[list[tuple[int, float]]],
+             rlo: list[float], rhi: list[float]) -> Any:
+    from highspy import _core
+
+    lp = _core.HighsLp()
+    lp.num_col_ = len(cost)
+    lp.num_row_ = len(rlo)
+    lp.col_cost_ = cost
+    lp.col_lower_ = cols_lo
+    lp.col_upper_ = cols_hi
+    lp.row_lower_ = rlo
+    lp.row_upper_ = rhi
+    start = [0]
+    index: list[int] = []
+    value: list[float] = []
+    for e in entries:
+        for r, v in e:
+            index.append(r)
+            value.append(v)
+        start.append(len(index))
+    lp.a_matrix_.format_ = _core.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = start
+    lp.a_matrix_.index_ = index
+    lp.a_matrix_.value_ = value
+    lp.a_matrix_.num_col_ = len(cost)
+    lp.a_matrix_.num_row_ = len(rlo)
+    return lp
 
 
 def _best_node(layout, free: dict[str, float], k: int) -> tuple[float, str, tuple[str, ...]] | None:
