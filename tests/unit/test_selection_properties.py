@@ -536,3 +536,25 @@ def test_dominated_clone_profiles_are_not_needed_for_the_optimum() -> None:
     assert a.variant is not None and b.variant is not None
     assert close(a.variant.cost, b.variant.cost) and close(a.variant.latency_s, b.variant.latency_s)
     assert b.variant.new_instances[0].model_id == "small"  # the lower index wins a tie
+
+
+@settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 3, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(requests(), dense_requests()))
+def test_exact_with_the_lp_bound_at_every_node_equals_brute_force(req: SelectionRequest) -> None:
+    """The LP relaxation (HiGHS) is otherwise used only at the root and in long searches: force it everywhere."""
+    from flowmaker.selection import exact
+
+    saved = exact.LP_AFTER_NODES
+    exact.LP_AFTER_NODES = 0
+    try:
+        res = select(req, "exact")
+    finally:
+        exact.LP_AFTER_NODES = saved
+    want, level = brute_force(req)
+    if want is None:
+        assert res.variant is None and res.reason == LEVEL[level]
+    else:
+        assert res.variant is not None
+        assert close(res.variant.cost, want[0]) and close(res.variant.latency_s, want[1]), (res.variant, want)
+        recheck(req, res.variant)
