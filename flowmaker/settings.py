@@ -38,6 +38,8 @@ class ServiceSettings(BaseSettings):
     tls_cert_file: str = Field(default="", description="PEM certificate of this service (its identity is the common "
                                                        "name).")
     tls_key_file: str = Field(default="", description="PEM private key of tls_cert_file.")
+    etcd_tls: bool = Field(default=False, description="Dial etcd over mTLS with this service's certificate "
+                                                      "(tls_* files; etcd started with --client-cert-auth).")
     auth_tokens_file: str = Field(default="", description="JSON {token: {user, admin}} of bearer tokens the public "
                                                           "API accepts (orchestrator).")
     metrics_port: int = Field(default=-1, ge=-1, le=65535, description="Prometheus /metrics port (on `host`); "
@@ -60,6 +62,8 @@ class ServiceSettings(BaseSettings):
         given = [bool(self.tls_ca_file), bool(self.tls_cert_file), bool(self.tls_key_file)]
         if any(given) and not all(given):
             raise ValueError("tls_ca_file, tls_cert_file and tls_key_file go together (all set or none)")
+        if self.etcd_tls and not all(given):
+            raise ValueError("etcd_tls needs tls_ca_file, tls_cert_file and tls_key_file")
         return self
 
     @property

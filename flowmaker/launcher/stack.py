@@ -149,7 +149,8 @@ def service_env(svc: str, *, host: str, port: int, addrs: Mapping[str, str], etc
            p + "GRACE_S": "2"}
     if pki_dir is not None:  # this service's own certificate, and the CA every peer is checked against
         f = pki_files(pki_dir, svc)
-        env.update({p + "TLS_CA_FILE": f.ca, p + "TLS_CERT_FILE": f.cert, p + "TLS_KEY_FILE": f.key})
+        env.update({p + "TLS_CA_FILE": f.ca, p + "TLS_CERT_FILE": f.cert, p + "TLS_KEY_FILE": f.key,
+                    p + "ETCD_TLS": "true"})
         if svc == "orchestrator":
             env[p + "AUTH_TOKENS_FILE"] = str(pki_dir / TOKENS_FILE)
     # How services find each other: every peer's address is given to every service as
@@ -397,12 +398,22 @@ class LocalStack:
         self._progress("etcd", "starting")
         assert self.work_dir is not None
         cport, pport = self._port("etcd-client"), self._port("etcd-peer")
-        curl, purl = f"http://{cfg.host}:{cport}", f"http://{cfg.host}:{pport}"
+        scheme = "https" if self.pki_dir else "http"
+        curl, purl = f"{scheme}://{cfg.host}:{cport}", f"http://{cfg.host}:{pport}"
         argv = [cfg.etcd_bin, "--name", "flowmaker", "--data-dir", str(self.work_dir / "etcd-data"),
                 "--listen-client-urls", curl, "--advertise-client-urls", curl,
                 "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
                 "--initial-cluster", f"flowmaker={purl}", "--initial-cluster-state", "new",
                 "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"]
+        ssl_ctx = None
+        if self.pki_dir is not None:  # clients must present a certificate of the stack's CA (the services')
+            f = pki_files(self.pki_dir, "etcd")
+            argv += ["--cert-file", f.cert, "--key-file", f.key, "--trusted-ca-file", f.ca, "--client-cert-auth"]
+            import ssl
+
+            admin = pki_files(self.pki_dir, ADMIN)
+            ssl_ctx = ssl.create_default_context(cafile=admin.ca)
+            ssl_ctx.load_cert_chain(admin.cert, admin.key)
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}  # stray ETCD_* would override flags
         self._etcd = _spawn("etcd", argv, env, self.log_dir / "etcd.log")
         self.etcd_endpoint = f"{cfg.host}:{cport}"
@@ -412,7 +423,7 @@ class LocalStack:
                 raise StackError(f"etcd exited with code {self._etcd.proc.returncode} (port {cport} or {pport} taken, "
                                  f"or a bad data dir?); last log lines:\n{self._etcd.log_tail()}", field="etcd")
             try:
-                with urllib.request.urlopen(curl + "/health", timeout=1) as r:
+                with urllib.request.urlopen(curl + "/health", timeout=1, context=ssl_ctx) as r:
                     if b'"true"' in r.read():
                         break
             except OSError:

@@ -150,6 +150,10 @@ async def serve(service_name: str, add_servicers: AddServicers, settings: Servic
     The process entry point of every service: `asyncio.run(serve("deployer", add, settings, ...))`.
     """
     settings.log_effective(service_name)
+    if settings.etcd_tls:  # the store connects lazily, on the first call (on_ready at the earliest)
+        from flowmaker.state.etcd import configure_etcd_tls
+
+        configure_etcd_tls(TlsFiles(settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file))
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []

@@ -21,6 +21,7 @@ from aetcd import transactions as atx
 from aetcd import utils as autils
 
 from flowmaker.errors import AlreadyExists, Conflict, InvalidSpec, NotFound, Unavailable
+from flowmaker.rpc.tls import TlsFiles
 from flowmaker.state.store import (
     CasOps,
     Compare,
@@ -85,12 +86,55 @@ def _raise_mapped(e: BaseException, what: str) -> NoReturn:
 _ETCD_ERRORS = (aerr.ClientError, grpc.aio.AioRpcError, OSError, TimeoutError)
 
 
+# The etcd client identity of this process (mTLS to etcd), set by the service bootstrap from its
+# settings (`etcd_tls`); stores created without an explicit `tls` use it when they connect.
+_process_tls: TlsFiles | None = None
+
+
+def configure_etcd_tls(files: TlsFiles | None) -> None:
+    global _process_tls
+    _process_tls = files
+
+
+class _TlsClient(aetcd.Client):
+    """aetcd's client over a TLS channel presenting a client certificate (aetcd itself only dials
+    plaintext): the same connect, with `grpc.aio.secure_channel`."""
+
+    def __init__(self, tls: TlsFiles, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._tls_files = tls
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # type: ignore[has-type]
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            from aetcd import watcher as _watcher
+
+            from flowmaker.rpc.tls import channel_credentials
+
+            self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", channel_credentials(self._tls_files),
+                                                   options=list(self._options.items()))
+            self.kvstub = arpc.KVStub(self.channel)
+            self.clusterstub = arpc.ClusterStub(self.channel)
+            self.leasestub = arpc.LeaseStub(self.channel)
+            self.maintenancestub = arpc.MaintenanceStub(self.channel)
+            self._watcher = _watcher.Watcher(arpc.WatchStub(self.channel), timeout=self._timeout,
+                                             metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
 class EtcdStore(CasOps):
     """StateStore on etcd. Every key is prefixed with `namespace` (tests and parallel stacks
     get disjoint key spaces; `keys.*` stays absolute), and it is stripped again on reads."""
 
     def __init__(self, endpoints: Sequence[str] | str = "127.0.0.1:2379", *, namespace: str = "",
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, tls: TlsFiles | None = None) -> None:
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         eps = [e for part in eps for e in part.split(",") if e.strip()]
         if not eps:
@@ -101,6 +145,7 @@ class EtcdStore(CasOps):
         self.timeout_s = timeout_s
         self._client: aetcd.Client | None = None
         self._lock = asyncio.Lock()
+        self._tls = tls  # None: the process's etcd identity (configure_etcd_tls), if any, at connect time
 
     def __repr__(self) -> str:
         return f"EtcdStore({self.endpoint!r}, namespace={self.namespace!r})"
@@ -127,7 +172,11 @@ class EtcdStore(CasOps):
                 host, port = self._endpoints[self._ep_index]
                 # `timeout` bounds every unary call: a hung etcd (e.g. SIGSTOPped) becomes
                 # DEADLINE_EXCEEDED -> Unavailable instead of blocking the caller forever.
-                self._client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)  # type: ignore[arg-type]
+                tls = self._tls or _process_tls
+                if tls is not None:
+                    self._client = _TlsClient(tls, host=host, port=port, timeout=self.timeout_s)  # type: ignore[arg-type]
+                else:
+                    self._client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)  # type: ignore[arg-type]
                 await self._client.connect()
             return self._client
 

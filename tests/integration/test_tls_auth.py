@@ -207,3 +207,63 @@ def test_pki_files(pki: Path) -> None:
         f = pki_files(pki, ident)
         assert Path(f.cert).exists() and (Path(f.key).stat().st_mode & 0o077) == 0
     assert json.loads((pki / "tokens.json").read_text())["alice-token-0123456789"]["user"] == "alice"
+
+
+async def test_etcd_over_mtls(pki: Path, tmp_path: Path) -> None:
+    """etcd as `flowmaker up` starts it (--client-cert-auth, the stack's CA): the store connects with a
+    suite certificate; plaintext, or a certificate of another CA, gets nothing."""
+    import os
+    import shutil
+    import subprocess
+    import time
+    import urllib.request
+
+    from flowmaker.errors import Unavailable
+    from flowmaker.state.etcd import EtcdStore
+
+    etcd_bin = os.environ.get("FLOWMAKER_TEST_ETCD", shutil.which("etcd") or "/usr/bin/etcd")
+    if not os.path.exists(etcd_bin):
+        pytest.skip("etcd not installed")
+    from tests.conftest import free_port
+
+    cport, pport = free_port(), free_port()
+    f = pki_files(pki, "etcd")
+    curl, purl = f"https://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
+    proc = subprocess.Popen([etcd_bin, "--name", "t", "--data-dir", str(tmp_path / "data"), "--listen-client-urls", curl,
+                             "--advertise-client-urls", curl, "--listen-peer-urls", purl,
+                             "--initial-advertise-peer-urls", purl, "--initial-cluster", f"t={purl}",
+                             "--cert-file", f.cert, "--key-file", f.key, "--trusted-ca-file", f.ca, "--client-cert-auth",
+                             "--log-level", "error", "--logger", "zap"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=f.ca)
+        admin = pki_files(pki, "admin")
+        ctx.load_cert_chain(admin.cert, admin.key)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(curl + "/health", timeout=1, context=ctx) as r:
+                    if b"true" in r.read():
+                        break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "etcd with TLS did not start"
+                time.sleep(0.1)
+        good = EtcdStore(f"127.0.0.1:{cport}", namespace="/tls", timeout_s=2.0, tls=pki_files(pki, "deployer"))
+        try:
+            await good.put("/k", {"v": 1})
+            assert (await good.get("/k")).value == {"v": 1}  # type: ignore[union-attr]
+        finally:
+            await good.close()
+        other = ensure_pki(tmp_path / "other", ["deployer"])
+        for tls in (None, pki_files(other, "deployer")):
+            bad = EtcdStore(f"127.0.0.1:{cport}", namespace="/tls", timeout_s=1.0, tls=tls)
+            try:
+                with pytest.raises(Unavailable):
+                    await bad.get("/k")
+            finally:
+                await bad.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
