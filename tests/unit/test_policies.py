@@ -248,3 +248,19 @@ def test_serving_bench_rejects_unknown_options(tmp_path: Path) -> None:
         run_serving_bench(tmp_path, colocation="magic", plots=False)
     with pytest.raises(InvalidSpec, match="LangChain"):
         run_serving_bench(tmp_path, langchain_rule="magic", plots=False)
+
+
+def test_cli_serving_options_reach_the_bench(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from flowmaker.cli.main import app
+    r = CliRunner().invoke(app, ["bench", "serving", "--out", str(tmp_path), "--traces", str(tmp_path / "none"),
+                                 "--loads", "0.25", "--trace-kinds", "conv", "--policies", "flowmaker,langchain",
+                                 "--segment-s", "300", "--colocation", "worst-case", "--plan-tokens", "mean",
+                                 "--langchain-model", "strong", "--seed", "3"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    setup = json.loads((tmp_path / "serving.json").read_text())["setup"]
+    assert (setup["colocation"], setup["plan_tokens"], setup["segment_s"], setup["langchain_rule"], setup["seed"],
+            setup["loads"], setup["policies"]) == ("worst-case", "mean", 300.0, "strong", 3, [0.25],
+                                                   ["flowmaker", "langchain"])
+    assert "flowmaker-segment" in setup["seeds"]["segment_offset"]
