@@ -35,7 +35,6 @@ import atexit
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -52,7 +51,7 @@ from typing import IO, Any
 
 from flowmaker.errors import Unavailable
 from flowmaker.launcher.procs import descendants, die_with_parent, identity, start_time
-from flowmaker.rpc.tls import ADMIN, TlsFiles, ensure_pki, pki_files
+from flowmaker.rpc.tls import ADMIN, TOKENS_FILE, TlsFiles, ensure_pki, pki_files
 
 # Start order; stop order is the reverse with the deployer held back until the others are gone.
 SERVICES: tuple[str, ...] = ("deployer", "profiler", "generator", "selector", "orchestrator")
@@ -83,24 +82,11 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-TOKENS_FILE = "tokens.json"
-
-
 def admin_token(pki_dir: Path) -> str:
-    """The stack's admin bearer token (created at the first start, in tokens.json with mode 0600)."""
-    path = pki_dir / TOKENS_FILE
-    try:
-        tokens = json.loads(path.read_text())
-    except (OSError, ValueError):
-        tokens = {}
-    for tok, who in tokens.items():
-        if isinstance(who, dict) and who.get("admin"):
-            return str(tok)
-    from flowmaker.rpc.auth import write_tokens
+    """The stack's admin bearer token (created at the first start, kept in the pki dir's tokens.json)."""
+    from flowmaker.rpc.auth import ensure_admin_token
 
-    tok = secrets.token_urlsafe(32)
-    write_tokens(path, {**tokens, tok: {"user": ADMIN, "admin": True}})
-    return tok
+    return ensure_admin_token(pki_dir)
 
 
 def _default_etcd_bin() -> str:

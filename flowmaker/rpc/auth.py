@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from flowmaker.errors import PermissionDenied, Unauthenticated
-from flowmaker.rpc.tls import ADMIN, SERVICES, peer_identity
+from flowmaker.rpc.tls import ADMIN, SERVICES, TOKENS_FILE, peer_identity
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +74,23 @@ def write_tokens(path: str | Path, tokens: Mapping[str, Mapping[str, Any]]) -> N
     with os.fdopen(fd, "w") as f:
         json.dump(dict(tokens), f, indent=2)
     os.replace(tmp, p)
+
+
+def ensure_admin_token(pki_dir: str | Path) -> str:
+    """The admin bearer token in `<pki_dir>/tokens.json`, created (random, file mode 0600) when there is none."""
+    import secrets
+
+    path = Path(pki_dir) / TOKENS_FILE
+    try:
+        tokens = json.loads(path.read_text())
+    except (OSError, ValueError):
+        tokens = {}
+    for tok, who in tokens.items():
+        if isinstance(who, dict) and who.get("admin"):
+            return str(tok)
+    tok = secrets.token_urlsafe(32)
+    write_tokens(path, {**tokens, tok: {"user": ADMIN, "admin": True}})
+    return tok
 
 
 @dataclass

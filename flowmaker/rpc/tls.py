@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # grpc is imported where credentials are built: the launcher 
 SERVICES = ("generator", "profiler", "selector", "deployer", "orchestrator")
 IDENTITIES = (*SERVICES, "etcd", "admin")
 ADMIN = "admin"
+TOKENS_FILE = "tokens.json"  # bearer tokens of the orchestrator's public API, beside the certificates
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,3 +148,23 @@ def peer_identity(context: Any) -> str | None:
         return None
     names = list(auth.get("x509_common_name") or ())
     return names[0].decode(errors="replace") if names else None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m flowmaker.rpc.tls DIR [--host H ...]`: the CA, every identity's certificate and an admin
+    token in DIR (kept when they exist): what compose's `pki` step and `flowmaker up` create."""
+    import argparse
+
+    from flowmaker.rpc.auth import ensure_admin_token
+
+    ap = argparse.ArgumentParser(prog="python -m flowmaker.rpc.tls", description=main.__doc__)
+    ap.add_argument("dir")
+    ap.add_argument("--host", action="append", default=[], help="extra SAN (host name or IP) on every certificate")
+    args = ap.parse_args(argv)
+    d = ensure_pki(args.dir, hosts=args.host)
+    ensure_admin_token(d)
+    print(f"PKI in {d}: ca.pem, {', '.join(f'{i}.pem' for i in IDENTITIES)}, {TOKENS_FILE}")
+
+
+if __name__ == "__main__":
+    main()
