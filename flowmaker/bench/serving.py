@@ -195,6 +195,20 @@ def _plots(rows: Sequence[dict[str, Any]], out_dir: Path, policies: Sequence[str
     return files
 
 
+def code_version() -> dict[str, Any]:
+    """The git commit the bench ran from and which tracked files differed from it (best effort)."""
+    import subprocess
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--name-only", "HEAD"], cwd=root, capture_output=True, text=True,
+                               timeout=10, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "modified": []}
+    return {"commit": head, "modified": dirty}
+
+
 def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None, seed: int = 0,
                       policies: Sequence[str] | None = None, loads: Sequence[float] | None = None,
                       traces: Sequence[str] = TRACE_KINDS, console: Console | None = None,
@@ -311,6 +325,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     report = {"setup": {
         "gpu_type": GPU_TYPE, "gpus": len(cluster.gpus), "models": [m.id for m in models],
         "profiles": len(profiles), "loads": lvls, "policies": pols, "seed": seed, "trace_sources": sources,
+        "code_version": code_version(),
         "seeds": {"run": seed,
                   "segment_offset": f"random.Random('flowmaker-segment/<trace>/<load>/{seed}').uniform",
                   "task_of_request": f"random.Random('flowmaker-assign/<trace>/<load>/{seed}/<i>')",
