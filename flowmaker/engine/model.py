@@ -132,6 +132,7 @@ class EngineModel:
         self.tokens_emitted = 0  # output tokens produced
         self.prompt_tokens_processed = 0  # prompt tokens prefilled (at admission)
         self.steps = 0
+        self.cancelled = 0  # requests dropped before completion (client gone)
 
     # ---- observation -------------------------------------------------------------------
 
@@ -239,6 +240,28 @@ class EngineModel:
         if was_empty and self._run is not None and self._fits(req, len(self._running), self._kv_in_use):
             j = self._steps_until(self._run.first_end, self._run.dur, req.ready_time)
             self._run.k = min(self._run.k, j)
+
+    def cancel(self, req_id: str, now: float) -> bool:
+        """Drop a request (its client went away) at `now`: from the queue, or from the batch, whose KV it
+        frees. A batch change restarts the step in progress at `now` with the new batch (the conservative
+        choice: the partial step's progress is not credited). False when it is not in flight."""
+        if req_id not in self._ids:
+            return False
+        self.advance(max(now, self._clock))
+        for r in self._waiting:
+            if r.req_id == req_id:
+                self._waiting.remove(r)
+                break
+        else:
+            r2 = self._running.pop(req_id, None)
+            if r2 is None:  # completed by the advance above
+                return False
+            self._kv_in_use -= r2.kv_tokens
+            self._run = None
+            self._t = max(self._t, self._clock)
+        self._ids.discard(req_id)
+        self.cancelled += 1
+        return True
 
     # ---- time --------------------------------------------------------------------------
 

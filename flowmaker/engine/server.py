@@ -181,6 +181,8 @@ class _ModelCollector(Collector):
         yield counter("vllm:generation_tokens", "Output tokens produced.", m.tokens_emitted)
         yield counter("vllm:prompt_tokens", "Prompt tokens prefilled.", m.prompt_tokens_processed)
         yield counter("vllm:request_success", "Requests finished.", self.engine.requests_finished)
+        yield counter("flowmaker:request_cancelled", "Requests dropped because their client went away.",
+                      self.engine.requests_cancelled)
 
 
 class EmulatedEngine:
@@ -204,6 +206,7 @@ class EmulatedEngine:
         self._script_pos = 0
         self.crash_after = crash_after
         self.requests_finished = 0
+        self.requests_cancelled = 0
         self._clock = clock
         self._t0 = clock()
         self._created = int(time.time())  # /v1/models `created`: Unix seconds (the clock above may be monotonic)
@@ -386,6 +389,22 @@ class EmulatedEngine:
             rid, p = self._submit(in_tokens, max_tokens)
         except BadRequest as e:
             return error_response(e.message, e.param, e.status, e.code)
+        try:
+            return await self._respond(request, chat, rid, p, in_tokens, max_tokens, stream, with_usage)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self._abandon(rid)
+            raise
+
+    def _abandon(self, rid: str) -> None:
+        """The client went away (disconnect, or its own deadline): drop the request from the engine."""
+        self._pending.pop(rid, None)
+        self._submit_times.pop(rid, None)
+        if self.model.cancel(rid, max(self.model.now, self.model_now())):
+            self.requests_cancelled += 1
+            self._wake.set()
+
+    async def _respond(self, request: web.Request, chat: bool, rid: str, p: _Pending, in_tokens: int,
+                       max_tokens: int, stream: bool, with_usage: bool) -> web.StreamResponse:
         oid = ("chatcmpl-" if chat else "cmpl-") + rid
         created = int(time.time())
         words = filler_words(max_tokens)
@@ -547,7 +566,9 @@ async def serve(engine: EmulatedEngine, host: str, port: int, port_file: str | N
     """Run until cancelled or SIGTERM/SIGINT; print `LISTENING <port>` when `announce`."""
     import signal
 
-    runner = web.AppRunner(engine.app(), handle_signals=False, access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, which drops its request from the
+    # batch (`_abandon`), so the engine stops spending tokens on an answer nobody reads.
+    runner = web.AppRunner(engine.app(), handle_signals=False, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

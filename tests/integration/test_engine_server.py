@@ -275,3 +275,35 @@ async def test_port_file(tmp_path: Path, start_engine: Starter) -> None:
     pf = tmp_path / "port"
     eng = await start_engine("--port-file", str(pf))
     assert int(pf.read_text()) == eng.port
+
+
+async def test_cancelled_requests_leave_the_engine_within_a_second(start_engine: Starter) -> None:
+    """200 streaming requests whose client goes away after the first token (and 50 non-streaming ones cut
+    by the client's timeout) are dropped from the batch: 0 running and 0 waiting within 1 s, no more tokens."""
+    eng = await start_engine()
+    url = eng.url + "/v1/chat/completions"
+    long = {"model": "m1", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 2000}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def first_token_then_leave() -> None:
+            async with s.post(url, json={**long, "stream": True}) as r:
+                assert r.status == 200
+                await r.content.readline()  # the first chunk: the request is in the batch
+                r.close()  # the client goes away mid-stream
+
+        async def time_out() -> None:
+            with pytest.raises(TimeoutError):
+                async with s.post(url, json=long, timeout=aiohttp.ClientTimeout(total=0.3)) as r:
+                    await r.read()
+
+        await asyncio.gather(*(first_token_then_leave() for _ in range(200)), *(time_out() for _ in range(50)))
+    t0 = time.monotonic()
+    while True:
+        m = await metrics(eng.url)
+        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
+            break
+        assert time.monotonic() - t0 < 1.0, m
+        await asyncio.sleep(0.05)
+    assert m["flowmaker:request_cancelled_total"] == 250
+    tokens = m["vllm:generation_tokens_total"]
+    await asyncio.sleep(0.3)
+    assert (await metrics(eng.url))["vllm:generation_tokens_total"] == tokens  # nothing more generated
