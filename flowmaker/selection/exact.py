@@ -74,7 +74,7 @@ SEARCH_SHARE = 0.88
 GRACE_SHARE = 0.96
 LAG_PASSES = 2  # coordinate-ascent passes of the Lagrangian prices
 # The LP relaxation (HiGHS) strengthens the bound at the root and once a search has taken this many nodes.
-LP_AFTER_NODES = 200
+LP_AFTER_NODES = 1 << 62  # measured: at inner nodes the LP costs more than it prunes (tests force it)
 
 
 @dataclass(slots=True)
@@ -448,11 +448,13 @@ class _Search:
                 return INF, Lb
             M = mem_now[0]
             cut = -INF
+            tie_cap = -INF  # classes costing up to this can tie the incumbent: their latency matters
             if not full:
                 best = search.best
                 if best is None:
                     cut = INF
                 else:
+                    tie_cap = best[0] * (1 + REL_TOL)
                     # Below the cut a completion could still beat the incumbent (at equal cost only
                     # with a strictly shorter latency).
                     cut = best[0] * (1 + REL_TOL) if Lb < best[1] * (1 - REL_TOL) else best[0] * (1 - REL_TOL)
@@ -645,6 +647,7 @@ class _Search:
             # The memory/latency coupling over all undecided stages at once, mu ascending.
             best_t = INF
             prev_done = n_inf == 0 and need == 0.0  # the mu = 0 class is evaluated
+            Lt = INF  # least latency of the classes that can tie the incumbent
             if n_inf == 0 and need == 0.0:
                 L0 = lp(zl)
                 if cons:
@@ -653,6 +656,8 @@ class _Search:
                         L0 = max(L0, lp_lp(-1))
                 if leq(L0, lam):
                     best_t = (M + dm) * L0
+                    if best_t <= tie_cap:
+                        Lt = L0
             if best_t < cut:
                 nxt = (M + max(mus[0], dm)) * Lb if n_mu else INF
                 return (best_t if best_t < nxt else nxt), Lb
@@ -661,7 +666,7 @@ class _Search:
             for i in range(n_mu):
                 mu = mus[i]
                 mm = M + (mu if mu > dm else dm)
-                if mm * Lb >= best_t:
+                if mm * Lb >= best_t and mm * Lb > tie_cap:
                     break
                 changed = False
                 for s in changes[i]:
@@ -687,7 +692,7 @@ class _Search:
                     d2 = max(need * st.cov_ratio[j][nc - 1], cover(j, nc, need))
                     if d2 > mu and d2 > dm:
                         mm = M + d2
-                        if mm * Lb >= best_t:
+                        if mm * Lb >= best_t and mm * Lb > tie_cap:
                             continue
                 L = lp(lat)
                 if mm * L < best_t and cons:
@@ -696,12 +701,17 @@ class _Search:
                         L = max(L, lp_lp(i))
                 if leq(L, lam):
                     t = mm * L
+                    if t <= tie_cap and L < Lt:
+                        Lt = L
                     if t < best_t:
                         best_t = t
                         if best_t < cut:
                             nxt = (M + max(mus[i + 1], dm)) * Lb if i + 1 < n_mu else INF
                             return (best_t if best_t < nxt else nxt), Lb
-            return best_t, Lb
+            if full or best_t > tie_cap:
+                return best_t, Lb
+            # Completions that could tie the incumbent's cost: their latency is at least Lt.
+            return best_t, (Lt if Lt > Lb else Lb)
 
         def prune(lb: float, Lb: float) -> bool:
             best = search.best
