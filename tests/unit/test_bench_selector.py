@@ -5,12 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flowmaker.bench.selector import BenchConfig, run_selector_bench, synth_models
+from flowmaker.bench.selector import (
+    ADVERSARIAL_KINDS,
+    BenchConfig,
+    adversarial_request,
+    run_selector_bench,
+    synth_models,
+)
 
 
 def test_tiny_selector_bench_writes_json_and_plots(tmp_path: Path) -> None:
     cfg = BenchConfig(repeats=1, exhaustive_budget_s=1.0, bayesopt_budget_s=1.0, bayesopt_trials=11,
-                      bayesopt_states=(), depth_max=2, depth_budget_s=2.0, catalog_sizes=(11,))
+                      bayesopt_states=(), depth_max=2, depth_budget_s=2.0, catalog_sizes=(11,),
+                      adversarial_per_kind=1, adversarial_budget_s=0.5)
     res = run_selector_bench(tmp_path, cfg)
     def no_nan(c: str) -> None:
         raise AssertionError(f"non-strict JSON constant {c}")
@@ -23,6 +30,39 @@ def test_tiny_selector_bench_writes_json_and_plots(tmp_path: Path) -> None:
     for p in res["plots"]:
         assert Path(p).stat().st_size > 1000
     assert [r["stages"] for r in res["depth"]] == [1, 2]
+    adv = saved["adversarial"]
+    assert [r["kind"] for r in adv["rows"]] == list(ADVERSARIAL_KINDS)
+    assert adv["summary"]["instances"] == len(ADVERSARIAL_KINDS)
+    for r in adv["rows"]:
+        assert r["answer"] in ("feasible", "NO_GPU_MEMORY", "NO_CAPACITY", "DEADLINE_EXCEEDED")
+        if r["answer"] == "feasible":
+            assert r["lower_bound"] <= r["cost"] * (1 + 1e-9)
+            if r["optimal"]:
+                assert r["gap"] == 0.0 and r["lower_bound"] == r["cost"]
+            else:
+                assert r["gap"] is not None and 0.0 <= float(r["gap"])
+
+
+def test_adversarial_instances_are_seeded_and_hard_in_the_stated_ways() -> None:
+    from flowmaker.selection import select
+
+    for kind in ADVERSARIAL_KINDS:
+        a, b = adversarial_request(kind, 3), adversarial_request(kind, 3)
+        assert a == b  # seeded
+        assert adversarial_request(kind, 4) != a
+        stages = a.workflows[0].stages
+        assert 8 <= len(stages) <= 15 and (kind != "chain15" or len(stages) == 15)
+        nodes = {g.node for g in a.cluster.gpus}
+        assert len(nodes) == 4 and len(a.cluster.gpus) == 32
+        assert {g.memory_total_gb for g in a.cluster.gpus} == {48.0, 80.0}  # mixed GPUs
+        assert len(a.cluster.instances) >= 30
+    fan = adversarial_request("fan", 0).workflows[0]
+    assert len(fan.stages[-1].depends_on) == len(fan.stages) - 2  # head -> parallel -> join
+    clones = adversarial_request("clones", 0)
+    assert sum("clone" in m.id for m in clones.models) == 6
+    # Unplaceable: every node has a GPU with 2 GB free and only 8-GPU configurations meet the SLO.
+    res = select(adversarial_request("unplaceable", 0), "exact")
+    assert res.variant is None and res.optimal
 
 
 def test_synthetic_catalog_is_deterministic_and_leaderboard_like() -> None:
