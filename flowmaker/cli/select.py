@@ -54,8 +54,7 @@ def select_cmd(request: Path = typer.Option(..., "--request", "-r", help="Select
     if res.optimal:
         proof = "proven optimal" if res.variant is not None else "proven infeasible"
     elif res.variant is not None and res.gap is not None:
-        gap = f"{res.gap:.1%}" if res.gap != float("inf") else "unbounded"
-        proof = f"not proven optimal: lower bound {res.lower_bound:.2f} GB·s, gap {gap}"
+        proof = f"not proven optimal: lower bound {res.lower_bound:.2f} GB·s, gap {res.gap:.1%}"
     else:
         proof = "not proven"
     con.print(f"strategy {res.strategy}: {res.variants_evaluated:,} variants evaluated of {res.search_space_size:,} "

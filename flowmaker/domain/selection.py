@@ -147,8 +147,8 @@ class SelectionResult:
 
     @property
     def gap(self) -> float | None:
-        """Proven relative optimality gap (cost - lower_bound) / cost: 0 when optimal, None without a
-        variant, inf when the variant costs something and nothing above 0 is proven."""
+        """Proven relative optimality gap (cost - lower_bound) / cost in [0, 1]: 0 when optimal or free,
+        None without a variant (1 when nothing above 0 is proven)."""
         if self.variant is None:
             return None
         if self.optimal:
@@ -156,4 +156,4 @@ class SelectionResult:
         c = self.variant.cost
         if c <= 0:
             return 0.0
-        return (c - min(self.lower_bound, c)) / c if self.lower_bound > 0 else float("inf")
+        return (c - min(max(self.lower_bound, 0.0), c)) / c
