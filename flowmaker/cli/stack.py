@@ -606,8 +606,10 @@ def up(
             out.print(f"try: flowmaker task deploy \"Summarise a document\" --accuracy 0.3 --latency 20 --rate 0.5 "
                       f"--approve all   (or export FLOWMAKER_ORCHESTRATOR_ADDR={st['services']['orchestrator']})")
             if st.get("gateway"):
-                out.print(f"then call a task with any OpenAI client: OPENAI_BASE_URL={st['gateway']} "
-                          "(model = the task id; GET /models lists the ACTIVE tasks)")
+                key = (f", OPENAI_API_KEY=<your FlowMaker token; the admin's is in {st['tls']['tokens_file']}>"
+                       if st.get("tls") else "")
+                out.print(f"then call a task with any OpenAI client: OPENAI_BASE_URL={st['gateway']}{key} "
+                          "(model = the task id; GET /models lists the ACTIVE tasks)", markup=False)
         while True:
             time.sleep(1.0)
             # Supervise: a child that died is restarted with backoff; the stack is never torn down for it.
