@@ -347,15 +347,6 @@ class _Search:
         zero_free = all(m > 0.0 for m in p_mem)  # every new instance costs: cost 0 means no new instance
         search = self
 
-        def usable(sp: float, lmin: float, two: float, j: int) -> float:
-            if sp <= 0.0 or not leq(lmin, sp):
-                return 0.0
-            if leq(two, sp):
-                return sp
-            ls = st.loads_sorted[j]
-            i = bisect.bisect_right(ls, sp * (1 + EPS) + EPS)
-            return ls[i - 1] if i else 0.0
-
         cover_memo: dict[tuple[int, int, int], tuple[list[float], list[float]]] = {}
 
         def cover(j: int, n: int, need: float) -> float:
@@ -460,18 +451,27 @@ class _Search:
                     cut = best[0] * (1 + REL_TOL) if Lb < best[1] * (1 - REL_TOL) else best[0] * (1 - REL_TOL)
             # Capacity: load still to place beyond the spare capacity of instances already in play
             # needs new instances, at best at the least memory per unit of capacity (fractional relaxation).
-            # Free instances in play (running ones, new ones of this variant) with spare capacity.
-            free_sp: list[tuple[int, float]] = []
+            # Free instances in play (running ones, new ones of this variant) with room for at least one
+            # remaining stage: (profile, spare, how many remaining loads fit alone, what the spare can absorb:
+            # all of it, or only the largest load that fits when two of them cannot).
+            free_sp: list[tuple[int, float, int, float]] = []
             if check_cap:
+                ls = st.loads_sorted[j]
+                two = st.two_min[j]
+                lmin_t = ls[0] * (1 - EPS) - EPS if ls else INF
                 for r in reuse_any:
                     pi = r_prof[r]
                     sp = p_cap[pi] - r_load0[r] - r_add[r]
-                    if sp > 0.0:
-                        free_sp.append((pi, sp))
+                    if sp >= lmin_t:
+                        nf = bisect.bisect_right(ls, sp * (1 + EPS) + EPS)
+                        if nf:
+                            free_sp.append((pi, sp, nf, sp if two <= sp * (1 + EPS) + EPS else ls[nf - 1]))
                 for k, pi in enumerate(slots):
                     sp = p_cap[pi] - slot_load[k]
-                    if sp > 0.0:
-                        free_sp.append((pi, sp))
+                    if sp >= lmin_t:
+                        nf = bisect.bisect_right(ls, sp * (1 + EPS) + EPS)
+                        if nf:
+                            free_sp.append((pi, sp, nf, sp if two <= sp * (1 + EPS) + EPS else ls[nf - 1]))
             # A completion whose largest new instance has memory mu uses only profiles of memory <= mu,
             # so the memory that covers the load is taken over those (in the mu loop), at least dm over all.
             dm = 0.0
@@ -481,10 +481,8 @@ class _Search:
                 if need > 0.0:
                     # What spare capacity can absorb: nothing below the least remaining load, at most the
                     # largest load that fits when two of them cannot.
-                    lmin = st.loads_sorted[j][0]
-                    two = st.two_min[j]
-                    for _, sp in free_sp:
-                        need -= usable(sp, lmin, two, j)
+                    for x in free_sp:
+                        need -= x[3]
                     if need > EPS * max(1.0, st.w_rem[j]):
                         if st.ratio[j] == INF:
                             return INF, Lb
@@ -503,7 +501,7 @@ class _Search:
                             if not st.heavy[s]:
                                 continue
                             ld = load[s]
-                            if any(leq(ld, sp) for _, sp in free_sp):
+                            if any(leq(ld, x[1]) for x in free_sp):
                                 continue
                             big += st.heavy_mem[s]
                         if big > dm:
@@ -520,11 +518,9 @@ class _Search:
                 # (key = profile * 1024 + how many of the remaining loads fit), so that a stage only
                 # counts on the spare of instances it fits in.
                 gmax: dict[int, float] = {}
-                lmin, two = st.loads_sorted[j][0], st.two_min[j]
-                ls = st.loads_sorted[j]
-                for pi, sp in free_sp:
-                    key = pi * 1024 + bisect.bisect_right(ls, sp * (1 + EPS) + EPS)
-                    gcap[key] = gcap.get(key, 0.0) + usable(sp, lmin, two, j)
+                for pi, sp, nf, us in free_sp:
+                    key = pi * 1024 + nf
+                    gcap[key] = gcap.get(key, 0.0) + us
                     if key not in gmax or sp < gmax[key]:
                         gmax[key] = sp
                 demand: dict[int, float] = dict.fromkeys(gcap, 0.0)
