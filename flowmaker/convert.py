@@ -691,6 +691,10 @@ def instance_record_to_proto(rec: InstanceRecord, task_ids: Sequence[str] = (), 
     if rec.observed_load_at:
         m.observed_load_output_tokens_per_s = rec.observed_load_output_tokens_per_s
         m.observed_time.CopyFrom(_timestamp(rec.observed_load_at))
+        m.observed_queue = rec.observed_queue
+        m.observed_latency_s = rec.observed_latency_s
+        m.observed_slowdown = rec.observed_slowdown
+        m.saturated = rec.saturated
     if state in (InstanceState.FAILED, InstanceState.LOST):
         # Not an error of any call: the instance's own status, so it is UNAVAILABLE with the reason.
         info = error_details_pb2.ErrorInfo(reason=reason or "FAILED", domain=DOMAIN, metadata={"instance_id": rec.id})

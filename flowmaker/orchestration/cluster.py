@@ -62,6 +62,11 @@ def fresh_observed_load(rec: InstanceRecord, now: float, max_age_s: float = OBSE
     return max(0.0, rec.observed_load_output_tokens_per_s)
 
 
+# The load a saturated instance is given in the selector's view: far above any instance's capacity, so it
+# offers no headroom (finite: the request's validation wants finite numbers).
+SATURATED_LOAD_TOK_S = 1e9
+
+
 def effective_load(planned: float, observed: float | None) -> float:
     """The load the selector must assume on a running instance: max(planned, observed).
 
@@ -85,6 +90,10 @@ def with_loads(view: ClusterView, loads: dict[str, float], *, now: float | None 
     planned = {iid: loads.get(iid, 0.0) for iid in view.instances}
     observed = {iid: o for iid, rec in view.instances.items()
                 if (o := fresh_observed_load(rec, now, observed_max_age_s)) is not None}
+    for iid, rec in view.instances.items():
+        if iid in observed and rec.saturated:
+            # Measured full (queue building or latency stretched): no headroom, whatever the throughput says.
+            observed[iid] = SATURATED_LOAD_TOK_S
     insts = {iid: replace(rec, load_output_tokens_per_s=planned[iid]) for iid, rec in view.instances.items()}
     cluster = Cluster(view.cluster.gpus, tuple(
         replace(insts[i.id].to_domain(), load_output_tokens_per_s=effective_load(planned[i.id], observed.get(i.id)))

@@ -151,6 +151,13 @@ class InstanceRecord:
     observed_load_output_tokens_per_s: float = 0.0
     observed_load_peak_output_tokens_per_s: float = 0.0
     observed_load_at: float = 0.0
+    # MEASURED saturation from the same scrape (SaturationMeter in services/deployer/node.py): smoothed queue
+    # of waiting requests, recent mean e2e latency (model s) and its ratio to a lone request's, and whether
+    # the instance is full. A fresh `saturated` makes readers treat the instance as having no headroom.
+    observed_queue: float = 0.0
+    observed_latency_s: float = 0.0
+    observed_slowdown: float = 0.0
+    saturated: bool = False
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -132,6 +132,56 @@ class LoadMeter:
         return value > 0 and now - at >= max_interval_s
 
 
+class SaturationMeter:
+    """Whether an instance is full, from successive /metrics readings, whatever its throughput says.
+
+    Throughput alone can never show overload (it cannot exceed capacity): a continuous-batching engine past
+    its capacity queues requests (vLLM's `num_requests_waiting`) and stretches every step, so latency grows
+    instead. Two signals, each over the interval between two scrapes:
+    - queue: EWMA of the waiting requests (weight by interval length, half-life `half_life_s`);
+    - slowdown: the mean end-to-end latency of the requests that finished in the interval (the engine's own
+      histogram, model seconds) over what a lone request of their mean size takes on this profile
+      (fixed + prefill x mean prompt + decode x mean output).
+    Saturated when queue >= `max_queue` or slowdown >= `max_slowdown`. Pure: time and readings passed in."""
+
+    def __init__(self, profile: Profile, *, max_queue: float, max_slowdown: float, half_life_s: float = 5.0) -> None:
+        self.profile = profile
+        self.max_queue = max_queue
+        self.max_slowdown = max_slowdown
+        self.half_life_s = half_life_s
+        self.queue = 0.0
+        self.latency_s = 0.0
+        self.slowdown = 0.0
+        self._last: tuple[float, dict[str, float]] | None = None
+        self.reported: bool | None = None  # `saturated` as last written
+
+    def add(self, t: float, m: dict[str, float]) -> bool:
+        last, self._last = self._last, (t, m)
+        waiting = m.get("waiting", 0.0)
+        if last is None or t <= last[0]:
+            self.queue = waiting
+            return self.saturated
+        alpha = 1.0 - math.pow(2.0, -(t - last[0]) / self.half_life_s)
+        self.queue += alpha * (waiting - self.queue)
+        prev = last[1]
+        n = m.get("e2e_latency_count", 0.0) - prev.get("e2e_latency_count", 0.0)
+        if n > 0:
+            lat = (m.get("e2e_latency_sum_s", 0.0) - prev.get("e2e_latency_sum_s", 0.0)) / n
+            gen = max(0.0, m.get("generation_tokens_total", 0.0) - prev.get("generation_tokens_total", 0.0)) / n
+            prompt = max(0.0, m.get("prompt_tokens_total", 0.0) - prev.get("prompt_tokens_total", 0.0)) / n
+            p = self.profile
+            lone = p.fixed_s + p.prefill_s_per_token * prompt + p.decode_s_per_token * max(1.0, gen)
+            self.latency_s = max(0.0, lat)
+            self.slowdown = self.latency_s / lone if lone > 0 else 0.0
+        elif m.get("running", 0.0) + waiting == 0:
+            self.slowdown = 0.0  # idle: nothing is slowed down
+        return self.saturated
+
+    @property
+    def saturated(self) -> bool:
+        return self.queue >= self.max_queue or self.slowdown >= self.max_slowdown
+
+
 @dataclass(frozen=True, slots=True)
 class DeployParams:
     """What a Deploy asks for (field names are the DeployRequest's)."""
@@ -184,6 +234,7 @@ class NodeAgent:
         self._background: set[asyncio.Task[Any]] = set()
         self._closing = False
         self._meters: dict[str, tuple[EngineProcess, LoadMeter]] = {}  # by instance id, for the READY engines
+        self._saturation: dict[str, SaturationMeter] = {}
 
     # ---- registration -------------------------------------------------------------------
 
@@ -717,8 +768,12 @@ class NodeAgent:
         ready = {iid: p for iid, p in self.procs.items() if iid not in self._starting and p.is_alive}
         for iid in [i for i, (p, _) in self._meters.items() if ready.get(i) is not p]:
             del self._meters[iid]  # stopped, failed or replaced by a new engine: its readings are void
+            self._saturation.pop(iid, None)
         for iid, p in ready.items():
             if iid not in self._meters:
+                self._saturation[iid] = SaturationMeter(p.spec.profile, max_queue=self.settings.saturation_queue,
+                                                        max_slowdown=self.settings.saturation_slowdown,
+                                                        half_life_s=self.settings.load_half_life_s)
                 self._meters[iid] = (p, LoadMeter(self._time_scale(p), self.settings.load_half_life_s,
                                                   self.settings.load_peak_window_s))
         timeout = max(0.5, min(5.0, self.settings.load_scrape_interval_s))
@@ -732,24 +787,34 @@ class NodeAgent:
             # owns that, and a slow /metrics under load is no reason to take an instance away.
             log.debug("instance %s: /metrics scrape failed: %s", iid, e)
             return
-        tokens = metrics.get("generation_tokens_total")
         entry = self._meters.get(iid)
-        if tokens is None or entry is None or entry[0] is not proc:
-            return  # the backend exports no token counter (e.g. trtllm's JSON stats), or the engine went
+        sat = self._saturation.get(iid)
+        if entry is None or entry[0] is not proc or sat is None:
+            return  # the engine went (stopped, failed, replaced)
         meter = entry[1]
         wall = time.time()
-        meter.add(time.monotonic(), tokens)
-        if not meter.should_report(wall, self.settings.load_report_min_change,
-                                   self.settings.load_report_max_interval_s):
+        saturated = sat.add(time.monotonic(), metrics)
+        tokens = metrics.get("generation_tokens_total")
+        if tokens is not None:  # the backend may export no token counter (e.g. trtllm's JSON stats)
+            meter.add(time.monotonic(), tokens)
+        # A change of `saturated` is always worth a write: it decides whether the selector may reuse the
+        # instance at all.
+        if sat.reported == saturated and (tokens is None or not meter.should_report(
+                wall, self.settings.load_report_min_change, self.settings.load_report_max_interval_s)):
             return
         rate, peak = meter.rate or 0.0, meter.peak
+        if saturated != sat.reported:
+            log.warning("instance %s %s (queue %.1f, slowdown %.1fx, latency %.2fs)", iid,
+                        "SATURATED" if saturated else "has headroom again", sat.queue, sat.slowdown, sat.latency_s)
 
         def observed(r: InstanceRecord) -> InstanceRecord | None:
             # Only a record still READY and still this engine's: a concurrent release or failure wins.
             if r.state is not InstanceState.READY or (proc.pid and r.engine_pid and r.engine_pid != proc.pid):
                 return None
             return replace(r, observed_load_output_tokens_per_s=round(rate, 3),
-                           observed_load_peak_output_tokens_per_s=round(peak, 3), observed_load_at=wall)
+                           observed_load_peak_output_tokens_per_s=round(peak, 3), observed_load_at=wall,
+                           observed_queue=round(sat.queue, 3), observed_latency_s=round(sat.latency_s, 4),
+                           observed_slowdown=round(sat.slowdown, 3), saturated=saturated)
 
         try:
             new = await self._update(iid, observed)
@@ -758,6 +823,7 @@ class NodeAgent:
             return
         if new is not None and new.observed_load_at == wall:
             meter.reported = (new.observed_load_output_tokens_per_s, wall)
+            sat.reported = saturated
 
     # ---- release ------------------------------------------------------------------------
 

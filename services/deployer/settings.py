@@ -47,6 +47,10 @@ class DeployerSettings(ServiceSettings):
     load_report_max_interval_s: float = Field(default=5.0, gt=0, description="...or, while it is non-zero, when the "
                                               "last write is this old; keep it well under the readers' "
                                               "observed_load_max_age_s (flowmaker.orchestration.cluster, 15 s).")
+    saturation_queue: float = Field(default=4.0, gt=0, description="An instance whose smoothed queue of waiting "
+                                    "requests reaches this is saturated: offered to no new task.")
+    saturation_slowdown: float = Field(default=4.0, gt=1, description="...and so is one whose recent requests take "
+                                       "this many times as long as a lone request of their size.")
 
     @property
     def advertise_address_host(self) -> str:

@@ -265,3 +265,46 @@ async def test_failed_scrapes_keep_the_last_value_and_never_clobber_state(node: 
         after = await _record(node.store, rec.id)
         assert after is not None and after.state is InstanceState.DRAINING
         assert after.observed_load_at == draining.observed_load_at
+
+
+async def test_a_saturated_instance_is_not_reused_whatever_its_throughput_says(node: Node) -> None:
+    """Overload shows as latency and queueing, never as throughput above capacity. With a profile that
+    overstates capacity 10x (as an analytic estimate may), throughput alone leaves ample headroom; the
+    measured saturation (requests taking several times a lone request's latency) takes the instance out
+    of reuse, and it comes back once the overload is gone."""
+    rec = await _deploy(node)
+    optimistic = Profile(MODEL, 1, 1, memory_gb_per_gpu=4.0, fixed_s=0.0, prefill_s_per_token=0.0,
+                         decode_s_per_token=0.02, max_output_tokens_per_s=10 * CAPACITY, gpu_type="A6000",
+                         source=ProfileSource.MEASURED)
+
+    def select_with(cluster: Any) -> Variant:
+        wf = Workflow("w", (Stage("answer", StageKind.LLM, (), 10, 10, 1),))
+        res = select(SelectionRequest(Slo(0.0, 60.0, 1.0), (wf,), (get_model(MODEL),), (optimistic,), cluster))
+        assert res.variant is not None, res.reason_detail
+        return res.variant
+
+    async def saturated() -> InstanceRecord | None:
+        r = await _record(node.store, rec.id)
+        return r if r is not None and r.saturated else None
+
+    async with Traffic(rec.endpoint, clients=48, max_tokens=100):
+        got = await _eventually(saturated, timeout_s=20.0)
+        live = await read_live_cluster(node.store)
+        busy = select_with(live.cluster)
+    assert got.observed_slowdown >= 4.0 or got.observed_queue >= 4.0, got
+    assert got.observed_load_output_tokens_per_s < 10 * CAPACITY  # by throughput there is room left...
+    assert busy.reuse == () and len(busy.new_instances) == 1  # ...but a full instance is offered to no one
+    # Throughput only (the saturation flag ignored) would have reused it.
+    import dataclasses
+
+    unflagged = dataclasses.replace(live, instances={i: dataclasses.replace(r, saturated=False)
+                                                     for i, r in live.instances.items()})
+    from flowmaker.orchestration.cluster import with_loads
+    assert [iid for iid, _ in select_with(with_loads(unflagged, live.planned_loads).cluster).reuse] == [rec.id]
+
+    async def recovered() -> bool:
+        r = await _record(node.store, rec.id)
+        return r is not None and not r.saturated
+
+    await _eventually(recovered, timeout_s=30.0)
+    assert [iid for iid, _ in select_with((await read_live_cluster(node.store)).cluster).reuse] == [rec.id]

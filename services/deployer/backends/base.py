@@ -128,6 +128,8 @@ def parse_vllm_prometheus(text: str) -> dict[str, float]:
     n = sums.get("vllm:e2e_request_latency_seconds_count", 0.0)
     if n > 0:
         out["e2e_latency_mean_s"] = sums["vllm:e2e_request_latency_seconds_sum"] / n
+        out["e2e_latency_sum_s"] = sums["vllm:e2e_request_latency_seconds_sum"]
+        out["e2e_latency_count"] = n
     return out
 
 
