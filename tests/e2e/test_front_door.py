@@ -30,6 +30,7 @@ pytestmark = [
 
 openai = pytest.importorskip("openai")
 
+FIVE = ("generator", "profiler", "selector", "deployer", "orchestrator")
 SUMMARIZE = "Summarise a document (meeting notes, an article, a report) in a few paragraphs."
 # A workflow whose last stage is a TOOL stage: it streams nothing, its output is the answer.
 LLM_THEN_TOOL = [{"id": "draft-then-format", "description": "an LLM draft, formatted by a tool", "stages": [
@@ -85,8 +86,9 @@ def otlp_env(c: Collector) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, collector: Collector) -> Iterator[LocalStack]:
+    metrics_env = {f"FLOWMAKER_{svc.upper()}_METRICS_PORT": "0" for svc in FIVE}  # /metrics on a free port each
     cfg = StackConfig(time_scale=50.0, log_level="WARNING", work_dir=tmp_path_factory.mktemp("front-door"),
-                      keep_work_dir=True, startup_timeout_s=120.0, extra_env=otlp_env(collector))
+                      keep_work_dir=True, startup_timeout_s=120.0, extra_env={**otlp_env(collector), **metrics_env})
     if not os.path.exists(cfg.etcd_bin):
         pytest.skip(f"etcd not installed at {cfg.etcd_bin}")
     s = LocalStack(cfg)
@@ -308,3 +310,41 @@ def test_every_service_and_the_gateway_export_spans(stack: LocalStack, collector
         everyone = {svc for svc, _ in collector.spans}
     assert {"flowmaker-orchestrator", "flowmaker-generator", "flowmaker-selector", "flowmaker-deployer",
             "flowmaker-profiler", "flowmaker-gateway", "flowmaker-cli"} <= everyone, everyone
+
+
+# ---- Prometheus metrics on every service -------------------------------------------------------
+
+def metrics_of(stack: LocalStack, svc: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Scrape a service's /metrics (its address from the FLOWMAKER_READY line in its log)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ready = [json.loads(ln.split(" ", 1)[1]) for ln in (stack.log_dir / f"{svc}.log").read_text().splitlines()
+             if ln.startswith("FLOWMAKER_READY ")]
+    assert ready and "metrics" in ready[-1], f"{svc} serves no metrics: {ready}"
+    with urllib.request.urlopen(f"http://{ready[-1]['metrics']}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_every_service_serves_prometheus_metrics(stack: LocalStack, summarize_task: str) -> None:
+    ok = [{svc: sum(v for (n, lab), v in metrics_of(stack, svc).items()
+                    if n == "flowmaker_rpc_requests_total" and ("code", "OK") in lab) for svc in FIVE}]
+    # every service has answered RPCs by now (health checks at least); the deploy path more than that
+    assert all(v > 0 for v in ok[0].values()), ok
+    sel = metrics_of(stack, "selector")
+    assert any(n == "flowmaker_selection_duration_seconds_count" and v > 0 for (n, _), v in sel.items())
+    orch = metrics_of(stack, "orchestrator")
+    assert any(n == "flowmaker_reconcile_duration_seconds_count" and v > 0 for (n, _), v in orch.items())
+    assert any(n == "flowmaker_rpc_duration_seconds_count" and ("method", "OrchestratorService/ApproveWorkflows")
+               in lab for (n, lab), _ in orch.items())
+    # the deployer's instance gauges: planned and observed load and headroom of the task's instances
+    got = wait_for(lambda: [k for k in metrics_of(stack, "deployer")
+                            if k[0] == "flowmaker_instance_headroom_output_tokens_per_second"], 20)
+    assert got, "the deployer publishes no instance headroom"
+    dep = metrics_of(stack, "deployer")
+    kinds = {dict(lab)["kind"] for (n, lab) in dep if n == "flowmaker_instance_load_output_tokens_per_second"}
+    assert kinds == {"planned", "observed"}
+    assert any(n == "flowmaker_instance_queue_requests" for (n, _) in dep)
