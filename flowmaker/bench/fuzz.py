@@ -395,7 +395,7 @@ async def etcd_snapshot(store: Any) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def fuzz_stack(store: Any, *, host: str = "127.0.0.1", gpu_count: int = 2, pki: str | None = None,
-                     tokens_file: str = "") -> AsyncIterator[dict[str, str]]:
+                     tokens_file: str = "", invoke_timeout_s: float = 10.0) -> AsyncIterator[dict[str, str]]:
     """The five services in this process on `host`:0 (real gRPC servers, the given etcd store);
     yields their addresses by short name. With `pki` (a dir made by flowmaker.rpc.tls.ensure_pki) every
     service runs with its own certificate and the suite's auth policy, as `flowmaker up` runs them."""
@@ -448,7 +448,7 @@ async def fuzz_stack(store: Any, *, host: str = "127.0.0.1", gpu_count: int = 2,
                                           on_shutdown=[agent.shutdown]))
         oset = OrchestratorSettings(**common("orchestrator"), selector_address=started[2].address,
                                     generator_address=started[0].address, deploy_timeout_s=30,
-                                    invoke_timeout_s=10)
+                                    invoke_timeout_s=invoke_timeout_s)
         # The orchestrator's channels (deployers' too, opened later) present its certificate, as its
         # __main__ arranges; the only other client here, the profiler, opens no channel in this stack.
         configure_client_tls(oset)

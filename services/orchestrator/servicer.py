@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import grpc
 
 from flowmaker import convert
 from flowmaker.api.common.v1 import task_pb2
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from flowmaker.errors import PermissionDenied
+from flowmaker.cancel import incoming_deadline, remaining_s
+from flowmaker.errors import DeadlineExceeded, PermissionDenied
 from flowmaker.rpc.auth import current_principal
 from flowmaker.state import keys
 from services.orchestrator.orchestrator import Orchestrator, TaskView
+
+T = TypeVar("T")
 
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
 
@@ -107,8 +111,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                      ) -> orchestrator_pb2.InvokeResponse:
         await self.owners.check(request.task_id)
         rid = uuid.uuid4().hex
-        ex = await self.orch.invoke(request.task_id, request.input, max_output_tokens=request.max_output_tokens)
+        ex = await self._bounded(self.orch.invoke(request.task_id, request.input,
+                                                  max_output_tokens=request.max_output_tokens))
         return convert.execution_to_proto(ex, rid)
+
+    async def _bounded(self, aw: Awaitable[T]) -> T:
+        """The whole invocation, TOOL stages included, within the caller's deadline or, when it set none,
+        `invoke_timeout_s` (which then also caps every engine call made for it)."""
+        left = remaining_s()
+        if left is None:
+            left = self.orch.settings.invoke_timeout_s
+            incoming_deadline.set(time.monotonic() + left)  # this RPC's context only
+        try:
+            return await asyncio.wait_for(aw, max(left, 0.0))
+        except TimeoutError:
+            raise DeadlineExceeded(f"the invocation did not finish within {left:.3g} s (the caller's deadline or "
+                                   "invoke_timeout_s)", reason="INVOKE_TIMEOUT") from None
 
     async def InvokeStream(self, request: orchestrator_pb2.InvokeStreamRequest, context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[orchestrator_pb2.InvokeStreamResponse]:
@@ -124,8 +142,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 await queue.put(orchestrator_pb2.InvokeStreamResponse(stage_done=convert.stage_result_to_proto(payload),
                                                                       stage_id=payload.stage_id))
 
-        run = asyncio.create_task(self.orch.invoke(request.task_id, request.input,
-                                                   max_output_tokens=request.max_output_tokens, on_event=on_event))
+        run = asyncio.create_task(self._bounded(self.orch.invoke(
+            request.task_id, request.input, max_output_tokens=request.max_output_tokens, on_event=on_event)))
         try:
             while True:
                 get = asyncio.create_task(queue.get())

@@ -178,6 +178,29 @@ async def test_rejected_calls_change_nothing(suite: Suite) -> None:
     assert await etcd_snapshot(suite.store) == before
 
 
+async def test_tool_stage_bounded_by_the_invoke_timeout(etcd_store: Any) -> None:
+    """A TOOL stage of the largest latency the limits allow cannot hold an Invoke past invoke_timeout_s when
+    the caller sets no deadline (it used to sleep as long as latency_s said, forever for inf)."""
+    async with fuzz_stack(etcd_store, invoke_timeout_s=1.0) as addrs:
+        ch = grpc.aio.insecure_channel(addrs["orchestrator"])
+        orch = orchestrator_pb2_grpc.OrchestratorServiceStub(ch)
+        wf = workflow_pb2.Workflow(id="w", stages=[
+            workflow_pb2.Stage(id="a", input_tokens=10, output_tokens=2, prompt_template="{input}"),
+            workflow_pb2.Stage(id="t", kind=workflow_pb2.STAGE_KIND_TOOL, depends_on=["a"], latency_s=300.0,
+                               prompt_template="{a}")])
+        slo = workflow_pb2.Slo(min_accuracy=0.1, max_latency_s=1000.0, arrival_rate_rps=0.1)
+        t = (await orch.DeployTask(pb.DeployTaskRequest(description="d", slo=slo, workflows=[wf]))).task
+        t = (await orch.ApproveWorkflows(pb.ApproveWorkflowsRequest(task_id=t.id, workflow_ids=["w"]),
+                                         timeout=60)).task
+        assert t.state == t.STATE_ACTIVE, t.failure.message
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await orch.Invoke(pb.InvokeRequest(task_id=t.id, input="x"))  # no client deadline
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert error_info(ei.value).reason == "INVOKE_TIMEOUT"  # type: ignore[union-attr]
+        await orch.DeleteTask(pb.DeleteTaskRequest(task_id=t.id), timeout=60)
+        await ch.close(None)
+
+
 # ---- the LLM API key never leaks ------------------------------------------------------------------------
 
 KEY = "sk-test-0123456789abcdefSECRET"
