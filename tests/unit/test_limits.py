@@ -131,3 +131,48 @@ def test_engines_do_not_inherit_secrets() -> None:
 def test_engine_log_path_stays_in_dir(tmp_path: os.PathLike[str], iid: str) -> None:
     p = engine_log_path(str(tmp_path), iid)
     assert os.path.dirname(os.path.abspath(p)) == os.path.abspath(tmp_path)
+
+
+def test_caller_limiter_bounds_each_caller_separately() -> None:
+    from flowmaker.errors import NoCapacity
+    from flowmaker.rpc.errors import CallerLimiter
+
+    lim = CallerLimiter(2)
+    lim.enter("a")
+    lim.enter("a")
+    with pytest.raises(NoCapacity) as e:
+        lim.enter("a")
+    assert e.value.reason == "TOO_MANY_REQUESTS" and e.value.metadata["limit"] == "concurrent_calls_per_caller"
+    lim.enter("b")  # another caller is not affected
+    lim.exit("a")
+    lim.enter("a")
+    for c in ("a", "a", "b"):
+        lim.exit(c)
+    assert lim.in_flight == {}
+
+
+async def test_offload_gives_up_at_the_deadline_and_stops_the_worker() -> None:
+    import threading
+    import time
+
+    from flowmaker.cancel import checkpoint, incoming_deadline, offload
+    from flowmaker.errors import DeadlineExceeded
+
+    stopped = threading.Event()
+
+    def busy() -> None:
+        try:
+            while True:  # CPU-bound work that checks in
+                checkpoint()
+                time.sleep(0.001)
+        finally:
+            stopped.set()
+
+    token = incoming_deadline.set(time.monotonic() + 0.05)
+    try:
+        with pytest.raises(DeadlineExceeded):
+            await offload(busy)
+    finally:
+        incoming_deadline.reset(token)
+    assert stopped.wait(5)  # the worker thread was freed, not left spinning
+    assert await offload(sum, [1, 2, 3]) == 6  # no deadline: runs to completion
