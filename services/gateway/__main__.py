@@ -21,7 +21,8 @@ async def main() -> None:
     telemetry.setup_tracing("flowmaker-gateway")
     s.log_effective()
     gw = Gateway(s.orchestrator_address, timeout_s=s.call_timeout_s, ca_file=s.tls_ca_file)
-    runner = web.AppRunner(gw.app(), shutdown_timeout=s.grace_s)
+    # handler_cancellation: a client that disconnects cancels its request, and with it the orchestrator call.
+    runner = web.AppRunner(gw.app(), shutdown_timeout=s.grace_s, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, s.host, s.port)
     await site.start()

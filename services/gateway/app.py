@@ -23,6 +23,7 @@ of its own. What it adds is the OpenAI shape:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -215,6 +216,8 @@ class Gateway:
                 resp = ApiError(e.status, e.reason or "not found").response()
             except grpc.RpcError as e:
                 resp = api_error_of(e).response()
+            except ConnectionResetError:  # the client is gone: nothing to answer
+                raise
             except Exception:
                 log.exception("gateway: %s %s failed", request.method, request.path)
                 resp = ApiError(500, "internal error in the gateway", type_="server_error").response()
@@ -337,6 +340,10 @@ class Gateway:
         except grpc.RpcError as e:  # mid-stream: the status is sent; OpenAI clients raise on an error event
             err = api_error_of(e)
             await send({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+        except (ConnectionResetError, asyncio.CancelledError):
+            # The client went away: stop the workflow run (the orchestrator drops its engine requests).
+            call.cancel()
+            raise
         if done is not None:
             rest = done.output[len(streamed):] if done.output.startswith(streamed) else ""
             if rest:  # the final stage did not stream (a TOOL stage), or streamed only part of its output

@@ -5,6 +5,7 @@ tests/e2e/test_front_door.py."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -39,6 +40,7 @@ class FakeOrchestrator(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     def __init__(self) -> None:
         self.seen: list[dict[str, str]] = []
+        self.stream_cancelled = asyncio.Event()
 
     async def _auth(self, context: grpc.aio.ServicerContext) -> None:
         md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
@@ -60,6 +62,16 @@ class FakeOrchestrator(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no task {request.task_id!r}")
         return pb.GetTaskResponse(task=_task("t1"))
 
+    async def InvokeStream(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._auth(context)
+        try:
+            for _ in range(2000):  # far longer than the test: only a cancellation ends it early
+                yield pb.InvokeStreamResponse(delta="tok ", stage_id="answer")
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.stream_cancelled.set()
+            raise
+
     async def Invoke(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._auth(context)
         return pb.InvokeResponse(output=f"echo: {request.input}", request_id="r1", latency_s=0.01, stages=[
@@ -76,7 +88,7 @@ async def gateway() -> AsyncIterator[tuple[str, FakeOrchestrator]]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     gw = Gateway(f"127.0.0.1:{port}", timeout_s=10)
-    runner = web.AppRunner(gw.app())
+    runner = web.AppRunner(gw.app(), handler_cancellation=True)  # as services/gateway/__main__.py
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -190,3 +202,20 @@ async def test_tls_to_the_orchestrator_with_the_suite_ca(tmp_path: Any) -> None:
         await gw.close()
         await plain.close()
         await server.stop(0)
+
+
+async def test_a_client_that_goes_away_cancels_the_workflow_run(gateway: tuple[str, FakeOrchestrator]) -> None:
+    import aiohttp
+
+    url, fake = gateway
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(url + "/chat/completions", headers={"Authorization": f"Bearer {TOKEN}"},
+                               json={"model": "t1", "stream": True, "messages": [{"role": "user", "content": "x"}]})
+        assert resp.status == 200
+        seen = 0
+        async for line in resp.content:
+            seen += line.startswith(b"data: ") and b'"tok ' in line
+            if seen >= 3:
+                break
+        resp.close()  # the client disconnects mid-stream
+    await asyncio.wait_for(fake.stream_cancelled.wait(), 30)  # the orchestrator's InvokeStream was cancelled
