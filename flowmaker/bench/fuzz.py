@@ -441,6 +441,7 @@ async def fuzz_stack(store: Any, *, host: str = "127.0.0.1", gpu_count: int = 2,
         started.append(await start_server("selector", lambda s: add_selector(s, sset, store), sset))
         dset = DeployerSettings(**common("deployer"), node="n0", gpu_type="A6000", gpu_count=gpu_count, use_nvml=False,
                                 backend="emulated", engine_time_scale=50, engine_start_timeout_s=30,
+                                engine_api_keys=pki is not None,
                                 engine_stop_grace_s=2, lease_ttl_s=10)
         agent = NodeAgent(store, dset)
         add_dep, dep_ready = service_hooks(agent)

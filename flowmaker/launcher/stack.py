@@ -137,6 +137,8 @@ def service_env(svc: str, *, host: str, port: int, addrs: Mapping[str, str], etc
         f = pki_files(pki_dir, svc)
         env.update({p + "TLS_CA_FILE": f.ca, p + "TLS_CERT_FILE": f.cert, p + "TLS_KEY_FILE": f.key,
                     p + "ETCD_TLS": "true"})
+        if svc == "deployer":  # every engine's /v1 takes only its own key, which callers get from the deployer
+            env[p + "ENGINE_API_KEYS"] = "true"
         if svc == "orchestrator":
             env[p + "AUTH_TOKENS_FILE"] = str(pki_dir / TOKENS_FILE)
     # How services find each other: every peer's address is given to every service as

@@ -208,13 +208,17 @@ class _Client:
         self.handle = handle
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.url = handle.base_url.rstrip("/") + "/v1/completions"
+        # An engine started with a per-instance key (the deployer's) refuses /v1 calls without it.
+        key = getattr(handle, "api_key", "")
+        self.auth = {"Authorization": f"Bearer {key}"} if key else {}
 
     async def rtt(self, n: int = 15) -> float:
         """Median round trip of GET /v1/models: HTTP and client cost, no engine work."""
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
-            async with self.http.get(self.handle.base_url.rstrip("/") + "/v1/models", timeout=self.timeout) as r:
+            async with self.http.get(self.handle.base_url.rstrip("/") + "/v1/models", headers=self.auth,
+                                     timeout=self.timeout) as r:
                 await r.read()
                 if r.status != 200:
                     raise Unavailable(f"engine at {self.handle.base_url}: GET /v1/models answered {r.status}")
@@ -226,7 +230,7 @@ class _Client:
         body: dict[str, Any] = {"model": self.handle.model_name, "prompt": " ".join([_PROMPT_WORD] * input_tokens),
                                 "max_tokens": output_tokens, "temperature": 0.0, "ignore_eos": True,
                                 "stream": False}
-        headers = telemetry.inject_http_headers({})
+        headers = telemetry.inject_http_headers(dict(self.auth))
         t0 = time.perf_counter()
         try:
             async with self.http.post(self.url, json=body, headers=headers, timeout=self.timeout) as r:

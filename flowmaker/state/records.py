@@ -144,6 +144,9 @@ class InstanceRecord:
     # engine its previous life left running, once `flowmaker.launcher.procs.is_same_alive` confirms it.
     engine_pid: int = 0
     engine_identity: str = ""  # procs.identity(engine_pid): "<boot id>/<start time>"
+    # The per-instance key the engine's /v1 API requires ("" = none): set by the deployer when it starts the
+    # engine; the orchestrator sends it on every call. etcd is mTLS-only in a secure stack; the API never shows it.
+    api_key: str = ""
     # OBSERVED load, written by the node agent from the engine's /metrics (docs/state.md "Load"): output
     # tokens/s in MODEL seconds (the unit of Profile.max_output_tokens_per_s), EWMA-smoothed, and the highest
     # per-scrape rate of the recent window. `observed_load_at` is the unix time of that measurement (0 =

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine
@@ -552,7 +553,8 @@ class NodeAgent:
         if self.settings.engine_log_dir:
             self._prepare_log_dir()  # removed since start (a cleaned-up temp dir): recreate, never hang
             log_path = engine_log_path(self.settings.engine_log_dir, rec.id)  # never outside the dir
-        return EngineProcess(backend, spec, on_exit=self._on_engine_exit, log_path=log_path)
+        api_key = secrets.token_urlsafe(24) if self.settings.engine_api_keys else ""  # per instance
+        return EngineProcess(backend, spec, on_exit=self._on_engine_exit, log_path=log_path, api_key=api_key)
 
     async def _start_engine(self, rec: InstanceRecord, backend: EngineBackend, profile: Profile) -> InstanceRecord:
         # Everything from building the command on is inside the try: whatever fails, the instance ends
@@ -582,8 +584,8 @@ class NodeAgent:
             raise Unavailable(f"engine {rec.id} failed to start: {e}", reason="ENGINE_START_FAILED") from e
 
         def ready(r: InstanceRecord) -> InstanceRecord | None:
-            return replace(r, state=InstanceState.READY, endpoint=proc.base_url) if r.state is InstanceState.STARTING \
-                else None
+            return replace(r, state=InstanceState.READY, endpoint=proc.base_url, api_key=proc.api_key) \
+                if r.state is InstanceState.STARTING else None
 
         try:
             done = await self._update(rec.id, ready)

@@ -23,7 +23,9 @@ class DeployerServicer(deployer_pb2_grpc.DeployerServiceServicer):
             model_id=request.model_id, tp=request.tp or 1, pp=request.pp or 1, gpu_ids=tuple(request.gpu_ids),
             memory_gb_per_gpu=request.memory_gb_per_gpu, task_id=request.task_id, engine=request.engine,
             request_id=request.request_id, no_wait=request.no_wait))
-        return deployer_pb2.DeployResponse(instance=convert.instance_record_to_proto(rec, [request.task_id] if request.task_id else []))
+        return deployer_pb2.DeployResponse(
+            instance=convert.instance_record_to_proto(rec, [request.task_id] if request.task_id else []),
+            engine_api_key=rec.api_key)
 
     async def Release(self, request: deployer_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
                       ) -> deployer_pb2.ReleaseResponse:

@@ -30,6 +30,9 @@ class DeployerSettings(ServiceSettings):
     engine_start_timeout_s: float = Field(default=120.0, gt=0, description="How long an engine may take to answer /health.")
     engine_stop_grace_s: float = Field(default=10.0, ge=0, description="SIGTERM-to-SIGKILL grace when stopping an engine.")
     engine_log_dir: str = Field(default="", description="Directory for engine stdout logs; empty = not written.")
+    engine_api_keys: bool = Field(default=False, description="Start each engine with its own random API key (its /v1 "
+                                  "then requires it), recorded in the instance record and returned by Deploy; "
+                                  "`flowmaker up` and compose turn it on with TLS.")
     lease_ttl_s: int = Field(default=10, ge=2, description="TTL of the node's etcd lease; refreshed every TTL/3.")
     commit_retries: int = Field(default=20, ge=1, description="Retries of a GPU-memory transaction that lost a race.")
     resync_interval_s: float = Field(default=5.0, ge=0, description="How often the agent reconciles its instance "

@@ -50,9 +50,10 @@ class EngineClient:
             self._session = None
 
     async def chat(self, endpoint: str, model: str, prompt: str, max_tokens: int, *, timeout_s: float,
-                   instance_id: str = "", on_delta: OnDelta | None = None) -> Completion:
+                   instance_id: str = "", on_delta: OnDelta | None = None, api_key: str = "") -> Completion:
         """One chat completion. `timeout_s` is what is left of the request's deadline; `on_delta`
-        (streaming) gets each text piece as the engine produces it."""
+        (streaming) gets each text piece as the engine produces it; `api_key` is the instance's key
+        (sent as a bearer token; engines started with one refuse calls without it)."""
         body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
                                 "max_tokens": max_tokens}
         if on_delta is not None:
@@ -67,6 +68,8 @@ class EngineClient:
                                 attributes=attrs) as span:
             # Injected inside the span: the engine's own spans (vLLM --otlp-traces-endpoint) hang under it.
             headers = telemetry.inject_http_headers()
+            if api_key:
+                headers["Authorization"] = f"Bearer {api_key}"
             try:
                 async with self._http().post(url, json=body, headers=headers,
                                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:

@@ -810,6 +810,7 @@ class Orchestrator:
                 try:
                     c = await self.engines.chat(rec.endpoint, rec.model_id, prompt, max(1, max_tokens),
                                                 timeout_s=deadline_s(self.settings.invoke_timeout_s),
+                                                api_key=rec.api_key,  # the engine's per-instance key (deployer)
                                                 instance_id=rec.id, on_delta=counted if on_event else None)
                 except Unavailable:
                     # The instance died under this call. A chat call has no side effect, so it is retried
@@ -823,6 +824,7 @@ class Orchestrator:
                     rec = new
                     c = await self.engines.chat(rec.endpoint, rec.model_id, prompt, max(1, max_tokens),
                                                 timeout_s=deadline_s(self.settings.invoke_timeout_s),
+                                                api_key=rec.api_key,  # the engine's per-instance key (deployer)
                                                 instance_id=rec.id, on_delta=counted if on_event else None)
                 pt, ct, text = pt + c.prompt_tokens, ct + c.completion_tokens, c.text
             return StageResult(stage.id, text, rec.id, rec.model_id, pt, ct)

@@ -52,6 +52,7 @@ class _DeployedEngine:
     emulated: bool = False
     gpu_indices: tuple[int, ...] = ()
     reported_memory_gb_per_gpu: float | None = None
+    api_key: str = ""  # the engine's per-instance key, from the Deploy response
 
     async def close(self) -> None:
         from flowmaker.api.deployer.v1 import deployer_pb2
@@ -93,18 +94,22 @@ class DeployerLauncher:
         emulated = (inst.engine or self.engine) in EMULATED_ENGINES
         log.info("profiling %s tp=%d pp=%d on instance %s (%s engine on %s, GPUs %s)", model.id, tp, pp, inst.id,
                  inst.engine, inst.node, list(inst.gpu_ids))
-        return _DeployedEngine(stub, inst.id, self.task_id, inst.endpoint, await _served_name(inst.endpoint, model.id),
+        key = resp.engine_api_key
+        return _DeployedEngine(stub, inst.id, self.task_id, inst.endpoint,
+                               await _served_name(inst.endpoint, model.id, key),
                                self.time_scale if emulated else 1.0, emulated,
-                               reported_memory_gb_per_gpu=analytic.memory_gb_per_gpu if emulated else None)
+                               reported_memory_gb_per_gpu=analytic.memory_gb_per_gpu if emulated else None,
+                               api_key=key)
 
 
-async def _served_name(base_url: str, default: str) -> str:
+async def _served_name(base_url: str, default: str, api_key: str = "") -> str:
     """The model name the engine serves (`GET /v1/models`): the catalog id for vLLM and emulated engines,
     the Hugging Face id for trtllm-serve; `default` when it cannot say."""
     import aiohttp
 
     try:
-        async with aiohttp.ClientSession() as http, http.get(base_url.rstrip("/") + "/v1/models",
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        async with aiohttp.ClientSession() as http, http.get(base_url.rstrip("/") + "/v1/models", headers=headers,
                                                              timeout=aiohttp.ClientTimeout(total=30)) as r:
             data = await r.json(content_type=None)
         return str(data["data"][0]["id"])

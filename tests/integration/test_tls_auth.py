@@ -198,6 +198,15 @@ async def test_secure_stack_end_to_end(secure: Secure) -> None:
     r = await alice.Invoke(pb.InvokeRequest(task_id=t.id, input="hello there", max_output_tokens=3),
                            metadata=md, timeout=30)
     assert len(r.output.split()) == 3
+    # The orchestrator used the engine's per-instance key; nobody else gets through without it.
+    dep = deployer_pb2_grpc.DeployerServiceStub(secure.channel("deployer", "admin"))
+    (inst,) = (await dep.ListInstances(deployer_pb2.ListInstancesRequest())).instances
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        async with http.post(inst.endpoint + "/v1/chat/completions", json={
+                "model": inst.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) as resp:
+            assert resp.status == 401
     d = await alice.DeleteTask(pb.DeleteTaskRequest(task_id=t.id), metadata=md, timeout=60)
     assert list(d.released_instance_ids) == list(t.stage_instances.values())
 

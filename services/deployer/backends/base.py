@@ -141,6 +141,9 @@ _SECRET_NAME = re.compile(r"(?i)(API_?KEY|SECRET|PASSWORD|TOKEN|CREDENTIAL|PRIVA
 _ENGINE_NEEDS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_TOKEN"})
 
 
+ENGINE_API_KEY_VARS = ("FLOWMAKER_ENGINE_API_KEY", "VLLM_API_KEY")  # emulated engine, vLLM (trtllm-serve: none)
+
+
 def engine_base_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The deployer's environment minus every secret an engine does not need."""
     env = os.environ if environ is None else environ
@@ -164,7 +167,8 @@ class EngineProcess:
     `stop()` having been asked for: a crash (also during start)."""
 
     def __init__(self, backend: EngineBackend, spec: EngineSpec, *, env: Mapping[str, str] | None = None,
-                 on_exit: ExitCallback | None = None, log_path: str | None = None, keep_lines: int = 200) -> None:
+                 on_exit: ExitCallback | None = None, log_path: str | None = None, keep_lines: int = 200,
+                 api_key: str = "") -> None:
         spec.validate()
         if spec.port == 0 and not backend.announces_port:
             raise InvalidSpec(f"backend {backend.name!r} needs a concrete port", field="spec.port")
@@ -172,6 +176,11 @@ class EngineProcess:
         self.spec = spec
         self.port = spec.port
         self._env = dict(env or {})
+        # The key the engine's /v1 API requires: in the environment (never on the command line, which any
+        # local user can read), under the names the engines read it from.
+        self.api_key = api_key
+        if api_key:
+            self._env.update({k: api_key for k in ENGINE_API_KEY_VARS})
         self._on_exit = on_exit
         self._log_path = log_path
         self._lines: deque[str] = deque(maxlen=keep_lines)

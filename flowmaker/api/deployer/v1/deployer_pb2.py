@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from flowmaker.api.common.v1 import cluster_pb2 as flowmaker_dot_common_dot_v1_dot_cluster__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$flowmaker/deployer/v1/deployer.proto\x12\x15\x66lowmaker.deployer.v1\x1a!flowmaker/common/v1/cluster.proto\"\xab\x01\n\rDeployRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\n\n\x02tp\x18\x02 \x01(\x05\x12\n\n\x02pp\x18\x03 \x01(\x05\x12\x0f\n\x07gpu_ids\x18\x04 \x03(\t\x12\x19\n\x11memory_gb_per_gpu\x18\x05 \x01(\x01\x12\x0f\n\x07task_id\x18\x06 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x0f\n\x07no_wait\x18\t \x01(\x08\"A\n\x0e\x44\x65ployResponse\x12/\n\x08instance\x18\x01 \x01(\x0b\x32\x1d.flowmaker.common.v1.Instance\"6\n\x0eReleaseRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"S\n\x0fReleaseResponse\x12/\n\x08instance\x18\x01 \x01(\x0b\x32\x1d.flowmaker.common.v1.Instance\x12\x0f\n\x07stopped\x18\x02 \x01(\x08\"9\n\x14ListInstancesRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"I\n\x15ListInstancesResponse\x12\x30\n\tinstances\x18\x01 \x03(\x0b\x32\x1d.flowmaker.common.v1.Instance\"\x1f\n\x0fListGpusRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\":\n\x10ListGpusResponse\x12&\n\x04gpus\x18\x01 \x03(\x0b\x32\x18.flowmaker.common.v1.Gpu2\x8b\x03\n\x0f\x44\x65ployerService\x12U\n\x06\x44\x65ploy\x12$.flowmaker.deployer.v1.DeployRequest\x1a%.flowmaker.deployer.v1.DeployResponse\x12X\n\x07Release\x12%.flowmaker.deployer.v1.ReleaseRequest\x1a&.flowmaker.deployer.v1.ReleaseResponse\x12j\n\rListInstances\x12+.flowmaker.deployer.v1.ListInstancesRequest\x1a,.flowmaker.deployer.v1.ListInstancesResponse\x12[\n\x08ListGpus\x12&.flowmaker.deployer.v1.ListGpusRequest\x1a\'.flowmaker.deployer.v1.ListGpusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$flowmaker/deployer/v1/deployer.proto\x12\x15\x66lowmaker.deployer.v1\x1a!flowmaker/common/v1/cluster.proto\"\xab\x01\n\rDeployRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\n\n\x02tp\x18\x02 \x01(\x05\x12\n\n\x02pp\x18\x03 \x01(\x05\x12\x0f\n\x07gpu_ids\x18\x04 \x03(\t\x12\x19\n\x11memory_gb_per_gpu\x18\x05 \x01(\x01\x12\x0f\n\x07task_id\x18\x06 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x0f\n\x07no_wait\x18\t \x01(\x08\"Y\n\x0e\x44\x65ployResponse\x12/\n\x08instance\x18\x01 \x01(\x0b\x32\x1d.flowmaker.common.v1.Instance\x12\x16\n\x0e\x65ngine_api_key\x18\x02 \x01(\t\"6\n\x0eReleaseRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"S\n\x0fReleaseResponse\x12/\n\x08instance\x18\x01 \x01(\x0b\x32\x1d.flowmaker.common.v1.Instance\x12\x0f\n\x07stopped\x18\x02 \x01(\x08\"9\n\x14ListInstancesRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"I\n\x15ListInstancesResponse\x12\x30\n\tinstances\x18\x01 \x03(\x0b\x32\x1d.flowmaker.common.v1.Instance\"\x1f\n\x0fListGpusRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\":\n\x10ListGpusResponse\x12&\n\x04gpus\x18\x01 \x03(\x0b\x32\x18.flowmaker.common.v1.Gpu2\x8b\x03\n\x0f\x44\x65ployerService\x12U\n\x06\x44\x65ploy\x12$.flowmaker.deployer.v1.DeployRequest\x1a%.flowmaker.deployer.v1.DeployResponse\x12X\n\x07Release\x12%.flowmaker.deployer.v1.ReleaseRequest\x1a&.flowmaker.deployer.v1.ReleaseResponse\x12j\n\rListInstances\x12+.flowmaker.deployer.v1.ListInstancesRequest\x1a,.flowmaker.deployer.v1.ListInstancesResponse\x12[\n\x08ListGpus\x12&.flowmaker.deployer.v1.ListGpusRequest\x1a\'.flowmaker.deployer.v1.ListGpusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DEPLOYREQUEST']._serialized_start=99
   _globals['_DEPLOYREQUEST']._serialized_end=270
   _globals['_DEPLOYRESPONSE']._serialized_start=272
-  _globals['_DEPLOYRESPONSE']._serialized_end=337
-  _globals['_RELEASEREQUEST']._serialized_start=339
-  _globals['_RELEASEREQUEST']._serialized_end=393
-  _globals['_RELEASERESPONSE']._serialized_start=395
-  _globals['_RELEASERESPONSE']._serialized_end=478
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=480
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=537
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=539
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=612
-  _globals['_LISTGPUSREQUEST']._serialized_start=614
-  _globals['_LISTGPUSREQUEST']._serialized_end=645
-  _globals['_LISTGPUSRESPONSE']._serialized_start=647
-  _globals['_LISTGPUSRESPONSE']._serialized_end=705
-  _globals['_DEPLOYERSERVICE']._serialized_start=708
-  _globals['_DEPLOYERSERVICE']._serialized_end=1103
+  _globals['_DEPLOYRESPONSE']._serialized_end=361
+  _globals['_RELEASEREQUEST']._serialized_start=363
+  _globals['_RELEASEREQUEST']._serialized_end=417
+  _globals['_RELEASERESPONSE']._serialized_start=419
+  _globals['_RELEASERESPONSE']._serialized_end=502
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=504
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=561
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=563
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=636
+  _globals['_LISTGPUSREQUEST']._serialized_start=638
+  _globals['_LISTGPUSREQUEST']._serialized_end=669
+  _globals['_LISTGPUSRESPONSE']._serialized_start=671
+  _globals['_LISTGPUSRESPONSE']._serialized_end=729
+  _globals['_DEPLOYERSERVICE']._serialized_start=732
+  _globals['_DEPLOYERSERVICE']._serialized_end=1127
 # @@protoc_insertion_point(module_scope)

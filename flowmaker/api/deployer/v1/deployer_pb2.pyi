@@ -30,10 +30,12 @@ class DeployRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., memory_gb_per_gpu: _Optional[float] = ..., task_id: _Optional[str] = ..., engine: _Optional[str] = ..., request_id: _Optional[str] = ..., no_wait: _Optional[bool] = ...) -> None: ...
 
 class DeployResponse(_message.Message):
-    __slots__ = ("instance",)
+    __slots__ = ("instance", "engine_api_key")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_API_KEY_FIELD_NUMBER: _ClassVar[int]
     instance: _cluster_pb2.Instance
-    def __init__(self, instance: _Optional[_Union[_cluster_pb2.Instance, _Mapping]] = ...) -> None: ...
+    engine_api_key: str
+    def __init__(self, instance: _Optional[_Union[_cluster_pb2.Instance, _Mapping]] = ..., engine_api_key: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("instance_id", "task_id")
