@@ -72,7 +72,7 @@ class Limits:
     arch_experts: int = 4_096
     arch_dtype_bytes: int = 8
     # Serving
-    concurrent_calls_per_caller: int = 64  # RPCs one caller may have in flight on one service
+    concurrent_calls_per_caller: int = 64  # RPCs of one caller running at once on one service (more wait)
 
 
 LIMITS = Limits()

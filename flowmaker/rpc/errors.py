@@ -17,6 +17,7 @@ handles `NoCapacity`, `Conflict`... exactly as if the call had been local.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import hashlib
 import inspect
@@ -254,25 +255,49 @@ def caller_of(context: grpc.aio.ServicerContext) -> str:
 
 
 class CallerLimiter:
-    """At most `limit` RPCs in flight per caller on one server; the next is RESOURCE_EXHAUSTED at once
-    (no queueing: a caller flooding a service gets told, and everyone else keeps being served)."""
+    """At most `limit` RPCs run at once per caller on one server; the caller's next ones wait their turn
+    (within their deadline), so a burst from one caller never takes the slots of the others. A caller
+    with `queue` more already waiting is answered RESOURCE_EXHAUSTED (reason TOO_MANY_REQUESTS) at once."""
 
-    def __init__(self, limit: int = LIMITS.concurrent_calls_per_caller) -> None:
+    def __init__(self, limit: int = LIMITS.concurrent_calls_per_caller, queue: int | None = None) -> None:
         self.limit = limit
-        self.in_flight: dict[str, int] = {}
+        self.queue = 16 * limit if queue is None else queue
+        self.in_flight: dict[str, int] = {}  # running + waiting, per caller
+        self._slots: dict[str, asyncio.Semaphore] = {}
 
-    def enter(self, caller: str) -> None:
+    async def enter(self, caller: str) -> None:
         n = self.in_flight.get(caller, 0)
-        if n >= self.limit:
-            raise NoCapacity(f"too many concurrent requests from this caller: at most {self.limit} "
-                             "(limit concurrent_calls_per_caller)", reason="TOO_MANY_REQUESTS",
+        if n >= self.limit + self.queue:
+            raise NoCapacity(f"too many concurrent requests from this caller: {self.limit} run at once and "
+                             f"{self.queue} may wait (limit concurrent_calls_per_caller)", reason="TOO_MANY_REQUESTS",
                              metadata={"limit": "concurrent_calls_per_caller", "max": str(self.limit)})
         self.in_flight[caller] = n + 1
+        sem = self._slots.setdefault(caller, asyncio.Semaphore(self.limit))
+        try:
+            left = _cancel.remaining_s()
+            if left is None:
+                await sem.acquire()
+            else:
+                await asyncio.wait_for(sem.acquire(), max(left, 0.0))
+        except BaseException as e:
+            self._forget(caller)
+            if isinstance(e, TimeoutError):
+                raise DeadlineExceeded(f"still waiting behind this caller's other {self.limit} requests at the "
+                                       "deadline (limit concurrent_calls_per_caller)",
+                                       reason="TOO_MANY_REQUESTS") from None
+            raise
 
     def exit(self, caller: str) -> None:
+        sem = self._slots.get(caller)
+        if sem is not None:
+            sem.release()
+        self._forget(caller)
+
+    def _forget(self, caller: str) -> None:
         n = self.in_flight.get(caller, 1) - 1
         if n <= 0:
             self.in_flight.pop(caller, None)
+            self._slots.pop(caller, None)
         else:
             self.in_flight[caller] = n
 
@@ -290,7 +315,7 @@ class _Edge:
     auth: AuthPolicy | None
     check: bool = True
 
-    def enter(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[str | None, Any]:
+    async def enter(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[str | None, Any]:
         """(caller counted by the limiter, token of the principal binding) - give both to exit()."""
         principal = self.auth.authenticate(context, self.method) if self.auth is not None else ANONYMOUS_ADMIN
         ptoken = current_principal.set(principal)
@@ -300,7 +325,7 @@ class _Edge:
             caller = None
             if self.limiter is not None:
                 c = f"principal:{principal.name}" if principal.name else caller_of(context)
-                self.limiter.enter(c)
+                await self.limiter.enter(c)
                 caller = c
         except BaseException:
             current_principal.reset(ptoken)
@@ -321,7 +346,7 @@ def _wrap_unary(behavior: Callable[..., Any], edge: _Edge) -> Callable[..., Any]
         token = _set_deadline(context)
         state = None
         try:
-            state = edge.enter(request_or_iterator, context)
+            state = await edge.enter(request_or_iterator, context)
             result = behavior(request_or_iterator, context)
             return (await result) if inspect.isawaitable(result) else result
         except grpc.aio.AbortError:
@@ -340,7 +365,7 @@ def _wrap_stream(behavior: Callable[..., Any], edge: _Edge) -> Callable[..., Any
             token = _set_deadline(context)
             state = None
             try:
-                state = edge.enter(request_or_iterator, context)
+                state = await edge.enter(request_or_iterator, context)
                 async for item in behavior(request_or_iterator, context):
                     yield item
             except grpc.aio.AbortError:

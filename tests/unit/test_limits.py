@@ -133,19 +133,32 @@ def test_engine_log_path_stays_in_dir(tmp_path: os.PathLike[str], iid: str) -> N
     assert os.path.dirname(os.path.abspath(p)) == os.path.abspath(tmp_path)
 
 
-def test_caller_limiter_bounds_each_caller_separately() -> None:
-    from flowmaker.errors import NoCapacity
+async def test_caller_limiter_queues_a_burst_and_bounds_each_caller_separately() -> None:
+    import asyncio
+    import time
+
+    from flowmaker.cancel import incoming_deadline
+    from flowmaker.errors import DeadlineExceeded, NoCapacity
     from flowmaker.rpc.errors import CallerLimiter
 
-    lim = CallerLimiter(2)
-    lim.enter("a")
-    lim.enter("a")
-    with pytest.raises(NoCapacity) as e:
-        lim.enter("a")
+    lim = CallerLimiter(2, queue=1)
+    await lim.enter("a")
+    await lim.enter("a")
+    third = asyncio.create_task(lim.enter("a"))  # waits its turn
+    await asyncio.sleep(0.01)
+    assert not third.done()
+    with pytest.raises(NoCapacity) as e:  # 2 running + 1 waiting: the next is refused at once
+        await lim.enter("a")
     assert e.value.reason == "TOO_MANY_REQUESTS" and e.value.metadata["limit"] == "concurrent_calls_per_caller"
-    lim.enter("b")  # another caller is not affected
+    await asyncio.wait_for(lim.enter("b"), 1)  # another caller is not affected
     lim.exit("a")
-    lim.enter("a")
+    await asyncio.wait_for(third, 1)  # a slot freed: the waiting one runs
+    token = incoming_deadline.set(time.monotonic() + 0.05)
+    try:
+        with pytest.raises(DeadlineExceeded):  # no slot before its deadline
+            await lim.enter("a")
+    finally:
+        incoming_deadline.reset(token)
     for c in ("a", "a", "b"):
         lim.exit(c)
     assert lim.in_flight == {}
