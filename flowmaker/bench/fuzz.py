@@ -422,7 +422,7 @@ async def fuzz_stack(store: Any, *, host: str = "127.0.0.1", gpu_count: int = 2,
 
     def common(svc: str) -> dict[str, Any]:
         if pki is None:
-            return base
+            return {**base, "auth_tokens_file": tokens_file if svc == "orchestrator" else ""}
         f = pki_files(pki, svc)
         return {**base, "tls_ca_file": f.ca, "tls_cert_file": f.cert, "tls_key_file": f.key,
                 "auth_tokens_file": tokens_file if svc == "orchestrator" else ""}

@@ -211,6 +211,25 @@ async def test_secure_stack_end_to_end(secure: Secure) -> None:
     assert list(d.released_instance_ids) == list(t.stage_instances.values())
 
 
+async def test_tokens_without_tls(etcd_store: Any, pki: Path) -> None:
+    """A tokens file without TLS files (the Kubernetes base: plaintext inside the namespace): the orchestrator
+    still authenticates every call and keeps owners apart."""
+    async with fuzz_stack(etcd_store, tokens_file=str(pki / "tokens.json")) as addrs:
+        ch = grpc.aio.insecure_channel(addrs["orchestrator"])
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(ch)
+        try:
+            assert await code_of(stub.ListTasks(pb.ListTasksRequest())) == grpc.StatusCode.UNAUTHENTICATED
+            alice = [("authorization", "Bearer alice-token-0123456789")]
+            bob = [("authorization", "Bearer bob-token-0123456789")]
+            t = (await stub.DeployTask(pb.DeployTaskRequest(description="d", slo=SLO, workflows=[ONE]),
+                                       metadata=alice)).task
+            assert await code_of(stub.GetTask(pb.GetTaskRequest(task_id=t.id), metadata=bob)) == \
+                grpc.StatusCode.PERMISSION_DENIED
+            assert (await stub.GetTask(pb.GetTaskRequest(task_id=t.id), metadata=alice)).task.id == t.id
+        finally:
+            await ch.close(None)
+
+
 def test_pki_files(pki: Path) -> None:
     for ident in ("orchestrator", "deployer", "admin", "etcd"):
         f = pki_files(pki, ident)
