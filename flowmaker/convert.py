@@ -731,7 +731,7 @@ def failure_to_status_proto(f: Failure) -> status_pb2.Status:
 
 
 def task_to_proto(t: TaskRecord, *, etag: int = 0, state: TaskState | None = None,
-                  failure: Failure | None = None) -> task_pb2.Task:
+                  failure: Failure | None = None, observed_rate_rps: float = 0.0) -> task_pb2.Task:
     """The task as the API shows it; `state`/`failure` override the stored ones (derived DEGRADED)."""
     st = state or t.state
     f = failure if state is not None else t.failure
@@ -750,6 +750,12 @@ def task_to_proto(t: TaskRecord, *, etag: int = 0, state: TaskState | None = Non
         m.create_time.CopyFrom(_timestamp(t.create_time))
     if t.update_time:
         m.update_time.CopyFrom(_timestamp(t.update_time))
+    m.observed_arrival_rate_rps = observed_rate_rps
+    if t.last_reselection is not None:
+        r = t.last_reselection
+        m.last_reselection.CopyFrom(task_pb2.Reselection(time=_timestamp(r.at), reason=r.reason,
+                                                         planned_arrival_rate_rps=r.rate_rps, outcome=r.outcome))
+    m.next_stage_instances.update(t.next_stage_instances)
     if t.healing is not None:
         h = t.healing
         m.healing.CopyFrom(task_pb2.Healing(action=h.action, detail=h.detail, since_time=_timestamp(h.since),

@@ -175,6 +175,15 @@ def _print_task(t: Any) -> None:
               f"rate {slo.arrival_rate_rps:g} req/s")
     if t.HasField("failure") and (t.failure.code or t.failure.message):
         out.print(f"  [red]failure[/red]: {t.failure.message}", markup=True)
+    if t.observed_arrival_rate_rps or t.HasField("last_reselection"):
+        out.print(f"  load: declared {slo.arrival_rate_rps:g} req/s, observed {t.observed_arrival_rate_rps:.3g} req/s")
+    if t.HasField("last_reselection"):
+        r = t.last_reselection
+        ago = time.time() - r.time.ToNanoseconds() / 1e9
+        out.print(f"  last re-selection {ago:.0f}s ago for {r.planned_arrival_rate_rps:.3g} req/s: {r.outcome} "
+                  f"({escape(r.reason)})", markup=True)
+    if t.next_stage_instances:
+        out.print(f"  switching to: {dict(t.next_stage_instances)}")
     if t.HasField("healing"):
         h = t.healing
         since = time.time() - h.since_time.ToNanoseconds() / 1e9
@@ -487,12 +496,16 @@ def instances(
         _print_json({"instances": to_json(insts).get("instances", []), "gpus": to_json(gpus).get("gpus", [])})
         return
     tab = Table(title=f"{len(insts.instances)} instance(s)")
-    for c in ("id", "model", "tp x pp", "state", "GPUs", "planned tok/s", "observed tok/s", "tasks", "endpoint"):
-        tab.add_column(c, justify="right" if c.endswith("tok/s") or c == "tp x pp" else "left")
+    for c in ("id", "model", "tp x pp", "state", "GPUs", "planned tok/s", "observed tok/s", "queue", "slowdown",
+              "headroom", "tasks", "endpoint"):
+        tab.add_column(c, justify="right" if c.endswith("tok/s") or c in ("tp x pp", "queue", "slowdown") else "left")
     for i in insts.instances:
+        seen = i.HasField("observed_time")
         tab.add_row(i.id, i.model_id, f"{i.tp}x{i.pp}", _state_name(cluster_pb2.Instance.State, i.state),
                     ",".join(i.gpu_ids), f"{i.load_output_tokens_per_s:.1f}",
-                    f"{i.observed_load_output_tokens_per_s:.1f}" if i.HasField("observed_time") else "-",
+                    f"{i.observed_load_output_tokens_per_s:.1f}" if seen else "-",
+                    f"{i.observed_queue:.1f}" if seen else "-", f"{i.observed_slowdown:.1f}x" if seen else "-",
+                    ("[red]none (saturated)[/red]" if i.saturated else "yes") if seen else "-",
                     ",".join(i.task_ids) or "-",
                     i.endpoint or "-")
     out.print(tab)

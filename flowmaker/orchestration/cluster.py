@@ -101,6 +101,14 @@ def with_loads(view: ClusterView, loads: dict[str, float], *, now: float | None 
     return replace(view, cluster=cluster, instances=insts, planned_loads=planned, observed_loads=observed)
 
 
+def excluding_task(view: ClusterView, held: dict[str, float]) -> ClusterView:
+    """The view as a re-selection of a serving task sees it: its own planned share (`held`, by instance id)
+    taken off the instances it uses, which it may keep at its new rate. The records (what a commit adds the
+    new share to, after taking the old one off) are left as they are."""
+    reduced = {iid: max(0.0, p - held.get(iid, 0.0)) for iid, p in view.planned_loads.items()}
+    return replace(with_loads(view, reduced), instances=view.instances, planned_loads=view.planned_loads)
+
+
 async def read_live_cluster(store: StateStore, *, observed_max_age_s: float = OBSERVED_LOAD_MAX_AGE_S,
                             now: float | None = None) -> ClusterView:
     """Alive GPUs and instances (with etags for the commit), each instance's load = max(planned from the

@@ -88,8 +88,12 @@ def plan_commit(task_id: str, variant: Variant, new_ids: Sequence[str]) -> Commi
 
 
 def commit_ops(plan: CommitPlan, view: ClusterView, task_kv: KeyValue, task: TaskRecord,
-               now: float) -> tuple[list[Compare], list[Put]]:
+               now: float, *, held: dict[str, float] | None = None) -> tuple[list[Compare], list[Put]]:
     """Compares and puts of the one transaction committing `plan` on `view` and writing `task`.
+
+    `held` (a re-selection of a task that already serves): the task's current reuse loads by instance id.
+    Reusing one of those again rewrites its reference with the new load (the instance's planned load moves
+    by the difference) instead of requiring the reference to be absent.
 
     Raises NoCapacity when the plan does not fit `view` (a GPU would exceed its memory, a GPU or reused
     instance is not in the view); the caller then treats it like a lost race and selects again."""
@@ -119,6 +123,7 @@ def commit_ops(plan: CommitPlan, view: ClusterView, task_kv: KeyValue, task: Tas
         rkey = keys.reuse(d.instance_id, plan.task_id)
         compares.append(Compare.absent(rkey))
         puts.append(Put(rkey, reuse_value(d.instance_id, plan.task_id, d.load_output_tokens_per_s)))
+    held = held or {}
     for r in plan.reuse:
         inst = view.instances.get(r.instance_id)
         if inst is None:
@@ -126,10 +131,11 @@ def commit_ops(plan: CommitPlan, view: ClusterView, task_kv: KeyValue, task: Tas
         ikey = keys.instance(r.instance_id)
         compares.append(Compare.unchanged(ikey, view.etags[ikey]))
         # The view's load is the sum of the reuse mappings; the record keeps that sum too.
-        puts.append(Put(ikey, replace(inst, load_output_tokens_per_s=inst.load_output_tokens_per_s
-                                      + r.load_output_tokens_per_s).to_json()))
+        old = held.get(r.instance_id, 0.0)
+        puts.append(Put(ikey, replace(inst, load_output_tokens_per_s=round(max(
+            0.0, inst.load_output_tokens_per_s - old + r.load_output_tokens_per_s), 6)).to_json()))
         rkey = keys.reuse(r.instance_id, plan.task_id)
-        compares.append(Compare.absent(rkey))
+        compares.append(Compare.present(rkey) if r.instance_id in held else Compare.absent(rkey))
         puts.append(Put(rkey, reuse_value(r.instance_id, plan.task_id, r.load_output_tokens_per_s)))
     return compares, puts
 

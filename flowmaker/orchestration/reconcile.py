@@ -87,6 +87,8 @@ class Kind(enum.Enum):
     RELEASE_TASK_REFS = "RELEASE_TASK_REFS"  # task_id: a FAILED task still holding references
     DROP_REF = "DROP_REF"  # instance_id + task_ids[0]: a reference to a task that does not exist
     STOP_ORPHAN = "STOP_ORPHAN"  # instance_id: no reference names it
+    RESUME_SWITCH = "RESUME_SWITCH"  # task_id: a make-before-break switch to its next variant was cut short
+    ABORT_SWITCH = "ABORT_SWITCH"  # task_id: ... and is past its deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +139,10 @@ def plan(obs: Observed, mem: Memory, now: float, p: Policy) -> list[Action]:
     for tid, t in sorted(obs.tasks.items()):
         if tid in mem.busy_tasks:
             continue
+        if t.state is TaskState.ACTIVE and t.next_variant is not None:
+            started = t.last_reselection.at if t.last_reselection else t.update_time
+            kind = Kind.ABORT_SWITCH if now - started >= p.deploying_deadline_s else Kind.RESUME_SWITCH
+            actions.append(Action(kind, task_id=tid, detail=f"switch started {now - started:.0f}s ago"))
         if t.state is TaskState.ACTIVE:
             reselect = ""
             healthy = True
@@ -197,8 +203,16 @@ def plan(obs: Observed, mem: Memory, now: float, p: Policy) -> list[Action]:
                                          + (f" ({rec.failure_reason})" if rec.failure_reason else "")))
 
     # -- leaks: references to no task, instances no reference names
+    def uses(t: TaskRecord, iid: str) -> bool:
+        # A task in the middle of a step may hold references it does not list yet (or any more): only
+        # a settled task's stray references are leaks.
+        return (t.state not in (TaskState.ACTIVE, TaskState.FAILED) or t.id in mem.busy_tasks
+                or t.next_variant is not None or iid in t.instance_ids)
+
     dangling = {(iid, tid) for iid, tids in obs.refs.items() for tid in tids
-                if tid not in obs.tasks and not tid.startswith(PROFILING_OWNER_PREFIX)}
+                if not tid.startswith(PROFILING_OWNER_PREFIX)
+                and (tid not in obs.tasks or (obs.tasks[tid].state is TaskState.ACTIVE
+                                              and not uses(obs.tasks[tid], iid)))}
     for k in list(mem.dangling_since):
         if k not in dangling:
             del mem.dangling_since[k]
@@ -207,7 +221,7 @@ def plan(obs: Observed, mem: Memory, now: float, p: Policy) -> list[Action]:
         ref_of = obs.instances.get(iid)
         if now - since >= p.orphan_grace_s and (ref_of is None or ref_of.node in obs.nodes):
             actions.append(Action(Kind.DROP_REF, instance_id=iid, node=ref_of.node if ref_of else "", task_ids=(tid,),
-                                  detail=f"reference of {iid} to task {tid}, which does not exist"))
+                                  detail=f"reference of {iid} to task {tid}, which does not use it"))
     unreferenced = {iid for iid in obs.instances if not obs.refs.get(iid)}
     for iid in list(mem.unreferenced_since):
         if iid not in unreferenced:

@@ -101,6 +101,29 @@ class Healing:
 
 
 @dataclass(frozen=True, slots=True)
+class Reselection:
+    """A re-selection for load: when, why, for which rate, and how it ended (IN_PROGRESS, DONE, FAILED)."""
+
+    at: float
+    reason: str
+    rate_rps: float
+    outcome: str = "IN_PROGRESS"
+    # The task's reuse shares (instance id -> output tokens/s) before the switch: an aborted switch puts back
+    # the shares of the instances both variants use.
+    previous_shares: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at, "reason": self.reason, "rate_rps": self.rate_rps, "outcome": self.outcome,
+                "previous_shares": dict(self.previous_shares)}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Reselection:
+        return Reselection(float(d.get("at", 0.0)), str(d.get("reason", "")), float(d.get("rate_rps", 0.0)),
+                           str(d.get("outcome", "")),
+                           {str(k): float(v) for k, v in (d.get("previous_shares") or {}).items()})
+
+
+@dataclass(frozen=True, slots=True)
 class DeployedInstance:
     """A new instance the task's commit reserved (PENDING) and asked a deployer to start."""
 
@@ -138,6 +161,15 @@ class TaskRecord:
     # The approval's SelectionOptions as proto3 JSON ("" = none): a selection resumed after a crash or an
     # etcd outage, or a re-selection while healing, uses what the user approved with.
     options_json: str = ""
+    # The arrival rate the current variant was selected for (0 = slo.arrival_rate_rps): re-selection for
+    # load moves it to the observed rate.
+    planned_rate_rps: float = 0.0
+    last_reselection: Reselection | None = None
+    # Make-before-break: the variant being deployed to replace the current one (None = no switch under way).
+    # Requests keep going to `stage_instances` until it serves; then it becomes the variant.
+    next_variant: Variant | None = None
+    next_stage_instances: dict[str, str] = field(default_factory=dict)
+    next_new_instances: tuple[DeployedInstance, ...] = ()
 
     @property
     def workflow(self) -> Workflow | None:
@@ -148,6 +180,11 @@ class TaskRecord:
             if w.id == self.variant.workflow_id:
                 return w
         return None
+
+    @property
+    def plan_rate_rps(self) -> float:
+        """The rate the current variant was planned for."""
+        return self.planned_rate_rps or self.slo.arrival_rate_rps
 
     @property
     def instance_ids(self) -> tuple[str, ...]:
@@ -190,6 +227,11 @@ class TaskRecord:
             "create_time": self.create_time, "update_time": self.update_time,
             "healing": None if self.healing is None else self.healing.to_json(),
             "options_json": self.options_json,
+            "planned_rate_rps": self.planned_rate_rps,
+            "last_reselection": None if self.last_reselection is None else self.last_reselection.to_json(),
+            "next_variant": variant_to_json(self.next_variant) if self.next_variant else None,
+            "next_stage_instances": dict(self.next_stage_instances),
+            "next_new_instances": [_deployed_to(d) for d in self.next_new_instances],
         }
 
     @staticmethod
@@ -212,6 +254,11 @@ class TaskRecord:
             create_time=float(d.get("create_time", 0.0)), update_time=float(d.get("update_time", 0.0)),
             healing=Healing.from_json(d["healing"]) if d.get("healing") else None,
             options_json=str(d.get("options_json", "")),
+            planned_rate_rps=float(d.get("planned_rate_rps", 0.0)),
+            last_reselection=Reselection.from_json(d["last_reselection"]) if d.get("last_reselection") else None,
+            next_variant=variant_from_json(d["next_variant"]) if d.get("next_variant") else None,
+            next_stage_instances=dict(d.get("next_stage_instances", {})),
+            next_new_instances=tuple(_deployed_from(x) for x in d.get("next_new_instances", ())),
         )
 
 

@@ -30,7 +30,7 @@ from flowmaker import convert, telemetry
 from flowmaker.api.common.v1 import cluster_pb2, selection_pb2
 from flowmaker.api.deployer.v1 import deployer_pb2
 from flowmaker.api.selector.v1 import selector_pb2
-from flowmaker.domain import Slo, Stage, Workflow
+from flowmaker.domain import Cluster, Slo, Stage, Variant, Workflow
 from flowmaker.errors import (
     Conflict,
     FailedPrecondition,
@@ -40,7 +40,8 @@ from flowmaker.errors import (
     NotFound,
     Unavailable,
 )
-from flowmaker.orchestration.cluster import read_live_cluster
+from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad
+from flowmaker.orchestration.cluster import OBSERVED_LOAD_MAX_AGE_S, excluding_task, read_live_cluster
 from flowmaker.orchestration.commit import CommitPlan, ReleaseAction, commit_ops, plan_commit, plan_release
 from flowmaker.orchestration.dag import Execution, StageResult, execute
 from flowmaker.orchestration.reconcile import Policy
@@ -50,6 +51,7 @@ from flowmaker.orchestration.task import (
     Failure,
     HealAction,
     Healing,
+    Reselection,
     TaskRecord,
     TaskState,
     derive_state,
@@ -57,8 +59,16 @@ from flowmaker.orchestration.task import (
 from flowmaker.rpc.channels import deadline_s
 from flowmaker.rpc.errors import call, incoming_deadline
 from flowmaker.state import keys
-from flowmaker.state.records import ORPHAN_GC_TASK_ID, InstanceRecord, InstanceState, NodeRecord, new_instance_id
-from flowmaker.state.store import KeyValue, StateStore
+from flowmaker.state.records import (
+    ORPHAN_GC_TASK_ID,
+    InstanceRecord,
+    InstanceState,
+    NodeRecord,
+    new_instance_id,
+    reuse_load,
+    reuse_value,
+)
+from flowmaker.state.store import Compare, KeyValue, Put, StateStore
 from services.orchestrator.clients import Clients
 from services.orchestrator.engines import EngineClient, OnDelta
 from services.orchestrator.reconciler import Reconciler
@@ -123,6 +133,7 @@ class TaskView:
     etag: int
     state: TaskState
     failure: Failure | None
+    observed_rate_rps: float = 0.0  # model-time arrivals/s over the orchestrator's window (0: not measured)
 
 
 class Orchestrator:
@@ -136,12 +147,16 @@ class Orchestrator:
         self._workers: dict[str, asyncio.Task[Any]] = {}  # task id -> the one worker on it
         # Invoke latencies not yet written to their task records (flushed by `_flush_loop`).
         self._pending_obs: defaultdict[str, list[float]] = defaultdict(list)
+        self._inflight: defaultdict[str, int] = defaultdict(int)  # instance id -> engine calls in progress
+        self._delete_results: dict[str, list[str]] = {}  # task id -> instances its delete stopped
+        self.arrivals = ArrivalMeter(settings.load_window_s)
         s = settings
         self.reconciler = Reconciler(self, store, Policy(
             restart_backoff_s=s.reconcile_restart_backoff_s, max_restarts=s.reconcile_max_restarts,
             restart_window_s=s.reconcile_restart_window_s, node_lost_grace_s=s.reconcile_node_lost_grace_s,
             orphan_grace_s=s.reconcile_orphan_grace_s, deploying_deadline_s=s.reconcile_deploying_deadline_s),
-            interval_s=s.reconcile_interval_s, heal=s.reconcile_heal)
+            interval_s=s.reconcile_interval_s, heal=s.reconcile_heal,
+            load_policy=LoadPolicy(band=s.load_band, hold_down_s=s.load_hold_down_s) if s.follow_load else None)
         self._started = False
 
     async def start(self) -> None:
@@ -161,6 +176,10 @@ class Orchestrator:
             t.cancel()
         await asyncio.gather(*self._background, *self._workers.values(), return_exceptions=True)
         await self.engines.close()
+
+    def observed_load(self, task_id: str, now: float) -> TaskLoad | None:
+        """The task's observed arrival rate and latency quantile, in model time (None: not watched long enough)."""
+        return self.arrivals.load(task_id, now, self.settings.tool_time_scale)
 
     def busy_tasks(self) -> set[str]:
         return {tid for tid, t in self._workers.items() if not t.done()}
@@ -246,7 +265,8 @@ class Orchestrator:
         kv, t = await self._get(task_id)
         state, failure = derive_state(t, await self._instance_states(t)) if t.state is TaskState.ACTIVE \
             else (t.state, t.failure)
-        return TaskView(t, kv.mod_revision, state, failure)
+        ld = self.observed_load(task_id, time.time())
+        return TaskView(t, kv.mod_revision, state, failure, ld.rate_rps if ld else 0.0)
 
     async def list_tasks(self, state: TaskState | None = None) -> list[TaskView]:
         out = []
@@ -255,7 +275,8 @@ class Orchestrator:
             st, f = derive_state(t, await self._instance_states(t)) if t.state is TaskState.ACTIVE \
                 else (t.state, t.failure)
             if state is None or st is state:
-                out.append(TaskView(t, kv.mod_revision, st, f))
+                ld = self.observed_load(t.id, time.time())
+                out.append(TaskView(t, kv.mod_revision, st, f, ld.rate_rps if ld else 0.0))
         return sorted(out, key=lambda v: (v.task.create_time, v.task.id))
 
     # ---- DeployTask ----------------------------------------------------------------------------
@@ -615,8 +636,9 @@ class Orchestrator:
         cur = self._workers.get(task_id)
         if cur is not None and not cur.done():
             await asyncio.wait({cur}, timeout=self.settings.release_timeout_s)
-        stopped = await asyncio.shield(self.start_worker(task_id, self.finish_delete(task_id)))
-        return t, stopped or []
+        # The worker may be the reconciler's (it saw DELETING first): its result is kept for us.
+        await asyncio.shield(self.start_worker(task_id, self.finish_delete(task_id)))
+        return t, self._delete_results.pop(task_id, [])
 
     async def finish_delete(self, task_id: str) -> list[str]:
         try:
@@ -628,6 +650,10 @@ class Orchestrator:
         stopped = await self._release_all(t)
         await self.store.delete(keys.task(t.id))
         log.info("task %s deleted; stopped %s", t.id, stopped or "nothing")
+        if len(self._delete_results) > 1000:  # deletes nobody waited for (resumed after a restart)
+            self._delete_results.clear()
+        self._delete_results[task_id] = stopped
+        self.arrivals.forget(task_id)
         return stopped
 
     # ---- restart -------------------------------------------------------------------------------
@@ -638,6 +664,197 @@ class Orchestrator:
         await self.start()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.reconciler.synced.wait(), self.settings.reconcile_interval_s + 5.0)
+
+    # ---- following the load (called by the reconciler) ----------------------------------------------
+
+    async def reselect_for_load(self, task_id: str, rate_rps: float, why: str) -> None:
+        """Make-before-break re-selection of a serving task for the rate it really gets: select against the
+        live cluster, commit the new variant beside the current one in one guarded txn, deploy it, switch
+        requests to it, drain and release the old one. The task keeps serving on its current variant
+        throughout; on any failure it stays there.
+
+        Two selections: (A) the task may keep its instances at the new rate (its own share taken off them),
+        which says whether the current variant still fits; (B) the instances only it uses are not offered
+        (they would be released), which says what a fresh variant costs. Reuse is free in the spec's cost,
+        so without (B) a task would never give back capacity it no longer needs. The current variant is
+        kept when it fits and costs no more (its exclusive memory x its latency) than (B)'s."""
+        _, t = await self._get(task_id)
+        if t.state is not TaskState.ACTIVE or t.healing is not None or t.next_variant is not None:
+            return
+        log.warning("task %s: re-selecting for load at %.3g req/s (%s)", task_id, rate_rps, why)
+        listing = (await self.store.get_prefix(keys.REUSE)).items
+        refs = {keys.parse_reuse(kv.key)[0]: reuse_load(kv.value) for kv in listing
+                if keys.parse_reuse(kv.key)[1] == task_id}
+        shared = {keys.parse_reuse(kv.key)[0] for kv in listing if keys.parse_reuse(kv.key)[1] != task_id}
+        exclusive = set(refs) - shared
+        note = Reselection(time.time(), why, rate_rps, previous_shares=refs)
+        for attempt in range(1, self.settings.commit_retries + 1):
+            view = await read_live_cluster(self.store)
+            seen = excluding_task(view, refs)
+            a = await self._select_at(t, rate_rps, seen.cluster)
+            fresh = replace(seen.cluster, instances=tuple(i for i in seen.cluster.instances if i.id not in exclusive))
+            b = await self._select_at(t, rate_rps, fresh) if exclusive else None
+            tkv, cur = await self._get(task_id)
+            if cur.state is not TaskState.ACTIVE or cur.next_variant is not None:
+                return
+            fits = a is not None and a.workflow_id == (cur.variant.workflow_id if cur.variant else "") and \
+                not a.new_instances and {x.stage_id: x.instance_id for x in a.assignments if x.reused} == \
+                cur.stage_instances
+            chosen: Variant | None = a or b
+            same = False
+            if fits and a is not None:
+                mem = {i.id: i for i in view.instances.values()}
+                keep_cost = sum(mem[i].memory_gb_per_gpu * mem[i].tp * mem[i].pp for i in exclusive if i in mem) \
+                    * a.latency_s
+                chosen, same = (a, True) if b is None or keep_cost <= b.cost else (b, False)
+            if chosen is None:
+                await self._note_reselection(task_id, replace(
+                    note, outcome="FAILED", reason=f"{why}; no feasible variant at {rate_rps:.3g} req/s"))
+                return
+            v = chosen
+            plan = plan_commit(task_id, v, [new_instance_id(n.model_id) for n in v.new_instances])
+            now = time.time()
+            if same:
+                # The current variant still fits the new rate and costs no more: only its shares move.
+                new_t = replace(cur, update_time=now, planned_rate_rps=rate_rps, variant=v,
+                                predicted_latency_s=v.latency_s, last_reselection=replace(
+                                    note, outcome="DONE", reason=f"{why}; the current variant fits"))
+            else:
+                new_t = replace(cur, update_time=now, next_variant=v, next_stage_instances=plan.stage_instances,
+                                next_new_instances=plan.deploy, last_reselection=note)
+            try:
+                compares, puts = commit_ops(plan, view, tkv, new_t, now, held=refs)
+            except NoCapacity:
+                continue
+            res = await self.store.txn(compares, puts)
+            if not res.succeeded:
+                await asyncio.sleep(random.uniform(0.005, 0.05) * attempt)
+                continue
+            if same:
+                return
+            log.info("task %s: switching (attempt %d) %s", task_id, attempt, plan.describe())
+            await self.switch_variant(task_id)
+            return
+        await self._note_reselection(task_id, replace(note, outcome="FAILED",
+                                                      reason=f"{why}; the cluster kept changing"))
+
+    async def _select_at(self, t: TaskRecord, rate_rps: float, cluster: Cluster) -> Variant | None:
+        """The selector's variant for `t`'s approved workflows at `rate_rps` on `cluster` (None: infeasible)."""
+        req = selector_pb2.SelectVariantRequest(
+            slo=convert.slo_to_proto(replace(t.slo, arrival_rate_rps=rate_rps)),
+            workflows=[convert.workflow_to_proto(w) for w in t.candidates if w.id in t.approved_workflow_ids],
+            cluster=convert.cluster_to_proto(cluster), strategy=t.strategy)
+        if t.options_json:
+            req.options.CopyFrom(convert.selection_options_from_json(t.options_json))
+        result = convert.selection_result_from_proto(await call(self.clients.selector.SelectVariant(
+            req, timeout=self.settings.select_timeout_s)))
+        return result.variant
+
+    async def switch_variant(self, task_id: str) -> None:
+        """Deploy the task's next variant, route requests to it, drain and release what only the old one used.
+        Idempotent (the reconciler resumes it); past its deadline, or when the deploy fails, the next variant
+        is rolled back and the task keeps its current one."""
+        _, t = await self._get(task_id)
+        if t.next_variant is None:
+            return
+        nodes = await self._node_endpoints()
+        todo = list(t.next_new_instances)
+        new_ids = {d.instance_id for d in todo}
+        for iid in sorted(set(t.next_stage_instances.values()) - new_ids):
+            kv = await self.store.get(keys.instance(iid))
+            rec = InstanceRecord.from_json(kv.value) if kv else None
+            if rec is not None and rec.state is not InstanceState.READY:
+                todo.append(DeployedInstance(iid, "", rec.model_id, rec.tp, rec.pp, rec.node, rec.gpu_ids,
+                                             rec.memory_gb_per_gpu, 0.0))
+        results = await asyncio.gather(*(self._deploy_one(task_id, d, nodes) for d in todo), return_exceptions=True)
+        errs = [r for r in results if isinstance(r, BaseException)]
+        if errs:
+            if _is_transient(errs[0]):
+                raise errs[0]  # the reconciler resumes the switch after the outage
+            await self.abort_switch(task_id, f"deploying the new variant failed: {errs[0]}")
+            return
+
+        def swap(x: TaskRecord) -> TaskRecord | None:
+            if x.next_variant is None or x.state is not TaskState.ACTIVE:
+                return None
+            note = x.last_reselection
+            return replace(x, update_time=time.time(), variant=x.next_variant, stage_instances=x.next_stage_instances,
+                           new_instances=x.next_new_instances, next_variant=None, next_stage_instances={},
+                           next_new_instances=(), planned_rate_rps=note.rate_rps if note else x.planned_rate_rps,
+                           predicted_latency_s=x.next_variant.latency_s,
+                           last_reselection=replace(note, outcome="DONE") if note else None)
+        old = set(t.stage_instances.values())
+        new = await self._update(task_id, swap)
+        if new is None:
+            return
+        self.reconciler.note_task(new)
+        log.warning("task %s: switched to %s", task_id, new.stage_instances)
+        await self._drain_and_release(task_id, old - set(new.stage_instances.values()))
+
+    async def _drain_and_release(self, task_id: str, instance_ids: set[str]) -> None:
+        """Let requests already routed to the old instances finish (bounded), then drop the task's references."""
+        end = time.monotonic() + self.settings.drain_timeout_s
+        while any(self._inflight.get(i, 0) for i in instance_ids) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        nodes = await self._node_endpoints()
+        recs = {}
+        for iid in instance_ids:
+            kv = await self.store.get(keys.instance(iid))
+            if kv is not None:
+                recs[iid] = InstanceRecord.from_json(kv.value)
+        await asyncio.gather(*(self._release_one(task_id, ReleaseAction(iid, r.node, False), nodes)
+                               for iid, r in sorted(recs.items())))
+
+    async def abort_switch(self, task_id: str, why: str) -> None:
+        """Roll back a next variant: drop its references (stopping what only it used), restore the current
+        variant's shares, keep serving on the current variant."""
+        _, t = await self._get(task_id)
+        if t.next_variant is None:
+            return
+        old_ids = set(t.stage_instances.values())
+        nodes = await self._node_endpoints()
+        for iid in sorted(set(t.next_stage_instances.values()) - old_ids):
+            kv = await self.store.get(keys.instance(iid))
+            if kv is not None:
+                await self._release_one(task_id, ReleaseAction(iid, InstanceRecord.from_json(kv.value).node, False),
+                                        nodes)
+        # The shares of instances both variants use were moved to the new rate: back to what they were.
+        before = t.last_reselection.previous_shares if t.last_reselection else {}
+        for iid in sorted(old_ids & set(t.next_stage_instances.values())):
+            if iid in before:
+                await self._set_share(iid, task_id, before[iid])
+
+        def clear(x: TaskRecord) -> TaskRecord | None:
+            if x.next_variant is None:
+                return None
+            note = x.last_reselection
+            return replace(x, update_time=time.time(), next_variant=None, next_stage_instances={},
+                           next_new_instances=(), last_reselection=replace(note, outcome="FAILED", reason=f"{note.reason}; {why}")
+                           if note else None)
+        await self._update(task_id, clear)
+        log.warning("task %s: switch aborted (%s); it keeps its current variant", task_id, why)
+
+    async def _set_share(self, iid: str, task_id: str, load: float) -> None:
+        """Rewrite one reuse reference's load and the instance's planned load by the difference (one txn)."""
+        for _ in range(self.settings.commit_retries):
+            ikv, rkv = await self.store.get(keys.instance(iid)), await self.store.get(keys.reuse(iid, task_id))
+            if ikv is None or rkv is None:
+                return
+            rec = InstanceRecord.from_json(ikv.value)
+            new = replace(rec, load_output_tokens_per_s=round(max(0.0, rec.load_output_tokens_per_s
+                                                                  - reuse_load(rkv.value) + load), 6))
+            res = await self.store.txn([Compare.unchanged(ikv.key, ikv.mod_revision),
+                                        Compare.unchanged(rkv.key, rkv.mod_revision)],
+                                       [Put(ikv.key, new.to_json()), Put(rkv.key, reuse_value(iid, task_id, load))])
+            if res.succeeded:
+                return
+
+    async def _note_reselection(self, task_id: str, note: Reselection) -> None:
+        def fn(x: TaskRecord) -> TaskRecord | None:
+            return replace(x, last_reselection=note, update_time=time.time()) if x.state is TaskState.ACTIVE else None
+        with contextlib.suppress(NotFound):
+            await self._update(task_id, fn)
+        log.warning("task %s: re-selection for load %s: %s", task_id, note.outcome, note.reason)
 
     # ---- healing (called by the reconciler) ------------------------------------------------------
 
@@ -723,10 +940,15 @@ class Orchestrator:
                 await self._release_all(t)
 
     async def drop_reference(self, iid: str, task_id: str, node: str) -> None:
-        """A reference naming a task that does not exist (a delete or rollback cut short): drop it."""
+        """A reference naming a task that does not exist, or a settled ACTIVE task that does not use the
+        instance (a delete, rollback or switch cut short): drop it."""
         endpoint = (await self._node_endpoints()).get(node) if node else ""
-        if await self.store.get(keys.task(task_id)) is not None:
-            return
+        kv = await self.store.get(keys.task(task_id))
+        if kv is not None:
+            t = TaskRecord.from_json(kv.value)
+            if (t.state is not TaskState.ACTIVE or t.next_variant is not None or iid in t.instance_ids
+                    or task_id in self.busy_tasks()):
+                return
         await self._release_one(task_id, ReleaseAction(iid, node, False), {node: endpoint} if endpoint else {})
 
     async def stop_orphan(self, iid: str, node: str) -> None:
@@ -760,6 +982,7 @@ class Orchestrator:
         if wf is None:
             raise FailedPrecondition(f"task {task_id} has no selected workflow", field="task_id")
         root.set_attribute(telemetry.FLOWMAKER_WORKFLOW, wf.id)
+        self.arrivals.arrived(task_id, time.time())
         insts: dict[str, InstanceRecord] = {}
         for iid in t.instance_ids:
             rec = await self._route_instance(iid)
@@ -807,6 +1030,7 @@ class Orchestrator:
             # calls_per_request > 1 (e.g. sampling several answers) runs the calls one after the other,
             # as the latency model counts them; the last answer is the stage's output.
             for _ in range(max(1, stage.calls_per_request)):
+                self._inflight[rec.id] += 1
                 try:
                     c = await self.engines.chat(rec.endpoint, rec.model_id, prompt, max(1, max_tokens),
                                                 timeout_s=deadline_s(self.settings.invoke_timeout_s),
@@ -821,11 +1045,15 @@ class Orchestrator:
                     new = await self._await_replacement(task_id, rec.id, rec.endpoint, stage.id)
                     if new is None:
                         raise
+                    self._inflight[rec.id] -= 1
                     rec = new
+                    self._inflight[rec.id] += 1
                     c = await self.engines.chat(rec.endpoint, rec.model_id, prompt, max(1, max_tokens),
                                                 timeout_s=deadline_s(self.settings.invoke_timeout_s),
                                                 api_key=rec.api_key,  # the engine's per-instance key (deployer)
                                                 instance_id=rec.id, on_delta=counted if on_event else None)
+                finally:
+                    self._inflight[rec.id] -= 1
                 pt, ct, text = pt + c.prompt_tokens, ct + c.completion_tokens, c.text
             return StageResult(stage.id, text, rec.id, rec.model_id, pt, ct)
 
@@ -833,12 +1061,41 @@ class Orchestrator:
             if on_event is not None:
                 await on_event("stage_done", r)
 
+        self._admit(task_id, t, wf, insts)
         ex = await execute(wf, text, run_stage, done)
+        self.arrivals.finished(task_id, time.time(), ex.latency_s)
         # Accounting is off the request's path: batched into the task record by `_flush_loop`.
         pending = self._pending_obs[task_id]
         pending.append(ex.latency_s)
         del pending[:-self.settings.latency_window]
         return ex
+
+    def _admit(self, task_id: str, t: TaskRecord, wf: Workflow, insts: dict[str, InstanceRecord]) -> None:
+        """Admission control: reject at once (RESOURCE_EXHAUSTED, with a retry hint) a request that cannot
+        finish within its deadline, rather than queue it for minutes. The estimate is the latency the
+        deployers measure on the task's instances right now (recent mean e2e per stage call, model seconds)
+        summed along the workflow's critical path, against the time the caller has left."""
+        now = time.time()
+        per_stage = {}
+        for stage in wf.stages:
+            if not stage.is_llm:
+                per_stage[stage.id] = stage.latency_s
+                continue
+            rec = insts.get(t.stage_instances.get(stage.id, ""))
+            fresh = rec is not None and now - rec.observed_load_at <= OBSERVED_LOAD_MAX_AGE_S
+            per_stage[stage.id] = (rec.observed_latency_s if fresh and rec is not None else 0.0) * max(
+                1, stage.calls_per_request)
+        est: dict[str, float] = {}
+        for stage in wf.stages:  # topological order
+            est[stage.id] = per_stage[stage.id] + max((est[d] for d in stage.depends_on), default=0.0)
+        expected = max(est.values(), default=0.0) / self.settings.tool_time_scale  # wall seconds
+        left = deadline_s(self.settings.invoke_timeout_s)
+        if expected > left:
+            retry = max(1.0, min(60.0, expected - left))
+            raise NoCapacity(f"task {task_id} cannot answer within the request's deadline: its instances take "
+                             f"{expected:.3g}s now (measured), {left:.3g}s are left; retry in {retry:.0f}s",
+                             field="task_id", reason="DEADLINE_UNREACHABLE",
+                             metadata={"retry_after_s": f"{retry:.0f}", "expected_latency_s": f"{expected:.3g}"})
 
     # ---- routing (the reconciler's cache; etcd only when the cache has not seen the task yet) ----------
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowmaker import metrics
 from flowmaker.errors import FlowMakerError
+from flowmaker.orchestration.adapt import LoadPolicy, drifted
 from flowmaker.orchestration.reconcile import Action, Kind, Memory, Observed, Policy, plan
 from flowmaker.orchestration.task import TaskRecord
 from flowmaker.state import keys
@@ -73,13 +74,15 @@ class _Cache:
 
 class Reconciler:
     def __init__(self, orch: Orchestrator, store: StateStore, policy: Policy, *, interval_s: float,
-                 heal: bool = True) -> None:
+                 heal: bool = True, load_policy: LoadPolicy | None = None) -> None:
         self.orch = orch
         self.store = store
         self.policy = policy
         self.interval_s = interval_s
         self.heal = heal
         self.memory = Memory()
+        self.load_policy = load_policy  # None: deploy-once (no re-selection for load)
+        self._drift_since: dict[str, float] = {}
         self._tasks = _Cache(TaskRecord.from_json)
         self._instances = _Cache(InstanceRecord.from_json)
         self._kick = asyncio.Event()
@@ -175,12 +178,27 @@ class Reconciler:
         self.synced.set()
         self.passes += 1
         self.memory.busy_tasks = self.orch.busy_tasks()
-        actions = plan(obs, self.memory, time.time(), self.policy)
+        now = time.time()
+        actions = plan(obs, self.memory, now, self.policy)
         if not self.heal:
             return actions
         for a in actions:
             self._carry_out(a)
+        if self.load_policy is not None:
+            busy = self.memory.busy_tasks
+            loads = {tid: ld for tid in obs.tasks if tid not in busy
+                     and (ld := self.orch.observed_load(tid, now)) is not None}
+            for tid, rate, why in drifted({t: x for t, x in obs.tasks.items() if t not in busy}, loads,
+                                          self._drift_since, now, self.load_policy):
+                log.warning("reconcile: RESELECT_FOR_LOAD %s (%s)", tid, why)
+                self.orch.start_worker(tid, self.orch.reselect_for_load(tid, rate, why))
         return actions
+
+    def note_task(self, t: TaskRecord) -> None:
+        """A record this process has just written: visible to routing now (the watch event follows)."""
+        key = keys.task(t.id)
+        cur = self._tasks.items.get(key)
+        self._tasks.items[key] = (cur[0] if cur else 0, t)
 
     def _carry_out(self, a: Action) -> None:
         if a.kind not in (Kind.RESUME_SELECT, Kind.RESUME_DEPLOY, Kind.RESUME_DELETE, Kind.CLEAR_HEALING):
@@ -212,6 +230,10 @@ class Reconciler:
             self._spawn(o.drop_reference(a.instance_id, a.task_ids[0], a.node))
         elif a.kind is Kind.STOP_ORPHAN:
             self._spawn(o.stop_orphan(a.instance_id, a.node))
+        elif a.kind is Kind.RESUME_SWITCH:
+            o.start_worker(a.task_id, o.switch_variant(a.task_id))
+        elif a.kind is Kind.ABORT_SWITCH:
+            o.start_worker(a.task_id, o.abort_switch(a.task_id, a.detail))
 
     def _spawn(self, coro: Any, done: Callable[[], None] | None = None) -> None:
         async def run() -> None:

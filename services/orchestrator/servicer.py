@@ -25,7 +25,8 @@ SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService
 
 
 def _task(v: TaskView) -> task_pb2.Task:
-    return convert.task_to_proto(v.task, etag=v.etag, state=v.state, failure=v.failure)
+    return convert.task_to_proto(v.task, etag=v.etag, state=v.state, failure=v.failure,
+                                 observed_rate_rps=v.observed_rate_rps)
 
 
 class Owners:

@@ -52,3 +52,15 @@ class OrchestratorSettings(ServiceSettings):
                                                   "(since its last update) is rolled back.")
     reconcile_heal_backoff_max_s: float = Field(default=10.0, gt=0, description="Longest wait between two "
                                                 "re-selection attempts of a task waiting for capacity.")
+    # Following the load (flowmaker.orchestration.adapt): re-select a task whose observed rate leaves its plan.
+    follow_load: bool = Field(default=True, description="Re-select (make-before-break) a task whose observed "
+                              "arrival rate or latency leaves its plan for longer than load_hold_down_s.")
+    load_window_s: float = Field(default=20.0, gt=0, description="Window (wall s) of the per-task observed rate "
+                                 "and latency quantile.")
+    load_band: float = Field(default=2.0, gt=1, description="Re-select when observed > band x planned rate, or < "
+                             "planned / band.")
+    load_hold_down_s: float = Field(default=30.0, ge=0, description="The drift must last this long (wall s), and "
+                                    "two re-selections of a task are at least this far apart; keep it >= "
+                                    "load_window_s, so the rate planned for is all new regime.")
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="After a switch, how long requests already on "
+                                   "the old instances may take before their references are released.")

@@ -1,0 +1,113 @@
+"""Following the load: per-task observed arrival rate and latency, and when a task must be re-selected. Pure.
+
+A task is selected once for its declared rate. The orchestrator meters what it really gets (`ArrivalMeter`:
+arrivals and latencies over a sliding window, per task) and `drifted()` says which ACTIVE tasks left their
+plan for longer than the hold-down time:
+- the observed rate is above `band` x the planned rate (scale up: a bigger configuration, another model or
+  workflow, or instances of its own instead of shared ones), or below planned / `band` (scale back in);
+- or the observed p95 latency breaks the latency SLO (ask for `band` x more than it gets now).
+The re-selection itself (make-before-break) is the orchestrator's `reselect_for_load`. Rates and latencies
+are in MODEL time (the unit of the SLO and the profiles): wall values are scaled by `time_scale`, the model
+seconds per wall second of the engines (1 on real GPUs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from flowmaker.orchestration.task import TaskRecord, TaskState
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPolicy:
+    band: float = 2.0  # re-select when observed > band x planned or < planned / band
+    hold_down_s: float = 30.0  # ... for this long (wall), and at most once per this long
+    min_rate_rps: float = 0.01  # the smallest rate a task is planned for (model req/s)
+    min_samples: int = 10  # latency quantiles need this many requests in the window
+    latency_quantile: float = 0.95
+
+
+@dataclass(frozen=True, slots=True)
+class TaskLoad:
+    rate_rps: float  # model-time requests/s over the window
+    latency_q_s: float  # the policy's latency quantile, model seconds (0 without enough samples)
+    samples: int
+
+
+@dataclass
+class ArrivalMeter:
+    """Arrivals and completed-request latencies per task over the last `window_s` wall seconds."""
+
+    window_s: float = 30.0
+    _arrivals: dict[str, deque[float]] = field(default_factory=dict)
+    _latencies: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    _first: dict[str, float] = field(default_factory=dict)
+
+    def arrived(self, task_id: str, now: float) -> None:
+        self._first.setdefault(task_id, now)
+        q = self._arrivals.setdefault(task_id, deque())
+        q.append(now)
+        self._trim(q, now)
+
+    def finished(self, task_id: str, now: float, latency_s: float) -> None:
+        q = self._latencies.setdefault(task_id, deque())
+        q.append((now, latency_s))
+        while q and q[0][0] < now - self.window_s:
+            q.popleft()
+
+    def _trim(self, q: deque[float], now: float) -> None:
+        while q and q[0] < now - self.window_s:
+            q.popleft()
+
+    def forget(self, task_id: str) -> None:
+        for d in (self._arrivals, self._latencies, self._first):
+            d.pop(task_id, None)  # type: ignore[attr-defined]
+
+    def load(self, task_id: str, now: float, time_scale: float = 1.0, quantile: float = 0.95) -> TaskLoad | None:
+        """None until the task has been watched for a third of the window (a rate over a few seconds is noise)."""
+        first = self._first.get(task_id)
+        if first is None or now - first < self.window_s / 3:
+            return None
+        q = self._arrivals.get(task_id, deque())
+        self._trim(q, now)
+        span = min(self.window_s, now - first)
+        lat = sorted(x for t, x in self._latencies.get(task_id, ()) if t >= now - self.window_s)
+        lq = lat[min(len(lat) - 1, max(0, math.ceil(quantile * len(lat)) - 1))] * time_scale if lat else 0.0
+        return TaskLoad(len(q) / span / time_scale, lq, len(lat))
+
+
+def drifted(tasks: dict[str, TaskRecord], loads: dict[str, TaskLoad], since: dict[str, float], now: float,
+            p: LoadPolicy) -> list[tuple[str, float, str]]:
+    """(task id, rate to plan for, why) for each ACTIVE task whose load has left its plan for `hold_down_s`.
+    `since` (task id -> when the drift was first seen) is the caller's memory across calls; updated here."""
+    out = []
+    for tid, t in sorted(tasks.items()):
+        ld = loads.get(tid)
+        if t.state is not TaskState.ACTIVE or t.healing is not None or t.next_variant is not None or ld is None:
+            since.pop(tid, None)
+            continue
+        planned = max(t.plan_rate_rps, p.min_rate_rps)
+        target, why = 0.0, ""
+        # The rate first: planning for what arrives is the fix for most latency trouble too.
+        if ld.rate_rps > planned * p.band:
+            target, why = ld.rate_rps, f"observed {ld.rate_rps:.3g} req/s > {p.band:g} x planned {planned:.3g}"
+        elif ld.rate_rps < planned / p.band and planned > p.min_rate_rps:
+            target = max(ld.rate_rps, p.min_rate_rps)
+            why = f"observed {ld.rate_rps:.3g} req/s < planned {planned:.3g} / {p.band:g}"
+        elif ld.samples >= p.min_samples and ld.latency_q_s > t.slo.max_latency_s:
+            # The rate is as planned, yet too slow (the plan's capacity model was optimistic, or the
+            # instances are shared with tasks above their plans): ask for `band` x more capacity.
+            target = max(ld.rate_rps, planned) * p.band
+            why = (f"p{round(p.latency_quantile * 100)} latency {ld.latency_q_s:.3g}s breaks the SLO "
+                   f"{t.slo.max_latency_s:g}s at {ld.rate_rps:.3g} req/s")
+        if not why:
+            since.pop(tid, None)
+            continue
+        first = since.setdefault(tid, now)
+        last = t.last_reselection.at if t.last_reselection else 0.0
+        if now - first >= p.hold_down_s and now - last >= p.hold_down_s:
+            out.append((tid, target, f"{why} for {now - first:.0f}s"))
+            since.pop(tid, None)
+    return out
