@@ -82,6 +82,7 @@ class SoakResult:
     faults: list[FaultRecord] = field(default_factory=list)
     heal_p50_s: float = 0.0
     heal_max_s: float = 0.0
+    lost_after: dict[str, int] = field(default_factory=dict)  # requests lost, by the last fault before them
     invariant_checks: int = 0
     violations: list[str] = field(default_factory=list)
     supervisor_events: list[str] = field(default_factory=list)
@@ -110,6 +111,7 @@ def run_soak(cfg: SoakConfig, out: Path, progress: Callable[[str], None] = lambd
         t0 = time.monotonic()
         stop = threading.Event()
         pending: dict[str, int] = {}
+        fault_times: list[tuple[float, str]] = []  # (wall time of the fault, kind)
         try:
             with Supervisor(stack) as sup:
                 c = Client(stack)
@@ -162,6 +164,7 @@ def run_soak(cfg: SoakConfig, out: Path, progress: Callable[[str], None] = lambd
                             c.reconnect()
                     heal = time.monotonic() - t_fault
                     res.faults.append(FaultRecord(round(at, 1), kind, healed, round(heal, 2), detail))
+                    fault_times.append((time.time() - (time.monotonic() - t0 - at), kind))
                     progress(f"{at:5.0f}s: {kind} healed={healed} in {heal:.1f}s")
                 load.stop()
                 stop.set()
@@ -171,6 +174,10 @@ def run_soak(cfg: SoakConfig, out: Path, progress: Callable[[str], None] = lambd
                 sent = load.sent
                 res.goodput = load.outcomes["OK"] / sent if sent else 0.0
                 res.lost = sent - load.outcomes["OK"]
+                for when, _tid, _msg in load.failures:
+                    before = [k for ft, k in fault_times if ft <= when]
+                    key = before[-1] if before else "none"
+                    res.lost_after[key] = res.lost_after.get(key, 0) + 1
                 c.close()
         finally:
             stop.set()
@@ -198,6 +205,8 @@ def render(res: SoakResult, console: Any) -> None:
     console.print(f"requests: {sent} sent, {res.requests.get('OK', 0)} OK, {res.lost} lost "
                   f"({', '.join(f'{k} {v}' for k, v in sorted(res.requests.items()) if k != 'OK') or 'none'}); "
                   f"goodput {res.goodput:.4f}")
+    if res.lost_after:
+        console.print("lost, by the fault before them: " + ", ".join(f"{k} {v}" for k, v in sorted(res.lost_after.items())))
     console.print(f"time to heal: p50 {res.heal_p50_s:.1f}s, max {res.heal_max_s:.1f}s; invariant checks "
                   f"{res.invariant_checks}, violations {len(res.violations)}")
     for v in res.violations[:10]:
