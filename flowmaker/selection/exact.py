@@ -175,7 +175,20 @@ def _static(pb: Problem, pw: PWorkflow, check_cap: bool, usable: list[bool]) -> 
                 else:
                     fr.append((m, lat))
         front[s] = fr
-    mus = sorted({m for s in pw.llm for m, _ in front[s]})
+    # Thresholds: where some stage gets faster (latency fronts) or the load gets cheaper to cover (the
+    # (memory, capacity) fronts of the new options of decisions j.., for every j). A completion whose largest new instance has memory m*
+    # lies in the class of the largest threshold <= m*, and every threshold in between changes nothing.
+    nd = len(pw.llm)
+    cov: list[list[tuple[float, float]]] = []  # [decision j] (memory, capacity) front of the options of j..
+    for j in range(nd + 1):
+        ps = sorted({(pb.p_mem[pi], pb.p_cap[pi]) for s in pw.llm[j:] for pi in new_opts[s]},
+                    key=lambda x: (x[0], -x[1]))
+        fr2: list[tuple[float, float]] = []
+        for m, cp in ps:
+            if not fr2 or cp > fr2[-1][1]:
+                fr2.append((m, cp))
+        cov.append(fr2)
+    mus = sorted({m for s in pw.llm for m, _ in front[s]} | {m for fr2 in cov for m, _ in fr2})
     mu_idx = {m: i for i, m in enumerate(mus)}
     f_at: list[list[float]] = [[] for _ in range(n)]
     changes: list[list[int]] = [[] for _ in mus]
@@ -198,7 +211,6 @@ def _static(pb: Problem, pw: PWorkflow, check_cap: bool, usable: list[bool]) -> 
             before.append(s)
         else:
             after[j].append(s)
-    nd = len(pw.llm)
     pos = {s: i for i, s in enumerate(pw.topo)}
     und: list[list[tuple[int, tuple[int, ...], tuple[int, ...], bool]]] = []
     done: list[list[int]] = []
@@ -234,14 +246,6 @@ def _static(pb: Problem, pw: PWorkflow, check_cap: bool, usable: list[bool]) -> 
             caps = [pb.p_cap[pi] for s in pw.llm for pi in new_opts[s]]
             if len(hl) >= 2 and leq(hl[0] + hl[1], max(caps)):
                 heavy = [False] * n
-    cov: list[list[tuple[float, float]]] = []
-    for j in range(nd + 1):
-        ps = sorted({(pb.p_mem[pi], pb.p_cap[pi]) for s in pw.llm[j:] for pi in new_opts[s]}, key=lambda x: (x[0], -x[1]))
-        fr2: list[tuple[float, float]] = []
-        for m, cp in ps:
-            if not fr2 or cp > fr2[-1][1]:
-                fr2.append((m, cp))
-        cov.append(fr2)
     cov_at = [[bisect.bisect_right([m for m, _ in fr], mu) for mu in mus] for fr in cov]
     cov_ratio = [list(itertools.accumulate((m / cp for m, cp in fr), min)) for fr in cov]
     return _Static(any_heavy=any(heavy), cov=cov, cov_at=cov_at, cov_ratio=cov_ratio, new_opts=new_opts, reuse_opts=reuse_opts, front=front, mus=mus, f_at=f_at, changes=changes,
@@ -665,10 +669,12 @@ class _Search:
                 if mm * Lb >= best_t and mm * Lb > tie_cap:
                     break
                 changed = False
+                touched = False  # a new option for an undecided stage: the priced capacity may relax
                 for s in changes[i]:
                     u = um.get(s, -1)
                     if u < 0:
                         continue
+                    touched = True
                     f = f_at[s][i]
                     if f < lat[u]:
                         if lat[u] == INF:
@@ -677,7 +683,7 @@ class _Search:
                             lat = list(lat) if lat is zl else lat
                             changed = True
                         lat[u] = f
-                if n_inf or (not changed and prev_done and need == 0.0):
+                if n_inf or (not changed and not (touched and cons) and prev_done and need == 0.0):
                     continue  # no option for some stage / the same class as the previous one
                 prev_done = True
                 if need > 0.0:

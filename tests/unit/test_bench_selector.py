@@ -17,7 +17,7 @@ from flowmaker.bench.selector import (
 def test_tiny_selector_bench_writes_json_and_plots(tmp_path: Path) -> None:
     cfg = BenchConfig(repeats=1, exhaustive_budget_s=1.0, bayesopt_budget_s=1.0, bayesopt_trials=11,
                       bayesopt_states=(), depth_max=2, depth_budget_s=2.0, catalog_sizes=(11,),
-                      adversarial_per_kind=1, adversarial_budget_s=0.5)
+                      depth_exact_max=3, adversarial_per_kind=1, adversarial_budget_s=0.5)
     res = run_selector_bench(tmp_path, cfg)
     def no_nan(c: str) -> None:
         raise AssertionError(f"non-strict JSON constant {c}")
@@ -29,7 +29,8 @@ def test_tiny_selector_bench_writes_json_and_plots(tmp_path: Path) -> None:
     assert res["paper"]["summary"]["exact"]["missed_optimum"] == 0
     for p in res["plots"]:
         assert Path(p).stat().st_size > 1000
-    assert [r["stages"] for r in res["depth"]] == [1, 2]
+    assert [r["stages"] for r in res["depth"]] == [1, 2, 3]
+    assert set(res["depth"][2]) == {"stages", "search_space", "exact"}  # deeper chains: exact alone
     adv = saved["adversarial"]
     assert [r["kind"] for r in adv["rows"]] == list(ADVERSARIAL_KINDS)
     assert adv["summary"]["instances"] == len(ADVERSARIAL_KINDS)

@@ -413,7 +413,9 @@ def dense_requests(draw: st.DrawFn) -> SelectionRequest:
     gpus = [Gpu(f"n{n}-g{g}", f"n{n}", 48.0, draw(st.sampled_from([0.0, 0.0, 10.0, 30.0, 46.0])))
             for n in range(draw(st.integers(1, 2))) for g in range(4)]
     base = [Profile("a", 1, 1, 10.0, 0.01, 1e-4, 0.01, 300.0), Profile("a", 2, 1, 6.0, 0.01, 6e-5, 0.006, 420.0),
-            Profile("b", 1, 1, 20.0, 0.02, 2e-4, 0.02, 500.0), Profile("b", 4, 1, 8.0, 0.01, 8e-5, 0.008, 900.0)]
+            Profile("b", 1, 1, 20.0, 0.02, 2e-4, 0.02, 500.0), Profile("b", 4, 1, 8.0, 0.01, 8e-5, 0.008, 900.0),
+            # slow but with a large capacity: on no latency front, only on the capacity front
+            Profile("a", 1, 2, 7.0, 0.05, 3e-4, 0.03, 1500.0)]
     models = [Model("a", 0.3, 3.0, 3.0), Model("b", 0.4, 8.0, 8.0)]
     profiles = list(base)
     for c in range(draw(st.integers(0, 2))):
@@ -558,3 +560,24 @@ def test_exact_with_the_lp_bound_at_every_node_equals_brute_force(req: Selection
         assert res.variant is not None
         assert close(res.variant.cost, want[0]) and close(res.variant.latency_s, want[1]), (res.variant, want)
         recheck(req, res.variant)
+
+
+def test_a_class_whose_new_option_relaxes_priced_capacity_is_not_skipped() -> None:
+    """Regression (found by the dense property test): two running instances with room for one stage each and
+    no faster new option at first: the all-free class fails on capacity, and the class where a new `a` tp2
+    instance becomes available must still be evaluated although no stage latency improves."""
+    wf = Workflow("w", tuple(Stage(f"s{k}", StageKind.LLM, (f"s{k - 1}",) if k else (), 100, 150)
+                             for k in range(3)))
+    models = (Model("a", 0.3, 3.0, 3.0), Model("b", 0.4, 8.0, 8.0))
+    profiles = (Profile("a", 1, 1, 10.0, 0.01, 1e-4, 0.01, 300.0), Profile("a", 2, 1, 6.0, 0.01, 6e-5, 0.006, 420.0),
+                Profile("b", 1, 1, 20.0, 0.02, 2e-4, 0.02, 500.0), Profile("b", 4, 1, 8.0, 0.01, 8e-5, 0.008, 900.0),
+                Profile("a", 1, 2, 7.0, 0.05, 3e-4, 0.03, 1500.0))
+    gpus = tuple(Gpu(f"n0-g{i}", "n0", 48.0) for i in range(4))
+    running = tuple(Instance(f"run{i}", "a", 1, 1, ("n0-g0",), 30.0) for i in range(2))
+    req = SelectionRequest(Slo(0.25, 3.0, 0.5), (wf,), models, profiles, Cluster(gpus, running),
+                           SelectionOptions(utilization_cap=0.5))
+    want, _ = brute_force(req)
+    res = select(req, "exact")
+    assert want is not None and res.variant is not None
+    assert close(res.variant.cost, want[0]) and close(res.variant.latency_s, want[1])
+    recheck(req, res.variant)
