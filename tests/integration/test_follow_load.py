@@ -260,25 +260,76 @@ async def test_ramp_reselects_make_before_break_and_scales_back_in(stack: Stack)
 
 
 async def test_saturated_instance_not_reused_and_unreachable_deadline_refused(stack: Stack) -> None:
+    import aiohttp
+
     a = await stack.deploy("busy", Slo(0.26, 60.0, 0.2))
     assert a.state == task_pb2.Task.STATE_ACTIVE, a.failure.message
     iid = a.stage_instances["answer"]
-    stack.orch.reconciler.load_policy = None  # deploy-once here: the instance must stay saturated
-    drv = Driver(stack.stub, a.id).start()
-    drv.rate = 12.0
-    try:
-        async def saturated() -> bool:
-            return (await stack.instances())[iid].saturated
-        await _until(saturated, 30, "the overloaded instance measured saturated")
-        # A second task that would fit it by plan and by throughput is not given the saturated instance.
-        b = await stack.deploy("newcomer", Slo(0.26, 60.0, 0.05))
-        assert b.state == task_pb2.Task.STATE_ACTIVE, b.failure.message
-        assert b.stage_instances["answer"] != iid and list(b.variant.reuse) == []
-        # A request whose deadline is shorter than what the instance takes now is refused at once.
-        t0 = time.monotonic()
-        with pytest.raises(NoCapacity) as ei:
-            await call(stack.stub.Invoke(pb.InvokeRequest(task_id=a.id, input="hurry"), timeout=0.5))
-        assert ei.value.reason == "DEADLINE_UNREACHABLE" and "retry_after_s" in ei.value.metadata
-        assert time.monotonic() - t0 < 0.5
-    finally:
-        await drv.stop()
+    endpoint = (await stack.instances())[iid].endpoint
+    stack.orch.reconciler.load_policy = None  # deploy-once here: the instance must stay where it is
+
+    # Overload straight at the engine (another tenant, or many callers): 128 closed-loop clients stretch every
+    # request to several times a lone one's latency, while the throughput stays at capacity.
+    async def client(http: aiohttp.ClientSession) -> None:
+        while True:
+            async with http.post(endpoint + "/v1/completions", json={
+                    "model": "Qwen2.5-3B-Instruct", "prompt": "go", "max_tokens": 200}) as r:
+                await r.read()
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=120)) as http:
+        flood = [asyncio.create_task(client(http)) for _ in range(128)]
+        try:
+            async def saturated() -> bool:
+                return (await stack.instances())[iid].saturated
+            await _until(saturated, 60, "the overloaded instance measured saturated")
+            # A second task that the instance could carry by plan is not given the saturated instance.
+            b = await stack.deploy("newcomer", Slo(0.26, 60.0, 0.05))
+            assert b.state == task_pb2.Task.STATE_ACTIVE, b.failure.message
+            assert b.stage_instances["answer"] != iid and list(b.variant.reuse) == []
+            # A request whose deadline is shorter than what the instance takes now is refused at once.
+            t0 = time.monotonic()
+            with pytest.raises(NoCapacity) as ei:
+                await call(stack.stub.Invoke(pb.InvokeRequest(task_id=a.id, input="hurry"), timeout=0.5))
+            assert ei.value.reason == "DEADLINE_UNREACHABLE" and "retry_after_s" in ei.value.metadata
+            assert time.monotonic() - t0 < 0.5
+        finally:
+            for f in flood:
+                f.cancel()
+            await asyncio.gather(*flood, return_exceptions=True)
+
+
+async def test_callers_that_give_up_cancel_their_engine_requests(stack: Stack) -> None:
+    """Invoke calls whose deadline passes (and streams whose client goes away) are cancelled all the way to the
+    engine: its batch is empty within a second, and it counts them as cancelled."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    t = await stack.deploy("impatient", Slo(0.26, 60.0, 0.2))
+    assert t.state == task_pb2.Task.STATE_ACTIVE, t.failure.message
+    endpoint = (await stack.instances())[t.stage_instances["answer"]].endpoint
+
+    async def metrics() -> dict[str, float]:
+        async with aiohttp.ClientSession() as s, s.get(endpoint + "/metrics") as r:
+            text = await r.text()
+        return {x.name: x.value for f in text_string_to_metric_families(text) for x in f.samples}
+
+    async def give_up() -> None:
+        with pytest.raises(FlowMakerError):
+            await call(stack.stub.Invoke(pb.InvokeRequest(task_id=t.id, input="too slow"), timeout=0.3))
+
+    async def leave_stream() -> None:
+        stream = stack.stub.InvokeStream(pb.InvokeStreamRequest(task_id=t.id, input="stream then leave"))
+        async for _chunk in stream:
+            break  # the first delta: the request is on the engine
+        stream.cancel()
+
+    await asyncio.gather(*(give_up() for _ in range(40)), *(leave_stream() for _ in range(40)))
+    t0 = time.monotonic()
+    while True:
+        m = await metrics()
+        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
+            break
+        assert time.monotonic() - t0 < 1.0, m
+        await asyncio.sleep(0.05)
+    assert m["flowmaker:request_cancelled_total"] >= 70, m  # a few may have finished before their caller left
