@@ -1,4 +1,4 @@
-"""`flowmaker bench selector|serving`: benchmarks that print a table and write JSON + PNG plots."""
+"""`flowmaker bench selector|serving|adapt`: benchmarks that print a table and write JSON + PNG plots."""
 
 from __future__ import annotations
 
@@ -135,6 +135,40 @@ def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output fol
                                loads=[float(x) for x in loads.split(",") if x.strip()] or None,
                                policies=[x.strip() for x in policies.split(",") if x.strip()] or None,
                                traces=[x.strip() for x in trace_kinds.split(",") if x.strip()])
+    if json_out:
+        import json
+
+        typer.echo(json.dumps(result, indent=1, default=str))
+
+
+@bench.command("adapt")
+def adapt(out: Path = typer.Option(Path("out/bench-adapt"), help="Output folder for JSON and PNG."),
+          traces: Path | None = typer.Option(None, help="Folder with the Azure 2023 trace CSVs; synthetic when "
+                                                        "absent (falls back to ../shared/reference/traces)."),
+          seed: int = typer.Option(0, help="Random seed (segment offsets, request-to-task draw)."),
+          loads: str = typer.Option("", help="Comma-separated load levels (default 0.25,0.5,0.75,1)."),
+          trace_kinds: str = typer.Option("code,conv", "--trace-kinds", help="Comma-separated: code, conv."),
+          segment_s: float = typer.Option(600.0, help="Trace seconds replayed per load level."),
+          band: float = typer.Option(2.0, help="Drift band (LoadPolicy.band)."),
+          hold_down: float = typer.Option(30.0, help="Hold-down, trace seconds (LoadPolicy.hold_down_s)."),
+          period: float = typer.Option(60.0, help="Controller period, trace seconds."),
+          window: float = typer.Option(60.0, help="Observed rate/latency window, trace seconds."),
+          ready: float = typer.Option(15.0, help="Re-selection to new variant serving, trace seconds."),
+          colocation: str = typer.Option("dynamic", help="GPU sharing in the simulator: dynamic or ignore."),
+          json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
+    """Deploy-once vs adaptive re-selection (the orchestrator's drift rule) on a replayed Azure trace segment:
+    goodput, cost, re-selections, plots over time."""
+    from flowmaker.bench.adapt import AdaptConfig, run_adapt_bench
+
+    if traces is None:
+        guess = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "traces"
+        traces = guess if guess.is_dir() else None
+    cfg = AdaptConfig(band=band, hold_down_trace_s=hold_down, period_trace_s=period, window_trace_s=window,
+                      ready_trace_s=ready, colocation=colocation, seed=seed, segment_s=segment_s)
+    result = run_adapt_bench(out, traces_dir=traces, cfg=cfg,
+                             loads=[float(x) for x in loads.split(",") if x.strip()] or None,
+                             traces=[x.strip() for x in trace_kinds.split(",") if x.strip()],
+                             console=Console(stderr=json_out, width=200))
     if json_out:
         import json
 

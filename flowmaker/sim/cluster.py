@@ -7,7 +7,9 @@ What it models (and what it does not):
   profile, with the KV budget and batch limit the analytic profiles reserve memory for.
 * An instance holds its GPU memory from its deploy time (`SimInstance.start_s`) until the run
   window ends or its own last call finishes, whichever is later; cost charges each instance for
-  its own residence. Several tasks may send requests to the same instance (reuse).
+  its own residence. Several tasks may send requests to the same instance (reuse). An instance
+  retired mid-run (`SimInstance.end_s`: no new request is routed to it from then on, make-before-break)
+  holds its memory until `end_s` or until its in-flight calls finish, whichever is later.
 * GPU sharing (`colocation`): by default ("dynamic") the instances placed on one GPU share its
   bandwidth and compute while they are busy: at every event boundary each instance runs at
   1 / (the most busy instances on any of its GPUs, itself included), where busy means it has a
@@ -84,6 +86,9 @@ class SimInstance:
     gpu_ids: tuple[str, ...]
     deployed_by: str = ""  # task whose selection created it
     start_s: float = 0.0  # deploy time: residence (and cost) starts here
+    # Retire time (inf: serves to the end of the run): routers send no new request to it from then on; it keeps
+    # its memory (and is charged) until its last call finishes, when that is later.
+    end_s: float = math.inf
 
     @property
     def memory_gb(self) -> float:
@@ -202,18 +207,39 @@ class _Req:
     finish: float = math.nan
 
 
+def _peak_per_gpu(instances: Sequence[SimInstance], gpu_ids: Sequence[str],
+                  release: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The most GB reserved at once on each GPU: an instance holds its memory over [start_s, release) (release:
+    `end_s` unless given). When no instance is ever released this is the plain sum per GPU."""
+    ev: dict[str, list[tuple[float, int, float]]] = {g: [] for g in gpu_ids}
+    for inst in instances:
+        end = inst.end_s if release is None else release[inst.id]
+        for gid in inst.gpu_ids:
+            if gid in ev and end > inst.start_s:
+                ev[gid].append((inst.start_s, 1, inst.profile.memory_gb_per_gpu))
+                ev[gid].append((end, 0, -inst.profile.memory_gb_per_gpu))  # a release at t frees before a deploy at t
+    peak = {}
+    for gid, es in ev.items():
+        cur = best = 0.0
+        for _, _, d in sorted(es):
+            cur += d
+            best = max(best, cur)
+        peak[gid] = best
+    return peak
+
+
 def check_memory(instances: Sequence[SimInstance], gpus: Sequence[Gpu]) -> dict[str, float]:
-    """GB reserved per GPU; InvalidSpec when an instance is on an unknown GPU or a GPU is over-committed."""
+    """Peak GB reserved per GPU (instances overlapping in time, `start_s`..`end_s`); InvalidSpec when an instance
+    is on an unknown GPU or a GPU is over-committed."""
     total = {g.id: g.memory_total_gb for g in gpus}
-    used = {g.id: 0.0 for g in gpus}
     for inst in instances:
         if len(inst.gpu_ids) != inst.profile.gpus or len(set(inst.gpu_ids)) != len(inst.gpu_ids):
             raise InvalidSpec(f"instance {inst.id!r}: needs {inst.profile.gpus} distinct GPUs, got {inst.gpu_ids}",
                               field="instances.gpu_ids")
         for gid in inst.gpu_ids:
-            if gid not in used:
+            if gid not in total:
                 raise InvalidSpec(f"instance {inst.id!r} is on unknown GPU {gid!r}", field="instances.gpu_ids")
-            used[gid] += inst.profile.memory_gb_per_gpu
+    used = _peak_per_gpu(instances, list(total))
     for gid, u in used.items():
         if u > total[gid] + EPS_GB:
             raise InvalidSpec(f"GPU {gid!r} over-committed: {u:.2f} GB reserved of {total[gid]:.2f} GB",
@@ -431,8 +457,12 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     if lost:  # pragma: no cover - an invariant; tests assert it never happens
         raise RuntimeError(f"{len(lost)} requests never completed, e.g. {lost[:3]}")
     price = gpu_type.price_per_gb_second
-    # Each instance pays for its own residence: from its deploy time until the window ends or its last call does.
-    resid = {i.id: max(duration_s, last_done[i.id], i.start_s) - i.start_s for i in instances}
+    # Each instance pays for its own residence: from its deploy time until the window ends (or it is retired) or its
+    # last call finishes, whichever is later.
+    resid = {i.id: max(duration_s if math.isinf(i.end_s) else i.end_s, last_done[i.id], i.start_s) - i.start_s
+             for i in instances}
+    if any(math.isfinite(i.end_s) for i in instances):  # memory held until the retired instances really drained
+        used = _peak_per_gpu(instances, list(used), {i.id: i.start_s + resid[i.id] for i in instances})
     gb_s = sum(i.memory_gb * resid[i.id] for i in instances)
     cost = gb_s * price
     residence = max(resid.values(), default=0.0)
@@ -466,7 +496,8 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
         prof = inst.profile  # the profile's own speed: load is in its capacity unit
         # the arrival window while the instance existed (not the drain)
         since = max(measure_from_s, inst.start_s)
-        window = end - since if end > since else 1.0
+        until = min(end, inst.end_s)
+        window = until - since if until > since else 1.0
         busy = win_out[iid] / prof.pure_decode_tokens_per_s + prof.prefill_s_per_token * win_in[iid]
         per_inst.append(InstanceMetrics(iid, win_calls[iid], win_out[iid], win_in[iid],
                                         win_out[iid] / window, busy / window * prof.max_output_tokens_per_s,
