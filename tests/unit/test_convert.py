@@ -294,7 +294,7 @@ def test_result_json_uses_spec_field_names() -> None:
                 new_gpus=0)
     d = json.loads(convert.selection_result_to_json(SelectionResult("exact", v, variants_evaluated=3)))
     assert list(d) == ["feasible", "variant", "reason", "reason_detail", "strategy", "variants_evaluated",
-                       "search_space_size", "elapsed_s", "timed_out"]
+                       "search_space_size", "elapsed_s", "timed_out", "optimal", "lower_bound"]
     assert list(d["variant"]) == ["workflow_id", "assignments", "new_instances", "reuse", "latency_s", "accuracy",
                                   "cost", "new_memory_gb", "new_gpus"]
     assert d["variant"]["reuse"] == [{"instance_id": "i", "load_output_tokens_per_s": 10.0}]
