@@ -14,19 +14,29 @@ clones): any variant using the dominated one maps to one at least as good.
 
 Bound (admissible: it relaxes placement and part of capacity). With M the new
 memory so far, every undecided stage may use a "free" option (a running
-instance or a new instance of this variant that still has room for it: this is
-what keeps reuse headroom from being counted twice) or a new instance. If the
-largest new instance a completion opens has memory mu, it adds at least
-max(mu, dm) memory (dm: the capacity the remaining load needs beyond the spare
-capacity in play) and every stage runs at best at its fastest free option or
-new option of memory <= mu, so
+instance or a new instance of this variant that still has room for it) or a new
+instance. A completion whose largest new instance has memory mu adds at least
+max(mu, dm(mu)) memory, where dm(mu) is what covers the load the free spare
+cannot absorb with profiles of memory <= mu (fractional: least memory per
+capacity; integral: the cheapest multiset of the fewest instances that can),
+and every stage runs at best at its fastest free option or new option of
+memory <= mu, so
 
-    cost >= min over mu in {0} + {profile memories} of (M + max(mu, dm)) * LP(mu)
+    cost >= min over mu in {0} + thresholds of (M + max(mu, dm(mu))) * L(mu)
 
-where LP(mu) is the longest path with those stage latencies. This couples the
-memory of a completion with the latency of ALL its stages at once (a stage
-cannot be both fast and free, and neither can the workflow), which is what keeps
-deep chains and wide fans fast.
+where the thresholds are the memories at which some stage gets faster or the
+load gets cheaper to cover, and L(mu) is the longest path with those stage
+latencies, raised by a Lagrangian relaxation that prices the free options'
+spare capacity (instances of one profile that fit the same remaining stages
+form one group), so that undecided stages cannot all count on the same headroom.
+At the roots and for the frontier of an interrupted search that relaxation is
+solved exactly as a linear program (HiGHS); at inner nodes it costs more than it
+prunes. This couples the memory of a completion with the latency of ALL its
+stages at once (a stage cannot be both fast and free, and neither can the
+workflow). Every child inherits its parent's bound. When the incumbent costs
+nothing (all reuse), only all-free completions can tie it and the bound becomes
+their latency; otherwise completions that could tie the incumbent's cost are
+bounded by the least latency of the classes that can reach that cost.
 
 Symmetry: two running instances (or two new instances of this variant) of the
 same profile whose spare capacity admits the same remaining stages are
