@@ -8,8 +8,9 @@ import grpc.aio
 from flowmaker import convert
 from flowmaker.api.deployer.v1 import deployer_pb2_grpc
 from flowmaker.api.generator.v1 import generator_pb2, generator_pb2_grpc
+from flowmaker.api.profiler.v1 import profiler_pb2, profiler_pb2_grpc
 from flowmaker.api.selector.v1 import selector_pb2_grpc
-from flowmaker.domain import Workflow
+from flowmaker.domain import Model, Workflow
 from flowmaker.generator import Generator, TemplateGenerator
 from flowmaker.rpc.channels import insecure_channel
 from flowmaker.rpc.errors import call
@@ -37,10 +38,13 @@ class GeneratorClient:
 class Clients:
     """Channels are created once and reused; every call on them carries a deadline (rpc.channels)."""
 
-    def __init__(self, selector_address: str, generator_address: str = "", *, timeout_s: float = 30.0) -> None:
+    def __init__(self, selector_address: str, generator_address: str = "", *, timeout_s: float = 30.0,
+                 profiler_address: str = "") -> None:
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.selector = selector_pb2_grpc.SelectorServiceStub(self.channel(selector_address))
+        self.profiler = (profiler_pb2_grpc.ProfilerServiceStub(self.channel(profiler_address))
+                         if profiler_address else None)
         self.generator: Generator = (GeneratorClient(self.channel(generator_address), timeout_s)
                                      if generator_address else TemplateGenerator())
 
@@ -49,6 +53,13 @@ class Clients:
         if ch is None:
             ch = self._channels[address] = insecure_channel(address, default_timeout_s=self.timeout_s)
         return ch
+
+    async def registered_models(self, timeout_s: float) -> tuple[Model, ...] | None:
+        """The models registered with the profiler (None when no profiler is configured)."""
+        if self.profiler is None:
+            return None
+        resp = await call(self.profiler.ListModels(profiler_pb2.ListModelsRequest(), timeout=timeout_s))
+        return tuple(convert.model_from_proto(m) for m in resp.models)
 
     def deployer(self, address: str) -> deployer_pb2_grpc.DeployerServiceStub:
         return deployer_pb2_grpc.DeployerServiceStub(self.channel(address))

@@ -30,7 +30,8 @@ from flowmaker import convert, telemetry
 from flowmaker.api.common.v1 import cluster_pb2, selection_pb2
 from flowmaker.api.deployer.v1 import deployer_pb2
 from flowmaker.api.selector.v1 import selector_pb2
-from flowmaker.domain import Cluster, Slo, Stage, Variant, Workflow
+from flowmaker.catalog import default_models
+from flowmaker.domain import Cluster, Model, Slo, Stage, Variant, Workflow
 from flowmaker.errors import (
     Conflict,
     FailedPrecondition,
@@ -386,6 +387,20 @@ class Orchestrator:
         if plan is not None:
             await self.deploy(task_id)
 
+    async def _models(self) -> tuple[Model, ...]:
+        """The models a selection may use: the catalog's, and those registered with the profiler (which win
+        by id). Best effort: an unreachable profiler leaves the catalog (empty = the selector's default)."""
+        try:
+            registered = await self.clients.registered_models(min(5.0, self.settings.select_timeout_s))
+        except FlowMakerError as e:
+            log.warning("registered models unavailable (%s); selecting among the catalog's", e)
+            return ()
+        if not registered:
+            return ()
+        by_id = {m.id: m for m in default_models()}
+        by_id.update({m.id: m for m in registered})
+        return tuple(by_id.values())
+
     async def _wait_for_capacity(self, task_id: str, why: str) -> None:
         """A healing task found no way to serve yet: it stays SELECTING (nothing reserved) and the
         reconciler tries again after an exponential backoff."""
@@ -418,7 +433,8 @@ class Orchestrator:
                 req = selector_pb2.SelectVariantRequest(
                     slo=convert.slo_to_proto(t.slo),
                     workflows=[convert.workflow_to_proto(w) for w in t.candidates if w.id in t.approved_workflow_ids],
-                    cluster=convert.cluster_to_proto(view.cluster), strategy=t.strategy)
+                    cluster=convert.cluster_to_proto(view.cluster), strategy=t.strategy,
+                    models=[convert.model_to_proto(m) for m in await self._models()])
                 if options is not None:
                     req.options.CopyFrom(options)
                 try:
@@ -743,7 +759,8 @@ class Orchestrator:
         req = selector_pb2.SelectVariantRequest(
             slo=convert.slo_to_proto(replace(t.slo, arrival_rate_rps=rate_rps)),
             workflows=[convert.workflow_to_proto(w) for w in t.candidates if w.id in t.approved_workflow_ids],
-            cluster=convert.cluster_to_proto(cluster), strategy=t.strategy)
+            cluster=convert.cluster_to_proto(cluster), strategy=t.strategy,
+            models=[convert.model_to_proto(m) for m in await self._models()])
         if t.options_json:
             req.options.CopyFrom(convert.selection_options_from_json(t.options_json))
         result = convert.selection_result_from_proto(await call(self.clients.selector.SelectVariant(

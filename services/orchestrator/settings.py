@@ -15,6 +15,8 @@ class OrchestratorSettings(ServiceSettings):
     port: int = Field(default=DEFAULT_PORTS["orchestrator"], ge=0, le=65535, description="gRPC port; 0 = any free port.")
     selector_address: str = Field(default=f"127.0.0.1:{DEFAULT_PORTS['selector']}",
                                   description="host:port of the selector service.")
+    profiler_address: str = Field(default="", description="host:port of the profiler service: the models registered "
+                                  "there are offered to the selector beside the catalog's; empty = the catalog only.")
     generator_address: str = Field(default="", description="host:port of the generator service; empty = the built-in "
                                                    "template library, in process.")
     max_workflows: int = Field(default=3, ge=1, le=20, description="Candidates asked of the generator when the request "

@@ -155,8 +155,9 @@ def test_deploy_with_approve_is_one_trace_across_the_services(stack: LocalStack,
     roots = wait_for(lambda: collector.traces_with("flowmaker task deploy"))
     assert len(roots) >= 1
     want = {"flowmaker-cli", "flowmaker-orchestrator", "flowmaker-generator", "flowmaker-selector",
-            "flowmaker-deployer"}
-    # The CLI's one span holds DeployTask and ApproveWorkflows: one trace reaches every service they call.
+            "flowmaker-deployer", "flowmaker-profiler"}
+    # The CLI's one span holds DeployTask and ApproveWorkflows: one trace reaches all five services (the
+    # orchestrator asks the profiler for the registered models it offers the selector).
     seen = wait_for(lambda: next((collector.services_in(tid) for tid in roots
                                   if want <= collector.services_in(tid)), None))
     assert seen is not None, {tid.hex(): collector.services_in(tid) for tid in roots}
@@ -167,6 +168,7 @@ def test_deploy_with_approve_is_one_trace_across_the_services(stack: LocalStack,
     assert {"/flowmaker.orchestrator.v1.OrchestratorService/DeployTask",
             "/flowmaker.orchestrator.v1.OrchestratorService/ApproveWorkflows"} <= names, names
     assert any(n.startswith("/flowmaker.deployer.v1.DeployerService/") for n in names), names
+    assert "/flowmaker.profiler.v1.ProfilerService/ListModels" in names, names
 
 
 # ---- the CLI's rough edges ---------------------------------------------------------------------
@@ -240,9 +242,10 @@ def test_openai_client_lists_and_calls_a_task(stack: LocalStack, summarize_task:
     assert r.model == summarize_task
     assert r.usage is not None and r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    # the same run as the orchestrator's Invoke: the task counted it
-    t = ok_json(cli(stack, "task", "get", summarize_task, "--json"))
-    assert int(t.get("requests_served", 0)) >= 1
+    # the same run as the orchestrator's Invoke: the task counted it (accounting is batched, within seconds)
+    served = wait_for(lambda: int(ok_json(cli(stack, "task", "get", summarize_task, "--json")).get(
+        "requests_served", 0)) >= 1, timeout_s=15)
+    assert served
 
     # by name too
     assert c.chat.completions.create(model="summarize", messages=[{"role": "user", "content": "x"}],

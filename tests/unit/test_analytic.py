@@ -239,6 +239,6 @@ def test_cli_profiles_show_table_and_errors() -> None:
     assert r.exit_code == 0, r.output
     assert "Excluded" not in r.output  # tp=8 and pp=8 are not in a 4-GPU node's config set
     bad = runner.invoke(app, ["profiles", "show", "nope", "--gpu", "A6000"])
-    assert bad.exit_code == 2 and "unknown model" in bad.output
+    assert bad.exit_code == 1 and "unknown model" in bad.output  # a value FlowMaker rejects (docs/cli.md)
     bad_gpu = runner.invoke(app, ["profiles", "show", "Qwen2.5-7B-Instruct", "--gpu", "V100"])
-    assert bad_gpu.exit_code == 2 and "unknown GPU type" in bad_gpu.output
+    assert bad_gpu.exit_code == 1 and "unknown GPU type" in bad_gpu.output

