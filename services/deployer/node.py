@@ -160,8 +160,7 @@ class SaturationMeter:
         last, self._last = self._last, (t, m)
         waiting = m.get("waiting", 0.0)
         if last is None or t <= last[0]:
-            self.queue = waiting
-            return self.saturated
+            return self.saturated  # one reading is no interval: a burst just admitted is not a queue yet
         alpha = 1.0 - math.pow(2.0, -(t - last[0]) / self.half_life_s)
         self.queue += alpha * (waiting - self.queue)
         prev = last[1]

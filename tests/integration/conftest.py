@@ -29,3 +29,44 @@ async def start_service() -> AsyncIterator[StartService]:
     yield _start
     for r in reversed(started):
         await r.stop(0.5)
+
+
+@pytest.fixture
+async def start_control_plane(start_service: StartService) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """`await start_control_plane(store, **orchestrator_settings)` -> (Orchestrator, OrchestratorService stub):
+    a selector and an orchestrator (with its reconciler) on port 0 over `store`, stopped after the test."""
+    from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
+    from flowmaker.rpc.channels import insecure_channel
+    from services.orchestrator.clients import Clients
+    from services.orchestrator.orchestrator import Orchestrator
+    from services.orchestrator.servicer import add_servicers as add_orchestrator
+    from services.orchestrator.settings import OrchestratorSettings
+    from services.selector.servicer import add_servicers as add_selector
+    from services.selector.settings import SelectorSettings
+
+    channels: list[Any] = []
+
+    async def _start(store: Any, **settings: Any) -> tuple[Any, Any]:
+        sset = SelectorSettings(host="127.0.0.1", port=0, grace_s=0.5)
+        sel = await start_service("selector", lambda s: add_selector(s, sset, store), sset)
+        oset = OrchestratorSettings(host="127.0.0.1", port=0, grace_s=0.5, selector_address=sel.address,
+                                    **{"deploy_timeout_s": 60, **settings})
+        clients = Clients(oset.selector_address, timeout_s=30)
+        orch = Orchestrator(oset, store, clients)
+
+        async def close() -> None:
+            await orch.close()
+            await clients.close()
+
+        async def ready(running: RunningServer) -> None:
+            await orch.resume()
+
+        o = await start_service("orchestrator", lambda s: add_orchestrator(s, orch), oset, on_ready=ready,
+                                on_shutdown=[close])
+        channel = insecure_channel(o.address, default_timeout_s=60)
+        channels.append(channel)
+        return orch, orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+
+    yield _start
+    for ch in channels:
+        await ch.close(None)

@@ -16,24 +16,17 @@ import pytest
 from flowmaker import convert
 from flowmaker.api.common.v1 import selection_pb2, task_pb2
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
-from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
 from flowmaker.domain import Slo, Stage, Workflow
 from flowmaker.errors import FlowMakerError, NoCapacity
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad, drifted
 from flowmaker.orchestration.task import Reselection, TaskRecord, TaskState
-from flowmaker.rpc.channels import insecure_channel
 from flowmaker.rpc.errors import call
 from flowmaker.state import keys
 from flowmaker.state.records import GpuRecord, InstanceRecord
 from services.deployer.node import NodeAgent
 from services.deployer.servicer import service_hooks
 from services.deployer.settings import DeployerSettings
-from services.orchestrator.clients import Clients
 from services.orchestrator.orchestrator import Orchestrator
-from services.orchestrator.servicer import add_servicers as add_orchestrator
-from services.orchestrator.settings import OrchestratorSettings
-from services.selector.servicer import add_servicers as add_selector
-from services.selector.settings import SelectorSettings
 
 pytestmark = pytest.mark.integration
 
@@ -109,7 +102,7 @@ class Stack:
 
 
 @pytest.fixture
-async def stack(etcd_store: Any, start_service: Any) -> AsyncIterator[Stack]:
+async def stack(etcd_store: Any, start_service: Any, start_control_plane: Any) -> AsyncIterator[Stack]:
     dset = DeployerSettings(host="127.0.0.1", port=0, grace_s=0.5, node="n0", gpu_type="A6000", gpu_count=4,
                             use_nvml=False, engine_time_scale=1.0, engine_start_timeout_s=30, engine_stop_grace_s=2,
                             lease_ttl_s=5, load_scrape_interval_s=0.5, load_half_life_s=1.0,
@@ -117,26 +110,9 @@ async def stack(etcd_store: Any, start_service: Any) -> AsyncIterator[Stack]:
     agent = NodeAgent(etcd_store, dset)
     add_deployer, deployer_ready = service_hooks(agent)
     await start_service("deployer", add_deployer, dset, on_ready=deployer_ready, on_shutdown=[agent.shutdown])
-    sset = SelectorSettings(host="127.0.0.1", port=0, grace_s=0.5)
-    sel = await start_service("selector", lambda s: add_selector(s, sset, etcd_store), sset)
-    oset = OrchestratorSettings(host="127.0.0.1", port=0, grace_s=0.5, selector_address=sel.address,
-                                deploy_timeout_s=60, reconcile_interval_s=0.5, observe_flush_interval_s=0.5,
-                                load_window_s=WINDOW_S, load_hold_down_s=HOLD_S, drain_timeout_s=20)
-    clients = Clients(oset.selector_address, timeout_s=30)
-    orch = Orchestrator(oset, etcd_store, clients)
-
-    async def close() -> None:
-        await orch.close()
-        await clients.close()
-
-    async def ready(running: Any) -> None:
-        await orch.resume()
-
-    o = await start_service("orchestrator", lambda s: add_orchestrator(s, orch), oset, on_ready=ready,
-                            on_shutdown=[close])
-    channel = insecure_channel(o.address, default_timeout_s=60)
-    yield Stack(etcd_store, agent, orch, orchestrator_pb2_grpc.OrchestratorServiceStub(channel))
-    await channel.close(None)
+    orch, stub = await start_control_plane(etcd_store, reconcile_interval_s=0.5, observe_flush_interval_s=0.5,
+                                           load_window_s=WINDOW_S, load_hold_down_s=HOLD_S, drain_timeout_s=20)
+    yield Stack(etcd_store, agent, orch, stub)
 
 
 class Driver:
@@ -281,7 +257,8 @@ async def test_saturated_instance_not_reused_and_unreachable_deadline_refused(st
         flood = [asyncio.create_task(client(http)) for _ in range(128)]
         try:
             async def saturated() -> bool:
-                return (await stack.instances())[iid].saturated
+                rec = (await stack.instances())[iid]
+                return rec.saturated and rec.observed_latency_s > 1.0  # measured, with finished requests
             await _until(saturated, 60, "the overloaded instance measured saturated")
             # A second task that the instance could carry by plan is not given the saturated instance.
             b = await stack.deploy("newcomer", Slo(0.26, 60.0, 0.05))

@@ -18,19 +18,11 @@ import pytest
 from flowmaker import convert
 from flowmaker.api.common.v1 import task_pb2
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
-from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
 from flowmaker.domain import Slo, Stage, Workflow
 from flowmaker.launcher.procs import is_same_alive
-from flowmaker.rpc.channels import insecure_channel
 from flowmaker.rpc.errors import call
 from flowmaker.state import keys
 from flowmaker.state.records import GpuRecord, InstanceRecord
-from services.orchestrator.clients import Clients
-from services.orchestrator.orchestrator import Orchestrator
-from services.orchestrator.servicer import add_servicers as add_orchestrator
-from services.orchestrator.settings import OrchestratorSettings
-from services.selector.servicer import add_servicers as add_selector
-from services.selector.settings import SelectorSettings
 
 pytestmark = pytest.mark.integration
 
@@ -66,31 +58,15 @@ async def _drain(proc: asyncio.subprocess.Process) -> None:
 
 
 @pytest.fixture
-async def two_nodes(etcd: Any, etcd_namespace: str, etcd_store: Any, start_service: Any
+async def two_nodes(etcd: Any, etcd_namespace: str, etcd_store: Any, start_control_plane: Any
                     ) -> AsyncIterator[tuple[Any, dict[str, asyncio.subprocess.Process], Any]]:
     procs = {n: await _spawn(etcd, etcd_namespace, n) for n in ("na", "nb")}
-    sset = SelectorSettings(host="127.0.0.1", port=0, grace_s=0.5)
-    sel = await start_service("selector", lambda s: add_selector(s, sset, etcd_store), sset)
-    oset = OrchestratorSettings(host="127.0.0.1", port=0, grace_s=0.5, selector_address=sel.address,
-                                tool_time_scale=20, deploy_timeout_s=60, reconcile_interval_s=0.5,
-                                reconcile_node_lost_grace_s=2, reconcile_orphan_grace_s=2, follow_load=False)
-    clients = Clients(oset.selector_address, timeout_s=30)
-    orch = Orchestrator(oset, etcd_store, clients)
-
-    async def close() -> None:
-        await orch.close()
-        await clients.close()
-
-    async def ready(running: Any) -> None:
-        await orch.resume()
-
-    o = await start_service("orchestrator", lambda s: add_orchestrator(s, orch), oset, on_ready=ready,
-                            on_shutdown=[close])
-    channel = insecure_channel(o.address, default_timeout_s=60)
+    _orch, stub = await start_control_plane(etcd_store, tool_time_scale=20, reconcile_interval_s=0.5,
+                                            reconcile_node_lost_grace_s=2, reconcile_orphan_grace_s=2,
+                                            follow_load=False)
     try:
-        yield etcd_store, procs, orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        yield etcd_store, procs, stub
     finally:
-        await channel.close(None)
         for p in procs.values():
             if p.returncode is None:
                 p.terminate()

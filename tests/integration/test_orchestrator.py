@@ -22,20 +22,13 @@ from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
 from flowmaker.domain import Slo, Stage, StageKind, Workflow
 from flowmaker.errors import FailedPrecondition, InvalidSpec, NotFound, Unavailable
 from flowmaker.orchestration.task import TaskRecord, TaskState
-from flowmaker.rpc.channels import insecure_channel
 from flowmaker.rpc.errors import call, field_violations
-from flowmaker.rpc.server import RunningServer
 from flowmaker.state import keys
 from flowmaker.state.records import GpuRecord, InstanceRecord, InstanceState
 from services.deployer.node import NodeAgent
 from services.deployer.servicer import service_hooks
 from services.deployer.settings import DeployerSettings
-from services.orchestrator.clients import Clients
 from services.orchestrator.orchestrator import Orchestrator
-from services.orchestrator.servicer import add_servicers as add_orchestrator
-from services.orchestrator.settings import OrchestratorSettings
-from services.selector.servicer import add_servicers as add_selector
-from services.selector.settings import SelectorSettings
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +76,7 @@ class Stack:
         return (await call(self.orch.GetTask(pb.GetTaskRequest(task_id=task_id)))).task
 
 
-async def start_stack(store: Any, start_service: Any, *, gpu_count: int, gpu_memory_gb: float = 0.0,
+async def start_stack(store: Any, start_service: Any, start_control_plane: Any, *, gpu_count: int, gpu_memory_gb: float = 0.0,
                       backend: str = "emulated", heal: bool = True) -> AsyncIterator[Stack]:
     dset = DeployerSettings(host="127.0.0.1", port=0, grace_s=0.5, node="n0", gpu_type="A6000", gpu_count=gpu_count,
                             gpu_memory_gb=gpu_memory_gb, use_nvml=False, backend=backend,
@@ -94,57 +87,40 @@ async def start_stack(store: Any, start_service: Any, *, gpu_count: int, gpu_mem
     add_deployer, deployer_ready = service_hooks(agent)
 
     await start_service("deployer", add_deployer, dset, on_ready=deployer_ready, on_shutdown=[agent.shutdown])
-    sset = SelectorSettings(host="127.0.0.1", port=0, grace_s=0.5)
-    sel = await start_service("selector", lambda s: add_selector(s, sset, store), sset)
-    oset = OrchestratorSettings(host="127.0.0.1", port=0, grace_s=0.5, selector_address=sel.address,
-                                tool_time_scale=TIME_SCALE, deploy_timeout_s=60, reconcile_heal=heal,
-                                reconcile_interval_s=0.5, observe_flush_interval_s=0.2)
-    clients = Clients(oset.selector_address, timeout_s=30)
-    orch = Orchestrator(oset, store, clients)
-
-    async def close() -> None:
-        await orch.close()
-        await clients.close()
-
-    async def orch_ready(running: RunningServer) -> None:
-        await orch.resume()
-
-    o = await start_service("orchestrator", lambda s: add_orchestrator(s, orch), oset, on_ready=orch_ready,
-                            on_shutdown=[close])
-    channel = insecure_channel(o.address, default_timeout_s=60)
-    yield Stack(store, agent, orchestrator_pb2_grpc.OrchestratorServiceStub(channel), orch)
-    await channel.close(None)
+    core, stub = await start_control_plane(store, tool_time_scale=TIME_SCALE, reconcile_heal=heal,
+                                           reconcile_interval_s=0.5, observe_flush_interval_s=0.2)
+    yield Stack(store, agent, stub, core)
 
 
 @pytest.fixture
-async def stack(etcd_store: Any, start_service: Any) -> AsyncIterator[Stack]:
-    async for s in start_stack(etcd_store, start_service, gpu_count=2):
+async def stack(etcd_store: Any, start_service: Any, start_control_plane: Any) -> AsyncIterator[Stack]:
+    async for s in start_stack(etcd_store, start_service, start_control_plane, gpu_count=2):
         yield s
 
 
 @pytest.fixture
-async def stack_not_healing(etcd_store: Any, start_service: Any) -> AsyncIterator[Stack]:
-    async for s in start_stack(etcd_store, start_service, gpu_count=2, heal=False):
+async def stack_not_healing(etcd_store: Any, start_service: Any, start_control_plane: Any) -> AsyncIterator[Stack]:
+    async for s in start_stack(etcd_store, start_service, start_control_plane, gpu_count=2, heal=False):
         yield s
 
 
 @pytest.fixture
-async def small_stack(etcd_store: Any, start_service: Any) -> AsyncIterator[Stack]:
+async def small_stack(etcd_store: Any, start_service: Any, start_control_plane: Any) -> AsyncIterator[Stack]:
     # One 8 GB GPU: room for exactly one Llama-3.2-1B instance (5.5 GB per the analytic profile).
-    async for s in start_stack(etcd_store, start_service, gpu_count=1, gpu_memory_gb=8.0):
+    async for s in start_stack(etcd_store, start_service, start_control_plane, gpu_count=1, gpu_memory_gb=8.0):
         yield s
 
 
 @pytest.fixture
-async def two_small_gpus(etcd_store: Any, start_service: Any) -> AsyncIterator[Stack]:
-    async for s in start_stack(etcd_store, start_service, gpu_count=2, gpu_memory_gb=8.0):
+async def two_small_gpus(etcd_store: Any, start_service: Any, start_control_plane: Any) -> AsyncIterator[Stack]:
+    async for s in start_stack(etcd_store, start_service, start_control_plane, gpu_count=2, gpu_memory_gb=8.0):
         yield s
 
 
 @pytest.fixture
-async def broken_engines(etcd_store: Any, start_service: Any) -> AsyncIterator[Stack]:
+async def broken_engines(etcd_store: Any, start_service: Any, start_control_plane: Any) -> AsyncIterator[Stack]:
     # The vllm backend with no `vllm` executable on PATH: every engine start fails.
-    async for s in start_stack(etcd_store, start_service, gpu_count=2, backend="vllm"):
+    async for s in start_stack(etcd_store, start_service, start_control_plane, gpu_count=2, backend="vllm"):
         yield s
 
 
