@@ -21,8 +21,10 @@ def _script(path: Path, body: str) -> None:
 
 
 def test_first_setup_says_what_it_does_and_shows_pip_progress() -> None:
-    p = subprocess.run([str(MAKE), "-n", "-B", ".venv/.installed"], cwd=ROOT, capture_output=True, text=True,
-                       check=True)
+    # Under `make test` the parent's MAKEFLAGS/MAKELEVEL would make this a sub-make ("Entering directory").
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    p = subprocess.run([str(MAKE), "--no-print-directory", "-n", "-B", ".venv/.installed"], cwd=ROOT,
+                       capture_output=True, text=True, check=True, env=env)
     lines = p.stdout.splitlines()
     assert lines[0].startswith("echo ") and "installing FlowMaker" in lines[0], lines  # printed before pip runs
     pips = [ln for ln in lines if " -m pip install" in ln]
@@ -47,7 +49,7 @@ exit 0
 """)
     _script(bin_dir / "sudo", 'exec "$@"\n')
     env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
-    p = subprocess.run([str(MAKE), "-s", "etcd", "APT_RETRY_S=0"], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([str(MAKE), "--no-print-directory", "-s", "etcd", "APT_RETRY_S=0"], cwd=ROOT, capture_output=True, text=True,
                        env=env, check=False)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "installing Debian's etcd-server" in p.stdout
