@@ -41,8 +41,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from flowmaker.bench.serving import GPU_TYPE, GPUS_PER_NODE, _json_safe, code_version
-from flowmaker.catalog import default_models, get_gpu_type, make_cluster
+from flowmaker.bench.serving import GPU_TYPE, _json_safe, bench_cluster, code_version
 from flowmaker.domain import (
     Cluster,
     Gpu,
@@ -71,7 +70,6 @@ from flowmaker.eval.traces import (
 )
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad, drifted
 from flowmaker.orchestration.task import Reselection, TaskRecord, TaskState
-from flowmaker.profiling.analytic import profiles_for
 from flowmaker.selection import select
 from flowmaker.sim import DEFAULT_COLOCATION, Route, SimInstance, SimResult, TaskDeployment, simulate
 
@@ -543,11 +541,7 @@ def run_adapt_bench(out_dir: str | Path, traces_dir: str | Path | None = None, c
     out.mkdir(parents=True, exist_ok=True)
     lvls = list(loads) if loads else list(LOAD_LEVELS)
     con = console or Console(width=200)
-    models = default_models()
-    gpu = get_gpu_type(GPU_TYPE)
-    profiles = profiles_for(models, gpu, max_gpus=GPUS_PER_NODE)
-    cluster = make_cluster(GPU_TYPE, nodes=1, gpus_per_node=GPUS_PER_NODE)
-    by_id = {m.id: m for m in models}
+    models, gpu, profiles, cluster, by_id = bench_cluster()
     rows: list[dict[str, Any]] = []
     segments: list[dict[str, Any]] = []
     sources: dict[str, str] = {}

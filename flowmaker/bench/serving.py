@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flowmaker.catalog import default_models, get_gpu_type, make_cluster
+from flowmaker.domain import Cluster, GpuType, Model, Profile
 from flowmaker.errors import InvalidSpec
 from flowmaker.eval.policies import (
     ALL_POLICIES,
@@ -209,6 +210,15 @@ def code_version() -> dict[str, Any]:
     return {"commit": head, "modified": dirty}
 
 
+def bench_cluster() -> tuple[tuple[Model, ...], GpuType, tuple[Profile, ...], Cluster, dict[str, Model]]:
+    """The simulated cluster every serving benchmark runs on: the catalog's models, the GPU type, their analytic
+    profiles on one node of GPUS_PER_NODE x GPU_TYPE, the empty cluster, and the models by id."""
+    models = default_models()
+    gpu = get_gpu_type(GPU_TYPE)
+    profiles = profiles_for(models, gpu, max_gpus=GPUS_PER_NODE)
+    return (models, gpu, profiles, make_cluster(GPU_TYPE, nodes=1, gpus_per_node=GPUS_PER_NODE),
+            {m.id: m for m in models})
+
 def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None, seed: int = 0,
                       policies: Sequence[str] | None = None, loads: Sequence[float] | None = None,
                       traces: Sequence[str] = TRACE_KINDS, console: Console | None = None,
@@ -241,11 +251,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     if not segment_s > 0:
         raise InvalidSpec(f"must be > 0, got {segment_s}", field="segment_s")
     con = console or Console(width=200)
-    models = default_models()
-    gpu = get_gpu_type(GPU_TYPE)
-    profiles = profiles_for(models, gpu, max_gpus=GPUS_PER_NODE)
-    cluster = make_cluster(GPU_TYPE, nodes=1, gpus_per_node=GPUS_PER_NODE)
-    by_id = {m.id: m for m in models}
+    models, gpu, profiles, cluster, by_id = bench_cluster()
     rows: list[dict[str, Any]] = []
     ablation: list[dict[str, Any]] = []
     sources: dict[str, str] = {}
