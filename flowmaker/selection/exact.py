@@ -1092,26 +1092,41 @@ def tightest_reason(pb: Problem, deadline: float = INF) -> int | None:
     return 2 if any(pb.p_ok) else 1
 
 
-@register("exact")
-def select_exact(req: SelectionRequest) -> SelectionResult:
-    started = time.perf_counter()
-    budget = req.options.time_budget_s or DEFAULT_BUDGET_S
-    pb = Problem(req)
-    search = solve(pb, deadline=started + SEARCH_SHARE * budget, grace=started + GRACE_SHARE * budget)
+def usable_profiles(pb: Problem) -> list[bool]:
+    """Profiles the search uses: accuracy met, not dominated, placeable at least alone."""
+    dom = _dominated(pb)
+    place = _placeable(pb)
+    return [u and not d and pl for u, d, pl in zip(pb.p_ok, dom, place, strict=True)]
+
+
+def make_search(pb: Problem, **kw: Any) -> _Search:
+    return _Search(pb, **kw)
+
+
+def finish(pb: Problem, strategy: str, search: _Search, started: float, budget: float) -> SelectionResult:
+    """The answer of a branch-and-bound run under the anytime contract."""
     if search.best_at is None:
         if search.stopped:
-            raise DeadlineExceeded(f"exact: no feasible variant found within the time budget of {budget:g} s "
+            raise DeadlineExceeded(f"{strategy}: no feasible variant found within the time budget of {budget:g} s "
                                    f"({search.nodes:,} search nodes; proven lower bound of the cost "
                                    f"{search.lower_bound:.6g})", reason="SELECTION_DEADLINE_EXCEEDED")
         level = tightest_reason(pb, deadline=started + GRACE_SHARE * budget)
         if level is None:
             # Infeasibility is proven; only which constraint is the tightest stayed open.
-            res = infeasible_result(pb, "exact", 4, started, search.leaves, timed_out=True, optimal=True)
+            res = infeasible_result(pb, strategy, 4, started, search.leaves, timed_out=True, optimal=True)
             return replace(res, reason_detail=res.reason_detail + " (the time budget ran out before the "
                            "tightest reason was established: it may be an earlier constraint)")
-        return infeasible_result(pb, "exact", level, started, search.leaves, optimal=True)
-    return pb.result("exact", search.best_at, started, search.leaves, timed_out=search.stopped,
+        return infeasible_result(pb, strategy, level, started, search.leaves, optimal=True)
+    return pb.result(strategy, search.best_at, started, search.leaves, timed_out=search.stopped,
                      optimal=not search.stopped, lower_bound=search.lower_bound)
 
 
-__all__ = ["select_exact", "solve", "tightest_reason"]
+@register("exact")
+def select_exact(req: SelectionRequest) -> SelectionResult:
+    from flowmaker.selection.milp import FIRST_MAX_S, FIRST_SHARE, select_hybrid
+
+    budget = req.options.time_budget_s or DEFAULT_BUDGET_S
+    return select_hybrid(req, "exact", min(FIRST_MAX_S, FIRST_SHARE * budget))
+
+
+__all__ = ["finish", "make_search", "select_exact", "solve", "tightest_reason", "usable_profiles"]

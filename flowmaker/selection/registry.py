@@ -38,4 +38,4 @@ def select(request: SelectionRequest, strategy: str = "exact") -> SelectionResul
 def _load() -> None:
     # Import the strategy modules for their @register side effect (kept lazy so
     # that importing the registry never pulls optional extras such as skopt).
-    from flowmaker.selection import bayesopt, exact, exhaustive, heuristic  # noqa: F401
+    from flowmaker.selection import bayesopt, exact, exhaustive, heuristic, milp  # noqa: F401

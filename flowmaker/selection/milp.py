@@ -1,0 +1,443 @@
+"""`milp`: the selection problem as a sequence of mixed-integer programs (HiGHS), and the bound `exact` takes from it.
+
+The cost M * L is a product of the new memory M and the workflow latency L, so an optimum lies on the
+(M, L) Pareto front. Relaxing only the placement rule, each point of that front is found by two MILPs
+over one model:
+
+    x[u, o] in {0, 1}   stage u runs on option o (a running instance r, or a new instance of profile p)
+    y[p] in Z+          new instances of profile p;  M = sum_p memory_p * y[p]
+    t[v] >= t[pred] + sum_o latency[v, o] * x[v, o]   (longest path; L >= t[v], L <= lambda)
+    sum_o x[u, o] = 1;  x[u, p] <= y[p];  load placed on r <= its spare;  load on p <= capacity_p * y[p];
+    stages heavier than half of capacity_p on p <= y[p]
+
+`min M` (subject to L <= the previous point's L minus a step) gives the next memory level, `min L`
+(subject to M <= that level) its latency; the walk starts at the least M and stops once a level's
+M times the least latency of all can no longer beat the best cost found. Aggregating the capacity of the
+instances of one profile relaxes bin packing, so a front point is turned into a variant by packing its
+stages into its instances (first fit decreasing, topological order for the slots) and checking that
+variant exactly (`Problem.check`: capacity and the LeastLoaded placement). A checked variant is an
+incumbent; the least cost over the front (over the levels not yet visited, when the walk stops early) is a
+lower bound of every variant of the workflow.
+
+HiGHS solves each MILP to a zero relative gap with tight tolerances; answers are always recomputed from the
+chosen assignment, never taken from the solver's objective.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowmaker.domain import SelectionRequest, SelectionResult
+from flowmaker.selection.problem import (
+    INF,
+    NEW,
+    REUSE,
+    Choice,
+    Problem,
+    PWorkflow,
+    better,
+    leq,
+)
+from flowmaker.selection.registry import register
+
+MIP_TOL = 1e-9  # feasibility tolerances handed to HiGHS
+
+
+def _highs_mod() -> Any:
+    try:
+        from highspy import _core
+    except ImportError:  # pragma: no cover
+        return None
+    return _core
+
+
+_CORE = _highs_mod()
+
+
+@dataclass
+class Front:
+    """What one workflow's Pareto walk established."""
+
+    lower_bound: float = INF  # least cost of any variant of the workflow (placement relaxed)
+    complete: bool = False  # the walk finished: lower_bound is the relaxed optimum
+    candidates: list[tuple[tuple[float, float, int], list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]] = \
+        field(default_factory=list)  # feasible variants found: (score, choice, slot profiles, placements)
+    relaxed_best: tuple[float, float] | None = None  # (cost, L) of the best front point
+    solves: int = 0
+
+
+class RelaxedModel:
+    """The MILP of one workflow with placement relaxed (see the module docstring)."""
+
+    def __init__(self, pb: Problem, pw: PWorkflow, usable: list[bool], check_cap: bool = True) -> None:
+        self.pb, self.pw = pb, pw
+        self.ok = True
+        core = _CORE
+        lam = pb.lam
+        llm = pw.llm
+        # Options per LLM stage.
+        opts: dict[int, list[tuple[str, int, float]]] = {}
+        for s in llm:
+            ld = pw.load[s]
+            o: list[tuple[str, int, float]] = []
+            for r, pi in enumerate(pb.r_prof):
+                if pb.p_ok[pi] and (not check_cap or leq(pb.r_load0[r] + ld, pb.p_cap[pi])) \
+                        and leq(pw.lat_reuse[s][r], lam):
+                    o.append((REUSE, r, pw.lat_reuse[s][r]))
+            for pi in range(len(pb.profiles)):
+                if usable[pi] and (not check_cap or leq(ld, pb.p_cap[pi])) and leq(pw.lat_new[s][pi], lam):
+                    o.append((NEW, pi, pw.lat_new[s][pi]))
+            if not o:
+                self.ok = False
+            opts[s] = o
+        if self.ok:
+            drop = _dominated_here(pb, pw, sorted({ref for s in llm for k, ref, _ in opts[s] if k == NEW}))
+            for s in llm:
+                opts[s] = [o for o in opts[s] if not (o[0] == NEW and o[1] in drop)]
+        self.opts = opts
+        if not self.ok:
+            return
+        cols_lo: list[float] = []
+        cols_hi: list[float] = []
+        integ: list[Any] = []
+        entries: list[list[tuple[int, float]]] = []
+        rlo: list[float] = []
+        rhi: list[float] = []
+        big = math.inf
+
+        def row(lo: float, hi: float) -> int:
+            rlo.append(lo)
+            rhi.append(hi)
+            return len(rlo) - 1
+
+        def col(lo: float, hi: float, is_int: bool) -> int:
+            cols_lo.append(lo)
+            cols_hi.append(hi)
+            integ.append(core.HighsVarType.kInteger if is_int else core.HighsVarType.kContinuous)
+            entries.append([])
+            return len(cols_lo) - 1
+
+        profs = sorted({pi for s in llm for k, pi, _ in opts[s] if k == NEW})
+        reus = sorted({r for s in llm for k, r, _ in opts[s] if k == REUSE})
+        n = len(pw.wf.stages)
+        self.y = {pi: col(0.0, float(len(llm)), True) for pi in profs}
+        self.L = col(0.0, lam * (1 + 1e-9), False)
+        t = [col(0.0, big, False) for _ in range(n)]
+        self.mem_row = row(-big, big)
+        for pi in profs:
+            entries[self.y[pi]].append((self.mem_row, pb.p_mem[pi]))
+        cap_row = {pi: row(-big, 0.0) for pi in profs}
+        for pi in profs:
+            entries[self.y[pi]].append((cap_row[pi], -(pb.p_cap[pi] if check_cap else 0.0)))
+        heavy_row: dict[int, int] = {}
+        spare_row = {r: row(-big, (pb.p_cap[pb.r_prof[r]] - pb.r_load0[r]) * (1 + 1e-12) + 1e-12 if check_cap
+                            else big) for r in reus}
+        # Path rows: per stage v and each predecessor (or none): t_v - t_p - lat_v >= 0; L - t_v >= 0.
+        path_rows: list[list[int]] = []
+        for v in range(n):
+            rows_v = []
+            preds = pw.preds[v]
+            base = pw.tool_lat[v] if not pw.wf.stages[v].is_llm else 0.0
+            for p in preds or (None,):
+                r_ = row(base, big)
+                entries[t[v]].append((r_, 1.0))
+                if p is not None:
+                    entries[t[p]].append((r_, -1.0))
+                rows_v.append(r_)
+            path_rows.append(rows_v)
+            top = row(0.0, big)
+            entries[self.L].append((top, 1.0))
+            entries[t[v]].append((top, -1.0))
+        self.x: dict[int, list[int]] = {}
+        for s in llm:
+            a = row(1.0, 1.0)
+            ld = pw.load[s]
+            xs = []
+            for k, ref, lat in opts[s]:
+                c = col(0.0, 1.0, True)
+                e = entries[c]
+                e.append((a, 1.0))
+                for r_ in path_rows[s]:
+                    e.append((r_, -lat))
+                if k == REUSE:
+                    e.append((spare_row[ref], ld))
+                else:
+                    e.append((cap_row[ref], ld))
+                    link = row(-big, 0.0)
+                    e.append((link, 1.0))
+                    entries[self.y[ref]].append((link, -1.0))
+                    if check_cap and ld * 2 > pb.p_cap[ref] * (1 + 1e-9):
+                        if ref not in heavy_row:
+                            heavy_row[ref] = row(-big, 0.0)
+                            entries[self.y[ref]].append((heavy_row[ref], -1.0))
+                        e.append((heavy_row[ref], 1.0))
+                xs.append(c)
+            self.x[s] = xs
+        from flowmaker.selection.exact import _core_lp
+
+        lp = _core_lp(cols_lo, cols_hi, [0.0] * len(cols_lo), entries, rlo, rhi)
+        lp.integrality_ = integ
+        h = core._Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("threads", 1)
+        h.setOptionValue("mip_rel_gap", 0.0)
+        h.setOptionValue("mip_abs_gap", 0.0)
+        h.setOptionValue("mip_feasibility_tolerance", MIP_TOL)
+        h.setOptionValue("primal_feasibility_tolerance", MIP_TOL)
+        h.setOptionValue("dual_feasibility_tolerance", MIP_TOL)
+        h.passModel(lp)
+        self.h = h
+        self.ncol = len(cols_lo)
+        self.solves = 0
+
+    # ---- solving
+
+    def _solve(self, objective: str, mem_cap: float, lat_cap: float, deadline: float) -> tuple[str, float, list[float]]:
+        """min M, L or new GPUs (G) subject to M <= mem_cap, L <= lat_cap. Returns (status, dual bound, solution)."""
+        h = self.h
+        cost = [0.0] * self.ncol
+        if objective == "L":
+            cost[self.L] = 1.0
+        elif objective == "G":
+            for pi, c in self.y.items():
+                cost[c] = float(self.pb.p_k[pi])
+        else:
+            for pi, c in self.y.items():
+                cost[c] = self.pb.p_mem[pi]
+        h.changeColsCost(self.ncol, list(range(self.ncol)), cost)
+        h.changeRowBounds(self.mem_row, -math.inf, mem_cap)
+        h.changeColBounds(self.L, 0.0, lat_cap)
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return "time", -INF, []
+        h.setOptionValue("time_limit", max(left, 1e-3))
+        h.run()
+        self.solves += 1
+        name = h.modelStatusToString(h.getModelStatus())
+        info = h.getInfo()
+        if name == "Infeasible":
+            return "infeasible", INF, []
+        if name != "Optimal":
+            db = getattr(info, "mip_dual_bound", -INF)
+            return "time", db if db is not None and math.isfinite(db) else -INF, []
+        sol = list(h.getSolution().col_value)
+        db = getattr(info, "mip_dual_bound", info.objective_function_value)
+        return "optimal", min(db, info.objective_function_value), sol
+
+    def assignment(self, sol: list[float]) -> dict[int, tuple[str, int]]:
+        out = {}
+        for s in self.pw.llm:
+            best = max(range(len(self.x[s])), key=lambda i: sol[self.x[s][i]])
+            k, ref, _ = self.opts[s][best]
+            out[s] = (k, ref)
+        return out
+
+    def realize(self, assign: dict[int, tuple[str, int]], ys: dict[int, int]
+                ) -> tuple[tuple[float, float, int], list[Choice], list[int], list[tuple[str, tuple[str, ...]]]] | None:
+        """A variant from an assignment: stages of one profile packed into its instances (first fit decreasing),
+        slots numbered in the order of their first stage; None when it does not pack or place."""
+        pb, pw = self.pb, self.pw
+        inst: dict[int, int] = {}  # stage -> (profile, bin) encoded
+        for pi in {ref for k, ref in assign.values() if k == NEW}:
+            st = sorted((s for s, (k, ref) in assign.items() if k == NEW and ref == pi), key=lambda s: -pw.load[s])
+            bins: list[float] = []
+            for s in st:
+                for b in range(len(bins)):
+                    if leq(bins[b] + pw.load[s], pb.p_cap[pi]):
+                        bins[b] += pw.load[s]
+                        inst[s] = b
+                        break
+                else:
+                    bins.append(pw.load[s])
+                    inst[s] = len(bins) - 1
+        choice: list[Choice] = []
+        slot_of: dict[tuple[int, int], int] = {}
+        slots: list[int] = []
+        for s in pw.llm:
+            k, ref = assign[s]
+            if k == REUSE:
+                choice.append((REUSE, ref))
+                continue
+            key = (ref, inst[s])
+            if key not in slot_of:
+                slot_of[key] = len(slots)
+                slots.append(ref)
+            choice.append((NEW, slot_of[key]))
+        code, places = pb.check(pw, choice, slots)
+        if code != 5:
+            return None
+        return pb.score(pw, choice, slots), choice, slots, places
+
+    def walk(self, deadline: float, best: tuple[float, float, int] | None) -> Front:
+        """The Pareto walk (module docstring). `best`: the incumbent (cost, L, GPUs) across workflows.
+        Only points that can beat the incumbent are asked for: the latency cap of a level of memory m is
+        also best / m, and a level is only opened while m * Lmin is below the incumbent."""
+        fr = Front()
+        if not self.ok:
+            fr.lower_bound, fr.complete = INF, True
+            return fr
+        lam = self.pb.lam
+        st, Lmin, sol = self._solve("L", INF, lam * (1 + 1e-9), deadline)
+        if st == "infeasible":
+            fr.lower_bound, fr.complete = INF, True
+            return fr
+        if st != "optimal":
+            fr.lower_bound = 0.0
+            return fr
+        Lmin = max(Lmin, 0.0) * (1 - 1e-9)
+        lat_cap = lam * (1 + 1e-9)
+        lb = INF  # least cost over the levels visited (placement relaxed)
+        lb_rest = 0.0  # least cost of the levels not visited
+
+        def inc() -> float:
+            return best[0] * (1 + 1e-9) if best else INF
+
+        while True:
+            mem_cap = inc() / Lmin if Lmin > 0 else INF
+            stM, Mlev, _ = self._solve("M", mem_cap, lat_cap, deadline)
+            if stM == "infeasible":
+                lb_rest = INF if mem_cap == INF else min(INF, inc() / (1 + 1e-9))
+                break
+            if stM != "optimal":
+                lb_rest = max(Mlev, 0.0) * Lmin
+                break
+            Mlev = max(Mlev, 0.0)
+            if Mlev > 0.0 and best is not None:
+                lat_cap = min(lat_cap, inc() / Mlev)
+            stL, Lv, sol = self._solve("L", Mlev * (1 + 1e-9) + 1e-9, lat_cap, deadline)
+            if stL == "infeasible":
+                # Nothing at this level beats the incumbent: the level costs at least the incumbent.
+                lb = min(lb, best[0] if best else INF)
+            elif stL != "optimal":
+                lb_rest = Mlev * Lmin
+                break
+            else:
+                assign = self.assignment(sol)
+                ys = {pi: round(sol[c]) for pi, c in self.y.items()}
+                cand = self.realize(assign, ys)
+                M_true = sum(self.pb.p_mem[pi] * n for pi, n in ys.items())
+                lb = min(lb, M_true * Lv if cand is None else min(cand[0][0], M_true * Lv))
+                if cand is not None:
+                    fr.candidates.append(cand)
+                    if better(*cand[0], best):
+                        best = cand[0]
+                if Mlev <= 0.0:
+                    lb_rest = INF  # the free level: every other point costs more
+                    break
+                lat_cap = min(lat_cap, Lv * (1 - 1e-9))
+            if Mlev > 0.0 and best is not None:
+                lat_cap = min(lat_cap, inc() / Mlev)
+            if lat_cap < Lmin:
+                lb_rest = INF
+                break
+        fr.lower_bound = max(0.0, min(lb, lb_rest) * (1 - 1e-9))
+        fr.complete = lb_rest == INF or (best is not None and lb_rest >= best[0])
+        fr.solves = self.solves
+        return fr
+
+    def fewest_gpus(self, mem: float, lat: float, deadline: float
+                    ) -> tuple[tuple[float, float, int], list[Choice], list[int], list[tuple[str, tuple[str, ...]]]] | None:
+        """The variant of fewest new GPUs among those with M <= mem and L <= lat (up to 1e-9), if it places."""
+        st, _, sol = self._solve("G", mem * (1 + 1e-9) + 1e-12, lat * (1 + 1e-9), deadline)
+        if st != "optimal":
+            return None
+        return self.realize(self.assignment(sol), {pi: round(sol[c]) for pi, c in self.y.items()})
+
+
+def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
+    """Profiles that another one dominates in this workflow with placement relaxed: no more memory, at least
+    the capacity, no more GPUs, no slower on any LLM stage (ties: the lower index stays). Any instance of a dominated
+    profile can be swapped for one of the other without raising M or L or breaking capacity."""
+    out: set[int] = set()
+    lat = {pi: [pw.lat_new[s][pi] for s in pw.llm] for pi in profs}
+    for p in profs:
+        for q in profs:
+            if q == p or q in out:
+                continue
+            if pb.p_mem[q] <= pb.p_mem[p] and pb.p_cap[q] >= pb.p_cap[p] and pb.p_k[q] <= pb.p_k[p] and all(
+                    a <= b for a, b in zip(lat[q], lat[p], strict=True)):
+                strict = (pb.p_mem[q] < pb.p_mem[p] or pb.p_cap[q] > pb.p_cap[p] or pb.p_k[q] < pb.p_k[p]
+                          or any(a < b for a, b in zip(lat[q], lat[p], strict=True)))
+                if strict or q < p:
+                    out.add(p)
+                    break
+    return out
+
+
+
+# ---------------------------------------------------------------- the strategy: MILP front, then branch and bound
+
+FIRST_SHARE = 0.08  # `exact`: share of the budget for the branch and bound alone (most requests end here)
+FIRST_MAX_S = 0.25
+MILP_SHARE = 0.7  # the Pareto walks end by this share of the budget; the branch and bound has the rest
+
+Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]]
+
+
+def select_hybrid(req: SelectionRequest, strategy: str, first_s: float | None) -> SelectionResult:
+    """Branch and bound for `first_s` (None: the whole budget, no MILP); if that does not settle it, the
+    Pareto walks of every workflow (incumbents and a lower bound, or the proof), then branch and bound again
+    from the best variant known, for the rest of the budget."""
+    from flowmaker.selection import exact as ex
+
+    started = time.perf_counter()
+    budget = req.options.time_budget_s or ex.DEFAULT_BUDGET_S
+    pb = Problem(req)
+    deadline = started + ex.SEARCH_SHARE * budget
+    grace = started + ex.GRACE_SHARE * budget
+    if first_s is None or _CORE is None:
+        return ex.finish(pb, strategy, ex.solve(pb, deadline=deadline, grace=grace), started, budget)
+    search = None
+    if first_s > 0:
+        d1 = min(deadline, started + first_s)
+        search = ex.solve(pb, deadline=d1, grace=d1)
+        if not search.stopped:
+            return ex.finish(pb, strategy, search, started, budget)
+    best: Best | None = None
+    if search is not None and search.best is not None and search.best_at is not None:
+        best = (search.best, search.best_at)
+    usable = ex.usable_profiles(pb)
+    d2 = started + MILP_SHARE * budget
+    lb = INF
+    complete = True
+    models: dict[int, RelaxedModel] = {}
+    for pw in pb.workflows:
+        m = RelaxedModel(pb, pw, usable)
+        models[pw.index] = m
+        fr = m.walk(d2, best[0] if best else None)
+        lb = min(lb, fr.lower_bound)
+        complete = complete and fr.complete
+        for sc, choice, slots, places in fr.candidates:
+            if best is None or better(*sc, best[0]):
+                best = (sc, (pw, choice, slots, places))
+    if complete and best is not None and best[0][0] <= lb * (1 + 2e-9) + 1e-300:
+        # Proven (placement relaxed, so a fortiori). Tie-break: fewest new GPUs at this cost and latency.
+        pw = best[1][0]
+        alt = models[pw.index].fewest_gpus(sum(pb.p_mem[p] for p in best[1][2]), best[0][1], d2 + 0.1 * budget)
+        if alt is not None and better(*alt[0], best[0]):
+            best = (alt[0], (pw, alt[1], alt[2], alt[3]))
+        if alt is not None:
+            return pb.result(strategy, best[1], started, 0, optimal=True)
+    if complete and best is None and lb == INF:
+        # Nothing is feasible even with placement relaxed: the branch and bound names the reason.
+        return ex.finish(pb, strategy, ex.solve(pb, deadline=deadline, grace=grace), started, budget)
+    s3 = ex.make_search(pb, deadline=deadline, grace=grace)
+    if best is not None:
+        s3.best, s3.best_at = best
+    s3.run()
+    if not s3.stopped or lb == INF:
+        return ex.finish(pb, strategy, s3, started, budget)
+    s3.frontier = max(s3.frontier, lb)  # both are lower bounds of every variant not yet improved on
+    return ex.finish(pb, strategy, s3, started, budget)
+
+
+@register("milp")
+def select_milp(req: SelectionRequest) -> SelectionResult:
+    """The Pareto walk first (no branch-and-bound head start), branch and bound for what it leaves open."""
+    return select_hybrid(req, "milp", 0.0)
+
+
+__all__ = ["RelaxedModel", "select_hybrid", "select_milp"]
