@@ -44,6 +44,8 @@ from flowmaker.selection.problem import (
 from flowmaker.selection.registry import register
 
 MIP_TOL = 1e-9  # feasibility tolerances handed to HiGHS
+CUT_K = 3  # bin-packing cuts: stages heavier than capacity / (k + 1), k = 1..CUT_K
+MEM_ROWS = True
 
 
 def _highs_mod() -> Any:
@@ -132,7 +134,13 @@ class RelaxedModel:
         cap_row = {pi: row(-big, 0.0) for pi in profs}
         for pi in profs:
             entries[self.y[pi]].append((cap_row[pi], -(pb.p_cap[pi] if check_cap else 0.0)))
-        heavy_row: dict[int, int] = {}
+        heavy_row: dict[tuple[int, int], int] = {}
+        mem_u: dict[int, int] = {}
+        if MEM_ROWS:  # M >= the memory of the new instance each stage runs on
+            for s in llm:
+                mem_u[s] = row(0.0, big)
+                for pi in profs:
+                    entries[self.y[pi]].append((mem_u[s], pb.p_mem[pi]))
         spare_row = {r: row(-big, (pb.p_cap[pb.r_prof[r]] - pb.r_load0[r]) * (1 + 1e-12) + 1e-12 if check_cap
                             else big) for r in reus}
         # Path rows: per stage v and each predecessor (or none): t_v - t_p - lat_v >= 0; L - t_v >= 0.
@@ -169,11 +177,16 @@ class RelaxedModel:
                     link = row(-big, 0.0)
                     e.append((link, 1.0))
                     entries[self.y[ref]].append((link, -1.0))
-                    if check_cap and ld * 2 > pb.p_cap[ref] * (1 + 1e-9):
-                        if ref not in heavy_row:
-                            heavy_row[ref] = row(-big, 0.0)
-                            entries[self.y[ref]].append((heavy_row[ref], -1.0))
-                        e.append((heavy_row[ref], 1.0))
+                    # Bin packing: stages heavier than capacity / (k + 1) fit at most k to an instance.
+                    for kk in range(1, CUT_K + 1):
+                        if check_cap and ld * (kk + 1) > pb.p_cap[ref] * (1 + 1e-9):
+                            key = (ref, kk)
+                            if key not in heavy_row:
+                                heavy_row[key] = row(-big, 0.0)
+                                entries[self.y[ref]].append((heavy_row[key], -float(kk)))
+                            e.append((heavy_row[key], 1.0))
+                    if MEM_ROWS:
+                        e.append((mem_u[s], -pb.p_mem[ref]))
                 xs.append(c)
             self.x[s] = xs
         from flowmaker.selection.exact import _core_lp
@@ -235,24 +248,41 @@ class RelaxedModel:
             out[s] = (k, ref)
         return out
 
-    def realize(self, assign: dict[int, tuple[str, int]], ys: dict[int, int]
-                ) -> tuple[tuple[float, float, int], list[Choice], list[int], list[tuple[str, tuple[str, ...]]]] | None:
-        """A variant from an assignment: stages of one profile packed into its instances (first fit decreasing),
-        slots numbered in the order of their first stage; None when it does not pack or place."""
-        pb, pw = self.pb, self.pw
-        inst: dict[int, int] = {}  # stage -> (profile, bin) encoded
-        for pi in {ref for k, ref in assign.values() if k == NEW}:
+    def packing(self, assign: dict[int, tuple[str, int]], ys: dict[int, int]
+                ) -> tuple[dict[int, int], tuple[int, list[int]] | None]:
+        """Stages of each profile packed into its ys[profile] instances (exactly: depth first); the stage ->
+        instance map, and (profile, its stages) for a profile whose stages do not fit that many instances."""
+        pw = self.pw
+        inst: dict[int, int] = {}
+        for pi in sorted({ref for k, ref in assign.values() if k == NEW}):
             st = sorted((s for s, (k, ref) in assign.items() if k == NEW and ref == pi), key=lambda s: -pw.load[s])
-            bins: list[float] = []
-            for s in st:
-                for b in range(len(bins)):
-                    if leq(bins[b] + pw.load[s], pb.p_cap[pi]):
-                        bins[b] += pw.load[s]
-                        inst[s] = b
-                        break
-                else:
-                    bins.append(pw.load[s])
-                    inst[s] = len(bins) - 1
+            try:
+                got = _pack([pw.load[s] for s in st], self.pb.p_cap[pi], max(1, ys.get(pi, 0)))
+            except _GiveUp:
+                got = _pack_ffd([pw.load[s] for s in st], self.pb.p_cap[pi])
+                if len(set(got)) > ys.get(pi, 0):
+                    return inst, (pi, [])  # undecided: no cut, this point only bounds
+            if got is None:
+                return inst, (pi, st)
+            for s, b in zip(st, got, strict=True):
+                inst[s] = b
+        return inst, None
+
+    def cut(self, pi: int, stages: list[int], nbins: int) -> None:
+        """Valid for every variant: when all of `stages` run on profile pi, it has at least nbins instances."""
+        idx = [self.y[pi]]
+        val = [1.0]
+        for s in stages:
+            o = next(i for i, (k, ref, _) in enumerate(self.opts[s]) if k == NEW and ref == pi)
+            idx.append(self.x[s][o])
+            val.append(-float(nbins))
+        self.h.addRow(-float(nbins) * (len(stages) - 1), math.inf, len(idx), idx, val)
+
+    def realize(self, assign: dict[int, tuple[str, int]], inst: dict[int, int]
+                ) -> tuple[tuple[float, float, int], list[Choice], list[int], list[tuple[str, tuple[str, ...]]]] | None:
+        """A variant from an assignment and its packing: slots numbered in the order of their first stage;
+        None when it does not place."""
+        pb, pw = self.pb, self.pw
         choice: list[Choice] = []
         slot_of: dict[tuple[int, int], int] = {}
         slots: list[int] = []
@@ -309,15 +339,36 @@ class RelaxedModel:
                 lat_cap = min(lat_cap, inc() / Mlev)
             stL, Lv, sol = self._solve("L", Mlev * (1 + 1e-9) + 1e-9, lat_cap, deadline)
             if stL == "infeasible":
-                # Nothing at this level beats the incumbent: the level costs at least the incumbent.
-                lb = min(lb, best[0] if best else INF)
+                # Up to the next level every variant is slower than the cap (at the least the incumbent's cost).
+                lb = min(lb, Mlev * lat_cap)
             elif stL != "optimal":
                 lb_rest = Mlev * Lmin
                 break
             else:
                 assign = self.assignment(sol)
                 ys = {pi: round(sol[c]) for pi, c in self.y.items()}
-                cand = self.realize(assign, ys)
+                inst, bad = self.packing(assign, ys)
+                if bad is not None:
+                    # The aggregated capacity let these stages share fewer instances than they need.
+                    pi, st = bad
+                    if not st:
+                        lb = min(lb, sum(self.pb.p_mem[q] * n for q, n in ys.items()) * Lv)
+                        if Mlev <= 0.0:
+                            lb_rest = INF
+                            break
+                        lat_cap = min(lat_cap, Lv * (1 - 1e-9))
+                        if Mlev > 0.0 and best is not None:
+                            lat_cap = min(lat_cap, inc() / Mlev)
+                        if lat_cap < Lmin:
+                            lb_rest = INF
+                            break
+                        continue
+                    need = ys.get(pi, 0) + 1
+                    while _pack([self.pw.load[x] for x in st], self.pb.p_cap[pi], need) is None:
+                        need += 1
+                    self.cut(pi, st, need)
+                    continue  # the same level again
+                cand = self.realize(assign, inst)
                 M_true = sum(self.pb.p_mem[pi] * n for pi, n in ys.items())
                 lb = min(lb, M_true * Lv if cand is None else min(cand[0][0], M_true * Lv))
                 if cand is not None:
@@ -344,7 +395,9 @@ class RelaxedModel:
         st, _, sol = self._solve("G", mem * (1 + 1e-9) + 1e-12, lat * (1 + 1e-9), deadline)
         if st != "optimal":
             return None
-        return self.realize(self.assignment(sol), {pi: round(sol[c]) for pi, c in self.y.items()})
+        assign = self.assignment(sol)
+        inst, bad = self.packing(assign, {pi: round(sol[c]) for pi, c in self.y.items()})
+        return None if bad is not None else self.realize(assign, inst)
 
 
 def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
@@ -441,3 +494,51 @@ def select_milp(req: SelectionRequest) -> SelectionResult:
 
 
 __all__ = ["RelaxedModel", "select_hybrid", "select_milp"]
+
+
+class _GiveUp(Exception):
+    """Packing took too long to decide."""
+
+
+def _pack(loads: list[float], cap: float, nbins: int) -> list[int] | None:
+    """Bin of each load (loads in decreasing order) in at most nbins bins of capacity cap; None: impossible."""
+    n = len(loads)
+    fill = [0.0] * nbins
+    out = [0] * n
+    steps = [0]
+
+    def go(i: int, used: int) -> bool:
+        steps[0] += 1
+        if i == n:
+            return True
+        if steps[0] > 200_000:
+            raise _GiveUp
+        seen: set[float] = set()
+        for b in range(min(used + 1, nbins)):
+            if fill[b] in seen or not leq(fill[b] + loads[i], cap):
+                continue
+            seen.add(fill[b])
+            fill[b] += loads[i]
+            out[i] = b
+            if go(i + 1, max(used, b + 1)):
+                return True
+            fill[b] -= loads[i]
+        return False
+
+    return out if go(0, 0) else None
+
+
+def _pack_ffd(loads: list[float], cap: float) -> list[int]:
+    """First fit (loads in decreasing order): a packing, not always one of fewest bins."""
+    fill: list[float] = []
+    out = []
+    for x in loads:
+        for b in range(len(fill)):
+            if leq(fill[b] + x, cap):
+                fill[b] += x
+                out.append(b)
+                break
+        else:
+            fill.append(x)
+            out.append(len(fill) - 1)
+    return out
