@@ -302,90 +302,77 @@ class RelaxedModel:
         return pb.score(pw, choice, slots), choice, slots, places
 
     def walk(self, deadline: float, best: tuple[float, float, int] | None) -> Front:
-        """The Pareto walk (module docstring). `best`: the incumbent (cost, L, GPUs) across workflows.
-        Only points that can beat the incumbent are asked for: the latency cap of a level of memory m is
-        also best / m, and a level is only opened while m * Lmin is below the incumbent."""
+        """The Pareto walk, from the top (module docstring). `best`: the incumbent (cost, L, GPUs) across
+        workflows. Lmin (least L) and Mmin (least M) first; then, with b = incumbent / Lmin, repeatedly the
+        least L subject to M <= b and L <= incumbent / Mmin: its point (M', L') costs what every variant with
+        M in [M', b] costs at least, and b drops below M'. An infeasible solve proves that no variant of
+        memory <= b beats the incumbent."""
         fr = Front()
+        fr.solves = 0
         if not self.ok:
             fr.lower_bound, fr.complete = INF, True
             return fr
-        lam = self.pb.lam
-        st, Lmin, sol = self._solve("L", INF, lam * (1 + 1e-9), deadline)
-        if st == "infeasible":
-            fr.lower_bound, fr.complete = INF, True
-            return fr
+        lam_cap = self.pb.lam * (1 + 1e-9)
+        st, Lmin, _ = self._solve("L", INF, lam_cap, deadline)
         if st != "optimal":
-            fr.lower_bound = 0.0
+            fr.lower_bound, fr.complete = (INF, True) if st == "infeasible" else (0.0, False)
+            fr.solves = self.solves
             return fr
         Lmin = max(Lmin, 0.0) * (1 - 1e-9)
-        lat_cap = lam * (1 + 1e-9)
-        lb = INF  # least cost over the levels visited (placement relaxed)
-        lb_rest = 0.0  # least cost of the levels not visited
-
-        def inc() -> float:
-            return best[0] * (1 + 1e-9) if best else INF
-
+        st, Mmin, _ = self._solve("M", INF, lam_cap, deadline)
+        if st != "optimal":
+            fr.lower_bound = max(Mmin, 0.0) * Lmin if st == "time" else 0.0
+            fr.solves = self.solves
+            return fr
+        Mmin = max(Mmin, 0.0) * (1 - 1e-9)
+        lb = INF  # least cost of the intervals [M', b] proven
+        b = INF
+        L_last = Lmin
+        done = False
         while True:
-            mem_cap = inc() / Lmin if Lmin > 0 else INF
-            stM, Mlev, _ = self._solve("M", mem_cap, lat_cap, deadline)
-            if stM == "infeasible":
-                lb_rest = INF if mem_cap == INF else min(INF, inc() / (1 + 1e-9))
-                break
-            if stM != "optimal":
-                lb_rest = max(Mlev, 0.0) * Lmin
-                break
-            Mlev = max(Mlev, 0.0)
-            if Mlev > 0.0 and best is not None:
-                lat_cap = min(lat_cap, inc() / Mlev)
-            stL, Lv, sol = self._solve("L", Mlev * (1 + 1e-9) + 1e-9, lat_cap, deadline)
+            inc = best[0] * (1 + 1e-9) if best else INF
+            if inc < INF and Lmin > 0:
+                b = min(b, inc / Lmin)
+            lat_cap = min(lam_cap, inc / Mmin) if Mmin > 0 else lam_cap
+            stL, Lv, sol = self._solve("L", b, lat_cap, deadline)
             if stL == "infeasible":
-                # Up to the next level every variant is slower than the cap (at the least the incumbent's cost).
-                lb = min(lb, Mlev * lat_cap)
-            elif stL != "optimal":
-                lb_rest = Mlev * Lmin
+                # No variant of memory <= b is as fast as lat_cap: each costs more than Mmin * lat_cap.
+                lb = min(lb, Mmin * lat_cap if lat_cap < lam_cap else INF)
+                done = True
                 break
-            else:
-                assign = self.assignment(sol)
-                ys = {pi: round(sol[c]) for pi, c in self.y.items()}
-                inst, bad = self.packing(assign, ys)
-                if bad is not None:
-                    # The aggregated capacity let these stages share fewer instances than they need.
-                    pi, st = bad
-                    if not st:
-                        lb = min(lb, sum(self.pb.p_mem[q] * n for q, n in ys.items()) * Lv)
-                        if Mlev <= 0.0:
-                            lb_rest = INF
-                            break
-                        lat_cap = min(lat_cap, Lv * (1 - 1e-9))
-                        if Mlev > 0.0 and best is not None:
-                            lat_cap = min(lat_cap, inc() / Mlev)
-                        if lat_cap < Lmin:
-                            lb_rest = INF
-                            break
-                        continue
-                    need = ys.get(pi, 0) + 1
-                    while _pack([self.pw.load[x] for x in st], self.pb.p_cap[pi], need) is None:
-                        need += 1
-                    self.cut(pi, st, need)
-                    continue  # the same level again
+            if stL != "optimal":
+                break
+            assign = self.assignment(sol)
+            ys = {pi: round(sol[c]) for pi, c in self.y.items()}
+            M_pt = sum(self.pb.p_mem[pi] * n for pi, n in ys.items())
+            inst, bad = self.packing(assign, ys)
+            if bad is not None and bad[1]:
+                # The aggregated capacity let these stages share fewer instances than they need.
+                pi, st_ = bad
+                need = ys.get(pi, 0) + 1
+                while _pack([self.pw.load[x] for x in st_], self.pb.p_cap[pi], need) is None:
+                    need += 1
+                self.cut(pi, st_, need)
+                continue  # the same interval again
+            L_last = max(L_last, Lv)
+            lb = min(lb, M_pt * Lv)
+            if bad is None:
                 cand = self.realize(assign, inst)
-                M_true = sum(self.pb.p_mem[pi] * n for pi, n in ys.items())
-                lb = min(lb, M_true * Lv if cand is None else min(cand[0][0], M_true * Lv))
                 if cand is not None:
                     fr.candidates.append(cand)
                     if better(*cand[0], best):
                         best = cand[0]
-                if Mlev <= 0.0:
-                    lb_rest = INF  # the free level: every other point costs more
-                    break
-                lat_cap = min(lat_cap, Lv * (1 - 1e-9))
-            if Mlev > 0.0 and best is not None:
-                lat_cap = min(lat_cap, inc() / Mlev)
-            if lat_cap < Lmin:
-                lb_rest = INF
+            if M_pt <= 0.0:
+                done = True  # the free level: nothing below
                 break
-        fr.lower_bound = max(0.0, min(lb, lb_rest) * (1 - 1e-9))
-        fr.complete = lb_rest == INF or (best is not None and lb_rest >= best[0])
+            b = M_pt * (1 - 1e-9) - 1e-12
+            if b < Mmin:
+                done = True
+                break
+        if not done:
+            lb = min(lb, Mmin * L_last)  # the interval [Mmin, b] left: L there is at least L_last
+        fr.lower_bound = max(0.0, lb * (1 - 1e-9))
+        fr.complete = done
         fr.solves = self.solves
         return fr
 
