@@ -25,6 +25,7 @@ chosen assignment, never taken from the solver's objective.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -205,6 +206,7 @@ class RelaxedModel:
         self.h = h
         self.ncol = len(cols_lo)
         self.solves = 0
+        self.points: list[tuple[float, float, list[float]]] = []  # (M, L, solution) of the points found
 
     # ---- solving
 
@@ -226,6 +228,13 @@ class RelaxedModel:
         left = deadline - time.perf_counter()
         if left <= 0:
             return "time", -INF, []
+        # A start: a known point within the caps.
+        for pm, pl, ps in self.points:
+            if pm <= mem_cap and pl <= lat_cap:
+                sol0 = _core_solution(ps)
+                if sol0 is not None:
+                    h.setSolution(sol0)
+                break
         h.setOptionValue("time_limit", max(left, 1e-3))
         h.run()
         self.solves += 1
@@ -325,22 +334,32 @@ class RelaxedModel:
             fr.solves = self.solves
             return fr
         Mmin = max(Mmin, 0.0) * (1 - 1e-9)
-        lb = INF  # least cost of the intervals [M', b] proven
-        b = INF
-        L_last = Lmin
-        done = False
-        while True:
+        lb = INF  # least cost of the points found (each proves an interval [M', m])
+        inc0 = best[0] * (1 + 1e-9) if best else INF
+        # Memory intervals [a, b] not yet proven, keyed by their bound a * (least L there).
+        heap: list[tuple[float, float, float, float, bool]] = [
+            (Mmin * Lmin, Mmin, inc0 / Lmin if Lmin > 0 else INF, Lmin, False)]
+        while heap:
+            key, a, b, lo_l, whole = heapq.heappop(heap)
             inc = best[0] * (1 + 1e-9) if best else INF
+            if key > inc:  # (equal: a variant of equal cost may still be faster)
+                heap.clear()
+                break
             if inc < INF and Lmin > 0:
                 b = min(b, inc / Lmin)
-            lat_cap = min(lam_cap, inc / Mmin) if Mmin > 0 else lam_cap
-            stL, Lv, sol = self._solve("L", b, lat_cap, deadline)
+            if b < a:
+                continue
+            # Bisect an interval, except one just above a proven part (bisecting those never ends).
+            m = b if whole or b == INF or b - a <= 1e-9 * max(1.0, b) else (a + b) / 2
+            lat_cap = min(lam_cap, inc / a) if a > 0 else lam_cap
+            stL, Lv, sol = self._solve("L", m, lat_cap, deadline)
             if stL == "infeasible":
-                # No variant of memory <= b is as fast as lat_cap: each costs more than Mmin * lat_cap.
-                lb = min(lb, Mmin * lat_cap if lat_cap < lam_cap else INF)
-                done = True
-                break
+                # No variant of memory in [a, m] is as fast as lat_cap: each costs more than the incumbent.
+                if m < b:
+                    heapq.heappush(heap, (m * lo_l, m, b, lo_l, True))
+                continue
             if stL != "optimal":
+                heapq.heappush(heap, (key, a, b, lo_l, whole))
                 break
             assign = self.assignment(sol)
             ys = {pi: round(sol[c]) for pi, c in self.y.items()}
@@ -353,26 +372,25 @@ class RelaxedModel:
                 while _pack([self.pw.load[x] for x in st_], self.pb.p_cap[pi], need) is None:
                     need += 1
                 self.cut(pi, st_, need)
-                continue  # the same interval again
-            L_last = max(L_last, Lv)
-            lb = min(lb, M_pt * Lv)
+                heapq.heappush(heap, (key, a, b, lo_l, whole))  # the same interval again
+                continue
+            lb = min(lb, M_pt * Lv)  # every variant of memory in [M_pt, m] is at least as slow
+            self.points.append((M_pt * (1 + 1e-9), Lv * (1 + 1e-9), sol))
             if bad is None:
                 cand = self.realize(assign, inst)
                 if cand is not None:
                     fr.candidates.append(cand)
                     if better(*cand[0], best):
                         best = cand[0]
-            if M_pt <= 0.0:
-                done = True  # the free level: nothing below
-                break
-            b = M_pt * (1 - 1e-9) - 1e-12
-            if b < Mmin:
-                done = True
-                break
-        if not done:
-            lb = min(lb, Mmin * L_last)  # the interval [Mmin, b] left: L there is at least L_last
-        fr.lower_bound = max(0.0, lb * (1 - 1e-9))
-        fr.complete = done
+            below = M_pt * (1 - 1e-9) - 1e-12
+            if below >= a:
+                heapq.heappush(heap, (a * max(lo_l, Lv), a, below, max(lo_l, Lv), False))
+            if m < b:
+                heapq.heappush(heap, (m * lo_l, m, b, lo_l, True))
+        inc = best[0] if best else INF
+        rest = min((k for k, *_ in heap), default=INF)
+        fr.lower_bound = max(0.0, min(lb, rest, inc) * (1 - 1e-9))
+        fr.complete = rest > inc or not heap
         fr.solves = self.solves
         return fr
 
@@ -529,3 +547,10 @@ def _pack_ffd(loads: list[float], cap: float) -> list[int]:
             fill.append(x)
             out.append(len(fill) - 1)
     return out
+
+
+def _core_solution(col_value: list[float]) -> Any:
+    sol = _CORE.HighsSolution()
+    sol.col_value = [float(round(v)) if abs(v - round(v)) < 1e-6 else v for v in col_value]
+    sol.value_valid = True
+    return sol
