@@ -581,3 +581,87 @@ def test_a_class_whose_new_option_relaxes_priced_capacity_is_not_skipped() -> No
     assert want is not None and res.variant is not None
     assert close(res.variant.cost, want[0]) and close(res.variant.latency_s, want[1])
     recheck(req, res.variant)
+
+
+# ---------------------------------------------------------------- the MILP Pareto walk (strategy `milp`, and `exact` on hard requests)
+
+
+@settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(requests(), dense_requests()))
+def test_milp_equals_brute_force(req: SelectionRequest) -> None:
+    """`milp` (the Pareto walk first, branch and bound for what it leaves open) == the brute force, including
+    the tie-break by latency, placement-infeasible optima of the relaxation and all-reuse optima."""
+    want, level = brute_force(req)
+    res = select(req, "milp")
+    assert res.optimal
+    if want is None:
+        assert res.variant is None and res.reason == LEVEL[level], (res.reason, level)
+    else:
+        assert res.variant is not None
+        assert close(res.variant.cost, want[0]), (res.variant.cost, want)
+        assert close(res.variant.latency_s, want[1]), (res.variant.latency_s, want)
+        assert close(res.lower_bound, res.variant.cost)
+        recheck(req, res.variant)
+
+
+@settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(requests(), dense_requests()), st.sampled_from([None, 0.5, 1.0, 2.0]))
+def test_the_walk_bounds_every_variant_and_its_points_are_feasible(req: SelectionRequest,
+                                                                  inc: float | None) -> None:
+    """Each workflow's walk (placement relaxed, optionally under an incumbent of `inc` x the optimum): its lower
+    bound is at most the optimum, every candidate it returns is a feasible variant, and a complete walk
+    without a smaller incumbent finds the optimum whenever that is not placement-bound."""
+    import math as _m
+
+    from flowmaker.selection.exact import usable_profiles
+    from flowmaker.selection.milp import RelaxedModel
+    from flowmaker.selection.problem import Problem
+
+    want, _ = brute_force(req)
+    pb = Problem(req)
+    usable = usable_profiles(pb)
+    best = None if want is None or inc is None else (want[0] * inc, want[1], 0)
+    lbs = []
+    for pw in pb.workflows:
+        fr = RelaxedModel(pb, pw, usable).walk(_m.inf, best)
+        lbs.append(fr.lower_bound)
+        for sc, choice, slots, places in fr.candidates:
+            v = pb.build_variant(pw, choice, slots, places)
+            recheck(req, v)
+            assert close(v.cost, sc[0])
+            if want is not None:
+                assert v.cost >= want[0] * (1 - 1e-9) - 1e-12
+    if want is None:
+        return
+    assert min(lbs) <= want[0] * (1 + 1e-9) + 1e-12, (lbs, want)
+
+
+def test_milp_relaxed_optimum_that_cannot_be_placed() -> None:
+    """Two stages too heavy to share an instance: two cheap 30 GB instances would be best, but one 48 GB GPU holds
+    only one of them; the answer is the one 40 GB instance that carries both (the walk's point does not place,
+    branch and bound settles it)."""
+    wf = Workflow("w", (Stage("a", input_tokens=100, output_tokens=100),
+                        Stage("b", depends_on=("a",), input_tokens=100, output_tokens=100)))
+    models = (Model("small", 0.3, 1.0, 1.0), Model("big", 0.3, 10.0, 10.0))
+    profiles = (Profile("small", 1, 1, 30.0, 0.0, 0.0, 0.01, 150.0),
+                Profile("big", 1, 1, 40.0, 0.0, 0.0, 0.02, 1000.0))
+    req = SelectionRequest(Slo(0.2, 10.0, 1.0), (wf,), models, profiles, Cluster((Gpu("g0", "n0", 48.0),), ()))
+    want, _ = brute_force(req)
+    for strategy in ("milp", "exact"):
+        res = select(req, strategy)
+        assert want is not None and res.variant is not None and res.optimal
+        assert close(res.variant.cost, want[0]) and close(res.variant.latency_s, want[1])
+        assert res.variant.new_instances[0].model_id == "big"
+
+
+def test_milp_all_reuse_takes_the_fastest_free_variant() -> None:
+    """Cost 0 ties: among all-reuse variants the least latency wins."""
+    running = (Instance("slow", "big", 1, 1, ("g0",), 0.0), Instance("fast", "small", 1, 1, ("g1",), 0.0))
+    req = _chain_request(rate=1.0, instances=running)
+    want, _ = brute_force(req)
+    res = select(req, "milp")
+    assert want is not None and res.variant is not None and res.optimal
+    assert res.variant.cost == 0.0 and close(res.variant.latency_s, want[1])
+    assert {i for i, _ in res.variant.reuse} == {"fast"}
