@@ -12,7 +12,7 @@ from flowmaker.errors import FlowMakerError
 
 
 def select_cmd(request: Path = typer.Option(..., "--request", "-r", help="SelectVariant request, proto3 JSON."),
-               strategy: str | None = typer.Option(None, help="exact (default) | heuristic | exhaustive | bayesopt; "
+               strategy: str | None = typer.Option(None, help="exact (default) | milp | heuristic | exhaustive | bayesopt; "
                                                               "overrides the file's `strategy`."),
                time_budget: float | None = typer.Option(
                    None, "--time-budget", min=0.0,

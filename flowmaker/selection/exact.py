@@ -1,5 +1,15 @@
 """`exact` (default): depth-first branch-and-bound that returns a minimum-cost variant, anytime.
 
+Two phases when the first does not settle it (`flowmaker/selection/milp.py`, `select_hybrid`): the
+branch and bound below runs alone for 8% of the time budget (at most 0.25 s), which answers most requests.
+If it has not finished by then, the (memory, latency) Pareto front of every workflow is walked with
+mixed-integer programs over instance counts and stage assignments with placement relaxed (HiGHS; see the
+milp module). Its points become incumbents once their instances are packed and placed exactly as the
+spec places them, and the walk proves a lower bound of every variant; when the best placed variant costs
+that bound, it is the optimum (ties: the least latency is on the walked front, the fewest new GPUs is one
+more MILP). Otherwise the branch and bound runs again from the best variant known, for the rest of the
+budget, and an interrupted run reports the larger of its frontier bound and the walk's.
+
 Search: LLM stages are decided in the spec's topological order, so new
 instances are placed exactly when the spec places them (in order of their
 first stage) and capacity, placement and partial latency are checked
@@ -46,7 +56,8 @@ stage; only the first is branched on.
 Anytime: the search stops at `options.time_budget_s` (default 60 s; the
 selector service also passes the caller's gRPC deadline). It then returns the
 best variant found with `optimal=False` and a proven `lower_bound` on the
-optimum (the least bound over the unexplored subtrees), or raises
+optimum (the least bound over the unexplored subtrees, or the Pareto walk's
+bound when that is larger), or raises
 DeadlineExceeded when it found no feasible variant yet.
 """
 

@@ -430,7 +430,7 @@ def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
 
 FIRST_SHARE = 0.08  # `exact`: share of the budget for the branch and bound alone (most requests end here)
 FIRST_MAX_S = 0.25
-MILP_SHARE = 0.7  # the Pareto walks end by this share of the budget; the branch and bound has the rest
+MILP_SHARE = 0.82  # the Pareto walks end by this share of the budget; the branch and bound has the rest
 
 Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]]
 
@@ -461,6 +461,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first_s: float | None) -
     d2 = started + MILP_SHARE * budget
     lb = INF
     complete = True
+    evaluated = search.leaves if search is not None else 0  # variants looked at: leaves and front points
     models: dict[int, RelaxedModel] = {}
     for pw in pb.workflows:
         m = RelaxedModel(pb, pw, usable)
@@ -468,17 +469,18 @@ def select_hybrid(req: SelectionRequest, strategy: str, first_s: float | None) -
         fr = m.walk(d2, best[0] if best else None)
         lb = min(lb, fr.lower_bound)
         complete = complete and fr.complete
+        evaluated += len(fr.candidates)
         for sc, choice, slots, places in fr.candidates:
             if best is None or better(*sc, best[0]):
                 best = (sc, (pw, choice, slots, places))
     if complete and best is not None and best[0][0] <= lb * (1 + 2e-9) + 1e-300:
         # Proven (placement relaxed, so a fortiori). Tie-break: fewest new GPUs at this cost and latency.
         pw = best[1][0]
-        alt = models[pw.index].fewest_gpus(sum(pb.p_mem[p] for p in best[1][2]), best[0][1], d2 + 0.1 * budget)
+        alt = models[pw.index].fewest_gpus(sum(pb.p_mem[p] for p in best[1][2]), best[0][1], d2 + 0.05 * budget)
         if alt is not None and better(*alt[0], best[0]):
             best = (alt[0], (pw, alt[1], alt[2], alt[3]))
         if alt is not None:
-            return pb.result(strategy, best[1], started, 0, optimal=True)
+            return pb.result(strategy, best[1], started, evaluated, optimal=True)
     if complete and best is None and lb == INF:
         # Nothing is feasible even with placement relaxed: the branch and bound names the reason.
         return ex.finish(pb, strategy, ex.solve(pb, deadline=deadline, grace=grace), started, budget)
