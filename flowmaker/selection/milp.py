@@ -1,26 +1,34 @@
 """`milp`: the selection problem as a sequence of mixed-integer programs (HiGHS), and the bound `exact` takes from it.
 
 The cost M * L is a product of the new memory M and the workflow latency L, so an optimum lies on the
-(M, L) Pareto front. Relaxing only the placement rule, each point of that front is found by two MILPs
-over one model:
+(M, L) Pareto front of each workflow. With only the placement rule relaxed, one model describes the variants:
 
     x[u, o] in {0, 1}   stage u runs on option o (a running instance r, or a new instance of profile p)
     y[p] in Z+          new instances of profile p;  M = sum_p memory_p * y[p]
     t[v] >= t[pred] + sum_o latency[v, o] * x[v, o]   (longest path; L >= t[v], L <= lambda)
-    sum_o x[u, o] = 1;  x[u, p] <= y[p];  load placed on r <= its spare;  load on p <= capacity_p * y[p];
-    stages heavier than half of capacity_p on p <= y[p]
+    sum_o x[u, o] = 1;  x[u, p] <= y[p];  M >= memory_p * x[u, p];  load placed on r <= its spare;
+    load on p <= capacity_p * y[p];  stages heavier than capacity_p / (k + 1) on p <= k * y[p] (k = 1..3)
 
-`min M` (subject to L <= the previous point's L minus a step) gives the next memory level, `min L`
-(subject to M <= that level) its latency; the walk starts at the least M and stops once a level's
-M times the least latency of all can no longer beat the best cost found. Aggregating the capacity of the
-instances of one profile relaxes bin packing, so a front point is turned into a variant by packing its
-stages into its instances (first fit decreasing, topological order for the slots) and checking that
-variant exactly (`Problem.check`: capacity and the LeastLoaded placement). A checked variant is an
-incumbent; the least cost over the front (over the levels not yet visited, when the walk stops early) is a
-lower bound of every variant of the workflow.
+Profiles that another one dominates in this workflow (no more memory or GPUs, at least the capacity, no
+slower on any stage) are left out. The walk (`RelaxedModel.walk`) first solves for the least L (Lmin) and
+the least M (Mmin), then keeps memory intervals [a, b] not yet proven, least bound a * (least L there)
+first, starting from [Mmin, incumbent / Lmin]. For an interval it solves min L subject to M <= m (m the
+midpoint, or b for an interval just above a proven part) and L <= incumbent / a:
 
-HiGHS solves each MILP to a zero relative gap with tight tolerances; answers are always recomputed from the
-chosen assignment, never taken from the solver's objective.
+- infeasible: no variant of memory in [a, m] beats the incumbent;
+- a point (M', L'): every variant of memory in [M', m] costs at least M' * L'; [a, M') stays open with
+  L >= L', and (m, b] stays open.
+
+It ends when no open interval's bound is below the incumbent (ties included, so the least latency at the
+optimal cost is on the walk), or at the deadline; the least bound over the points and the open intervals is a
+lower bound of every variant of the workflow. Aggregating the capacity of the instances of one profile
+relaxes bin packing, so each point's stages are packed into its instances exactly (depth first); when they do
+not fit, a cut (all of these stages on p => at least as many instances as they need) is added and the interval
+solved again. A packed point is numbered in the spec's order (slots by first stage) and checked exactly
+(`Problem.check`: capacity and the LeastLoaded placement); then it is an incumbent.
+
+HiGHS solves each MILP to a zero gap with feasibility tolerances of 1e-9, and every bound taken from it is
+lowered by a relative 1e-9; the variants returned are always recomputed from the chosen assignment.
 """
 
 from __future__ import annotations
