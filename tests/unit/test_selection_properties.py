@@ -665,3 +665,40 @@ def test_milp_all_reuse_takes_the_fastest_free_variant() -> None:
     assert want is not None and res.variant is not None and res.optimal
     assert res.variant.cost == 0.0 and close(res.variant.latency_s, want[1])
     assert {i for i, _ in res.variant.reuse} == {"fast"}
+
+
+@settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 3, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(requests(), dense_requests()), st.integers(0, 6))
+def test_an_interrupted_walk_keeps_a_valid_lower_bound(req: SelectionRequest, solves: int) -> None:
+    """The walk stopped after `solves` MILPs (as at a deadline): its bound is still at most the optimum, and
+    `milp` (branch and bound for the rest) still answers the optimum."""
+    import math as _m
+
+    from flowmaker.selection import milp
+    from flowmaker.selection.exact import usable_profiles
+    from flowmaker.selection.problem import Problem
+
+    saved = milp.RelaxedModel._solve
+
+    def limited(self, objective, mem_cap, lat_cap, deadline):  # type: ignore[no-untyped-def]
+        if self.solves >= solves:
+            return "time", -_m.inf, []
+        return saved(self, objective, mem_cap, lat_cap, deadline)
+
+    want, level = brute_force(req)
+    milp.RelaxedModel._solve = limited  # type: ignore[method-assign]
+    try:
+        pb = Problem(req)
+        usable = usable_profiles(pb)
+        lbs = [milp.RelaxedModel(pb, pw, usable).walk(_m.inf, None).lower_bound for pw in pb.workflows]
+        res = select(req, "milp")
+    finally:
+        milp.RelaxedModel._solve = saved  # type: ignore[method-assign]
+    if want is None:
+        assert res.variant is None and res.reason == LEVEL[level]
+        return
+    assert min(lbs) <= want[0] * (1 + 1e-9) + 1e-12, (lbs, want)
+    assert res.variant is not None and res.optimal
+    assert close(res.variant.cost, want[0]) and close(res.variant.latency_s, want[1])
+    recheck(req, res.variant)
