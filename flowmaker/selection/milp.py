@@ -41,6 +41,7 @@ from typing import Any
 
 from flowmaker.domain import SelectionRequest, SelectionResult
 from flowmaker.selection.problem import (
+    EPS,
     INF,
     NEW,
     REUSE,
@@ -55,6 +56,11 @@ from flowmaker.selection.registry import register
 MIP_TOL = 1e-9  # feasibility tolerances handed to HiGHS
 CUT_K = 3  # bin-packing cuts: stages heavier than capacity / (k + 1), k = 1..CUT_K
 MEM_ROWS = True
+
+
+def _tol(x: float) -> float:
+    """The largest value `leq(value, x)` admits (the spec's checks tolerate float noise; so must the bound)."""
+    return x + EPS * max(1.0, abs(x))
 
 
 def _highs_mod() -> Any:
@@ -135,14 +141,14 @@ class RelaxedModel:
         reus = sorted({r for s in llm for k, r, _ in opts[s] if k == REUSE})
         n = len(pw.wf.stages)
         self.y = {pi: col(0.0, float(len(llm)), True) for pi in profs}
-        self.L = col(0.0, lam * (1 + 1e-9), False)
+        self.L = col(0.0, _tol(lam), False)
         t = [col(0.0, big, False) for _ in range(n)]
         self.mem_row = row(-big, big)
         for pi in profs:
             entries[self.y[pi]].append((self.mem_row, pb.p_mem[pi]))
         cap_row = {pi: row(-big, 0.0) for pi in profs}
         for pi in profs:
-            entries[self.y[pi]].append((cap_row[pi], -(pb.p_cap[pi] if check_cap else 0.0)))
+            entries[self.y[pi]].append((cap_row[pi], -(_tol(pb.p_cap[pi]) if check_cap else 0.0)))
         heavy_row: dict[tuple[int, int], int] = {}
         mem_u: dict[int, int] = {}
         if MEM_ROWS:  # M >= the memory of the new instance each stage runs on
@@ -150,8 +156,7 @@ class RelaxedModel:
                 mem_u[s] = row(0.0, big)
                 for pi in profs:
                     entries[self.y[pi]].append((mem_u[s], pb.p_mem[pi]))
-        spare_row = {r: row(-big, (pb.p_cap[pb.r_prof[r]] - pb.r_load0[r]) * (1 + 1e-12) + 1e-12 if check_cap
-                            else big) for r in reus}
+        spare_row = {r: row(-big, _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r] if check_cap else big) for r in reus}
         # Path rows: per stage v and each predecessor (or none): t_v - t_p - lat_v >= 0; L - t_v >= 0.
         path_rows: list[list[int]] = []
         for v in range(n):
@@ -188,7 +193,7 @@ class RelaxedModel:
                     entries[self.y[ref]].append((link, -1.0))
                     # Bin packing: stages heavier than capacity / (k + 1) fit at most k to an instance.
                     for kk in range(1, CUT_K + 1):
-                        if check_cap and ld * (kk + 1) > pb.p_cap[ref] * (1 + 1e-9):
+                        if check_cap and ld * (kk + 1) > _tol(pb.p_cap[ref]) * (1 + 1e-12):
                             key = (ref, kk)
                             if key not in heavy_row:
                                 heavy_row[key] = row(-big, 0.0)
@@ -329,7 +334,7 @@ class RelaxedModel:
         if not self.ok:
             fr.lower_bound, fr.complete = INF, True
             return fr
-        lam_cap = self.pb.lam * (1 + 1e-9)
+        lam_cap = _tol(self.pb.lam)
         st, Lmin, _ = self._solve("L", INF, lam_cap, deadline)
         if st != "optimal":
             fr.lower_bound, fr.complete = (INF, True) if st == "infeasible" else (0.0, False)
