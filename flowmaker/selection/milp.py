@@ -82,7 +82,6 @@ class Front:
     complete: bool = False  # the walk finished: lower_bound is the relaxed optimum
     candidates: list[tuple[tuple[float, float, int], list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]] = \
         field(default_factory=list)  # feasible variants found: (score, choice, slot profiles, placements)
-    relaxed_best: tuple[float, float] | None = None  # (cost, L) of the best front point
     solves: int = 0
 
 
@@ -244,9 +243,7 @@ class RelaxedModel:
         # A start: a known point within the caps.
         for pm, pl, ps in self.points:
             if pm <= mem_cap and pl <= lat_cap:
-                sol0 = _core_solution(ps)
-                if sol0 is not None:
-                    h.setSolution(sol0)
+                h.setSolution(_core_solution(ps))
                 break
         h.setOptionValue("time_limit", max(left, 1e-3))
         h.run()
