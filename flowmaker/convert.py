@@ -280,7 +280,8 @@ def cluster_from_proto(m: cluster_pb2.Cluster) -> Cluster:
 def selection_options_to_proto(o: SelectionOptions) -> selection_pb2.SelectionOptions:
     # allow_reuse is always written so that the JSON shows the effective value.
     return selection_pb2.SelectionOptions(utilization_cap=o.utilization_cap, allow_reuse=o.allow_reuse,
-                                          time_budget_s=o.time_budget_s, max_trials=o.max_trials, seed=o.seed)
+                                          time_budget_s=o.time_budget_s, max_trials=o.max_trials, seed=o.seed,
+                                          max_replicas=o.max_replicas)
 
 
 def selection_options_from_proto(m: selection_pb2.SelectionOptions) -> SelectionOptions:
@@ -288,6 +289,7 @@ def selection_options_from_proto(m: selection_pb2.SelectionOptions) -> Selection
         utilization_cap=m.utilization_cap or 1.0,  # spec: default 1
         allow_reuse=m.allow_reuse if m.HasField("allow_reuse") else True,  # spec: default true
         time_budget_s=m.time_budget_s, max_trials=m.max_trials, seed=m.seed,
+        max_replicas=m.max_replicas or 1,  # 0 (absent) = the base contract
     )
 
 
@@ -306,7 +308,7 @@ def stage_assignment_to_proto(a: StageAssignment) -> selection_pb2.StageAssignme
     return selection_pb2.StageAssignment(
         stage_id=a.stage_id, model_id=a.model_id, tp=a.tp, pp=a.pp, reused=a.reused, instance_id=a.instance_id,
         new_key=a.new_key, gpu_ids=list(a.gpu_ids), latency_s=a.latency_s,
-        load_output_tokens_per_s=a.load_output_tokens_per_s,
+        load_output_tokens_per_s=a.load_output_tokens_per_s, replica_keys=list(a.replica_keys),
     )
 
 
@@ -314,7 +316,7 @@ def stage_assignment_from_proto(m: selection_pb2.StageAssignment) -> StageAssign
     return StageAssignment(
         stage_id=m.stage_id, model_id=m.model_id, tp=m.tp, pp=m.pp, reused=m.reused, instance_id=m.instance_id,
         new_key=m.new_key, gpu_ids=tuple(m.gpu_ids), latency_s=m.latency_s,
-        load_output_tokens_per_s=m.load_output_tokens_per_s,
+        load_output_tokens_per_s=m.load_output_tokens_per_s, replica_keys=tuple(m.replica_keys),
     )
 
 

@@ -61,6 +61,7 @@ class Limits:
     gpus_per_instance: int = 64  # tp, pp and tp*pp
     memory_gb: float = 65_536.0  # any GPU memory figure
     bayesopt_trials: int = 10_000  # SelectionOptions.max_trials
+    replicas: int = 16  # SelectionOptions.max_replicas (domain.selection.MAX_REPLICAS)
     selection_time_budget_s: float = 60.0  # SelectionOptions.time_budget_s
     params_b: float = 100_000.0  # model size, billions of parameters
     # Model architecture (RegisterModel): what fits the analytic model with room to spare.
@@ -268,6 +269,7 @@ FIELD_RULES: dict[str, tuple[Rule, ...]] = {
     _C + "Cluster.instances": (("count", "instances_per_cluster"),),
     # selection.proto
     _C + "SelectionOptions.max_trials": (("range", "bayesopt_trials"),),
+    _C + "SelectionOptions.max_replicas": (("range", "replicas"),),
     _C + "SelectionOptions.time_budget_s": (("range", "selection_time_budget_s"),),
     # selector.proto
     "flowmaker.selector.v1.SelectVariantRequest.workflows": (("count", "workflows_per_task"),),
