@@ -9,7 +9,6 @@ from flowmaker.domain.cluster import Cluster, Model, Profile
 from flowmaker.domain.workflow import Slo, Workflow
 from flowmaker.errors import InvalidSpec
 
-
 # Replicas per new instance the selection extension allows (docs/selection-spec.md).
 MAX_REPLICAS = 16
 
