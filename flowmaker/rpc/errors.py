@@ -228,6 +228,11 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[
     return parse
 
 
+# Requests larger than this (serialized bytes) are validated off the event loop (flowmaker.cancel.offload);
+# smaller ones are checked in place, where a thread hop would cost more than the walk.
+OFFLOAD_CHECK_BYTES = 32_768
+
+
 def _check_request(request: Any) -> None:
     """The edge checks, before any handler code: decodable, then valid (flowmaker.rpc.validate)."""
     if isinstance(request, Undecodable):
@@ -321,7 +326,12 @@ class _Edge:
         ptoken = current_principal.set(principal)
         try:
             if self.check:
-                _check_request(request)
+                if isinstance(request, Message) and request.ByteSize() > OFFLOAD_CHECK_BYTES:
+                    # A big request (a maximal DAG, a long profile list) is validated in a worker, bounded by
+                    # the caller's deadline: health checks and other callers keep being answered meanwhile.
+                    await _cancel.offload(_check_request, request)
+                else:
+                    _check_request(request)
             caller = None
             if self.limiter is not None:
                 c = f"principal:{principal.name}" if principal.name else caller_of(context)

@@ -30,7 +30,8 @@ from flowmaker import convert, telemetry
 from flowmaker.api.common.v1 import cluster_pb2, selection_pb2
 from flowmaker.api.deployer.v1 import deployer_pb2
 from flowmaker.api.selector.v1 import selector_pb2
-from flowmaker.catalog import default_models
+from flowmaker.cancel import checkpoint, offload
+from flowmaker.catalog import default_models, get_model
 from flowmaker.domain import Cluster, Model, Slo, Stage, Variant, Workflow
 from flowmaker.errors import (
     Conflict,
@@ -41,6 +42,7 @@ from flowmaker.errors import (
     NotFound,
     Unavailable,
 )
+from flowmaker.limits import LimitExceeded
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad
 from flowmaker.orchestration.cluster import OBSERVED_LOAD_MAX_AGE_S, excluding_task, read_live_cluster
 from flowmaker.orchestration.commit import CommitPlan, ReleaseAction, commit_ops, plan_commit, plan_release
@@ -137,6 +139,17 @@ class TaskView:
     observed_rate_rps: float = 0.0  # model-time arrivals/s over the orchestrator's window (0: not measured)
 
 
+def _check_workflows(workflows: Sequence[Workflow]) -> None:
+    """Validate each workflow (ids, DAG, templates) and that workflow ids are distinct."""
+    ids: set[str] = set()
+    for i, w in enumerate(workflows):
+        checkpoint()
+        w.validate(f"workflows[{i}]")
+        if w.id in ids:
+            raise InvalidSpec(f"duplicate workflow id {w.id!r}", field=f"workflows[{i}].id")
+        ids.add(w.id)
+
+
 class Orchestrator:
     def __init__(self, settings: OrchestratorSettings, store: StateStore, clients: Clients,
                  engines: EngineClient | None = None) -> None:
@@ -150,6 +163,9 @@ class Orchestrator:
         self._pending_obs: defaultdict[str, list[float]] = defaultdict(list)
         self._inflight: defaultdict[str, int] = defaultdict(int)  # instance id -> engine calls in progress
         self._delete_results: dict[str, list[str]] = {}  # task id -> instances its delete stopped
+        # Model id -> context length (prompt + completion tokens): the catalog's, and the registered models'
+        # once a selection has listed them (`_models`). Every engine call's max_tokens is clamped to it.
+        self._contexts: dict[str, int] = {m.id: m.arch.max_ctx for m in default_models() if m.arch is not None}
         self.arrivals = ArrivalMeter(settings.load_window_s)
         s = settings
         self.reconciler = Reconciler(self, store, Policy(
@@ -291,12 +307,9 @@ class Orchestrator:
             raise InvalidSpec(f"must be >= 0 (0 = default), got {max_workflows}", field="max_workflows")
         if not workflows and not description.strip():
             raise InvalidSpec("must describe the task (or give workflows)", field="description")
-        ids: set[str] = set()
-        for i, w in enumerate(workflows):
-            w.validate(f"workflows[{i}]")
-            if w.id in ids:
-                raise InvalidSpec(f"duplicate workflow id {w.id!r}", field=f"workflows[{i}].id")
-            ids.add(w.id)
+        if workflows:
+            # CPU work proportional to the DAGs: in a worker, bounded by the caller's deadline.
+            await offload(_check_workflows, tuple(workflows))
         tid = f"{_slug(name or description, 'task')}-{uuid.uuid4().hex[:8]}"
         with _tracer().start_as_current_span("task.create", attributes={telemetry.FLOWMAKER_TASK: tid}) as span:
             candidates = tuple(workflows) or await self._generate(description,
@@ -399,6 +412,7 @@ class Orchestrator:
             return ()
         by_id = {m.id: m for m in default_models()}
         by_id.update({m.id: m for m in registered})
+        self._contexts.update({m.id: m.arch.max_ctx for m in registered if m.arch is not None and m.arch.max_ctx > 0})
         return tuple(by_id.values())
 
     async def _wait_for_capacity(self, task_id: str, why: str) -> None:
@@ -1031,6 +1045,7 @@ class Orchestrator:
                                    output_tokens=len(prompt.split()))
             rec = insts[t.stage_instances[stage.id]]
             max_tokens = min(stage.output_tokens, max_output_tokens) if max_output_tokens else stage.output_tokens
+            max_tokens = self._clamp_to_context(stage, rec.model_id, prompt, max_tokens)
             on_delta: OnDelta | None = None
             if on_event is not None:
                 async def on_delta(piece: str) -> None:
@@ -1086,6 +1101,27 @@ class Orchestrator:
         pending.append(ex.latency_s)
         del pending[:-self.settings.latency_window]
         return ex
+
+    def _clamp_to_context(self, stage: Stage, model_id: str, prompt: str, max_tokens: int) -> int:
+        """`max_tokens` clamped so that prompt + completion fit the model's context (when it is known);
+        INVALID_ARGUMENT (limit context_tokens) when the prompt alone leaves no room. The prompt is counted
+        in words, as the emulated engine counts; a real engine whose tokenizer counts more answers 400,
+        which `EngineClient.chat` reports as INVALID_ARGUMENT too."""
+        ctx = self._contexts.get(model_id)
+        if ctx is None:
+            with contextlib.suppress(NotFound):
+                arch = get_model(model_id).arch
+                ctx = arch.max_ctx if arch is not None else None
+        if not ctx:
+            return max_tokens
+        in_tokens = len(prompt.split())
+        room = ctx - in_tokens
+        if room < 1:
+            raise LimitExceeded(f"stage {stage.id!r}: its prompt has {in_tokens} tokens, which leaves no room for "
+                                f"an answer in the {ctx}-token context of model {model_id!r} (limit context_tokens)",
+                                field="input", metadata={"limit": "context_tokens", "max": str(ctx),
+                                                         "stage_id": stage.id})
+        return min(max_tokens, room)
 
     def _admit(self, task_id: str, t: TaskRecord, wf: Workflow, insts: dict[str, InstanceRecord]) -> None:
         """Admission control: reject at once (RESOURCE_EXHAUSTED, with a retry hint) a request that cannot
