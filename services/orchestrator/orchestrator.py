@@ -58,6 +58,7 @@ from flowmaker.orchestration.task import (
     TaskRecord,
     TaskState,
     derive_state,
+    replicas_of,
 )
 from flowmaker.rpc.channels import deadline_s
 from flowmaker.rpc.errors import call, incoming_deadline
@@ -721,9 +722,10 @@ class Orchestrator:
         for attempt in range(1, self.settings.commit_retries + 1):
             view = await read_live_cluster(self.store)
             seen = excluding_task(view, refs)
-            a = await self._select_at(t, rate_rps, seen.cluster)
+            reps = self.settings.load_max_replicas  # scaling a stage out is one of the answers
+            a = await self._select_at(t, rate_rps, seen.cluster, max_replicas=reps)
             fresh = replace(seen.cluster, instances=tuple(i for i in seen.cluster.instances if i.id not in exclusive))
-            b = await self._select_at(t, rate_rps, fresh) if exclusive else None
+            b = await self._select_at(t, rate_rps, fresh, max_replicas=reps) if exclusive else None
             tkv, cur = await self._get(task_id)
             if cur.state is not TaskState.ACTIVE or cur.next_variant is not None:
                 return
@@ -768,8 +770,10 @@ class Orchestrator:
         await self._note_reselection(task_id, replace(note, outcome="FAILED",
                                                       reason=f"{why}; the cluster kept changing"))
 
-    async def _select_at(self, t: TaskRecord, rate_rps: float, cluster: Cluster) -> Variant | None:
-        """The selector's variant for `t`'s approved workflows at `rate_rps` on `cluster` (None: infeasible)."""
+    async def _select_at(self, t: TaskRecord, rate_rps: float, cluster: Cluster, *, max_replicas: int = 1
+                         ) -> Variant | None:
+        """The selector's variant for `t`'s approved workflows at `rate_rps` on `cluster` (None: infeasible),
+        with at least `max_replicas` replicas per new instance allowed."""
         req = selector_pb2.SelectVariantRequest(
             slo=convert.slo_to_proto(replace(t.slo, arrival_rate_rps=rate_rps)),
             workflows=[convert.workflow_to_proto(w) for w in t.candidates if w.id in t.approved_workflow_ids],
@@ -777,6 +781,7 @@ class Orchestrator:
             models=[convert.model_to_proto(m) for m in await self._models()])
         if t.options_json:
             req.options.CopyFrom(convert.selection_options_from_json(t.options_json))
+        req.options.max_replicas = max(req.options.max_replicas, max_replicas)
         result = convert.selection_result_from_proto(await call(self.clients.selector.SelectVariant(
             req, timeout=self.settings.select_timeout_s)))
         return result.variant
@@ -1017,15 +1022,21 @@ class Orchestrator:
         insts: dict[str, InstanceRecord] = {}
         for iid in t.instance_ids:
             rec = await self._route_instance(iid)
-            if rec is None or rec.state is not InstanceState.READY or not rec.endpoint:
-                # Being healed: wait (within the request's deadline) for the replacement rather than fail.
-                rec = await self._await_replacement(task_id, iid, None)
-                if rec is None:
-                    cur = await self._route_instance(iid)
-                    state = cur.state.value if cur else "gone"
-                    raise Unavailable(f"task {task_id} is DEGRADED: instance {iid} is {state}"
-                                      + (f" ({cur.reason.splitlines()[0]})" if cur and cur.reason else ""),
-                                      reason="INSTANCE_FAILED", metadata={"instance_id": iid})
+            if rec is not None and rec.state is InstanceState.READY and rec.endpoint:
+                insts[iid] = rec
+        for stage in wf.stages:
+            ids = replicas_of(t.stage_instances, stage.id) if stage.is_llm else []
+            if not ids or any(i in insts for i in ids):
+                continue  # a replica group serves while at least one of its replicas does
+            iid = ids[0]
+            # Being healed: wait (within the request's deadline) for the replacement rather than fail.
+            rec = await self._await_replacement(task_id, iid, None)
+            if rec is None:
+                cur = await self._route_instance(iid)
+                state = cur.state.value if cur else "gone"
+                raise Unavailable(f"task {task_id} is DEGRADED: instance {iid} is {state}"
+                                  + (f" ({cur.reason.splitlines()[0]})" if cur and cur.reason else ""),
+                                  reason="INSTANCE_FAILED", metadata={"instance_id": iid})
             insts[iid] = rec
 
         async def run_stage(stage: Stage, prompt: str) -> StageResult:
@@ -1043,7 +1054,7 @@ class Orchestrator:
                 await asyncio.sleep(stage.latency_s / self.settings.tool_time_scale)
                 return StageResult(stage.id, prompt, input_tokens=len(prompt.split()),
                                    output_tokens=len(prompt.split()))
-            rec = insts[t.stage_instances[stage.id]]
+            rec = self._pick_replica(insts, replicas_of(t.stage_instances, stage.id))
             max_tokens = min(stage.output_tokens, max_output_tokens) if max_output_tokens else stage.output_tokens
             max_tokens = self._clamp_to_context(stage, rec.model_id, prompt, max_tokens)
             on_delta: OnDelta | None = None
@@ -1122,6 +1133,12 @@ class Orchestrator:
                                 field="input", metadata={"limit": "context_tokens", "max": str(ctx),
                                                          "stage_id": stage.id})
         return min(max_tokens, room)
+
+    def _pick_replica(self, insts: dict[str, InstanceRecord], ids: list[str]) -> InstanceRecord:
+        """The serving replica with the least outstanding work (engine calls in flight from here); ties at
+        random, so that equal replicas share the load."""
+        recs = [insts[i] for i in ids if i in insts]
+        return min(recs, key=lambda r: (self._inflight[r.id], random.random()))
 
     def _admit(self, task_id: str, t: TaskRecord, wf: Workflow, insts: dict[str, InstanceRecord]) -> None:
         """Admission control: reject at once (RESOURCE_EXHAUSTED, with a retry hint) a request that cannot

@@ -64,5 +64,8 @@ class OrchestratorSettings(ServiceSettings):
     load_hold_down_s: float = Field(default=30.0, ge=0, description="The drift must last this long (wall s), and "
                                     "two re-selections of a task are at least this far apart; keep it >= "
                                     "load_window_s, so the rate planned for is all new regime.")
+    load_max_replicas: int = Field(default=4, ge=1, le=16, description="A re-selection for load may scale a stage "
+                                   "out to this many replicas (selection's max_replicas; docs/selection-spec.md), "
+                                   "unless the task's own options ask for more.")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="After a switch, how long requests already on "
                                    "the old instances may take before their references are released.")
