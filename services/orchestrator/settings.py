@@ -19,6 +19,10 @@ class OrchestratorSettings(ServiceSettings):
                                   "there are offered to the selector beside the catalog's; empty = the catalog only.")
     generator_address: str = Field(default="", description="host:port of the generator service; empty = the built-in "
                                                    "template library, in process.")
+    deployer_tls_server_name: str = Field(default="", description="With TLS: the name the deployers' certificates "
+                                          "are checked against instead of the host of their advertised address "
+                                          "(Kubernetes: `deployer`, as they advertise their pod IPs); empty = "
+                                          "that host.")
     max_workflows: int = Field(default=3, ge=1, le=20, description="Candidates asked of the generator when the request "
                                                            "says 0.")
     default_strategy: str = Field(default="exact", description="Selection strategy when ApproveWorkflows names none.")
