@@ -9,6 +9,14 @@ from flowmaker.domain.cluster import Cluster, Model, Profile
 from flowmaker.domain.workflow import Slo, Workflow
 from flowmaker.errors import InvalidSpec
 
+
+class CapacityModel(enum.Enum):
+    """What an instance's capacity counts (docs/selection-spec.md)."""
+
+    OUTPUT_TOKENS = "OUTPUT_TOKENS"  # the base contract
+    BUSY_TIME = "BUSY_TIME"  # prefill + decode busy time at each workflow's mean request
+
+
 # Replicas per new instance the selection extension allows (docs/selection-spec.md).
 MAX_REPLICAS = 16
 
@@ -21,6 +29,7 @@ class SelectionOptions:
     max_trials: int = 0  # bayesopt: 0 = default (200)
     seed: int = 0  # bayesopt / randomised strategies
     max_replicas: int = 1  # replicas per new instance (docs/selection-spec.md extension); 1 = base contract
+    capacity_model: CapacityModel = CapacityModel.OUTPUT_TOKENS
 
     def validate(self, path: str = "options") -> SelectionOptions:
         if not 0.0 < self.utilization_cap <= 1.0:

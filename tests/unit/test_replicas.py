@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from test_selection_properties import LEVEL, close, dense_requests, longest, requests, spec_place, stage_latency, topo
 
 from flowmaker.domain import (
+    CapacityModel,
     Cluster,
     Gpu,
     Model,
@@ -36,6 +37,24 @@ REL = 1e-9
 
 def with_replicas(req: SelectionRequest, reps: int) -> SelectionRequest:
     return dataclasses.replace(req, options=dataclasses.replace(req.options, max_replicas=reps))
+
+
+def capacity(req: SelectionRequest, wf: Workflow, p: Profile) -> float:
+    """Output tokens/s one instance of p carries for wf: the base contract's figure, or under BUSY_TIME the
+    spec's out_w / (in_w * prefill_s_per_token + out_w / D(p)) at the workflow's mean request."""
+    if req.options.capacity_model is not CapacityModel.BUSY_TIME:
+        return p.max_output_tokens_per_s
+    calls = [s for s in wf.stages if s.is_llm]
+    n = sum(s.calls_per_request for s in calls)
+    in_w = sum(s.calls_per_request * s.input_tokens for s in calls) / n
+    out_w = sum(s.calls_per_request * s.output_tokens for s in calls) / n
+    d = p.decode_tokens_per_s if p.decode_tokens_per_s > 0 else p.max_output_tokens_per_s
+    return out_w / (in_w * p.prefill_s_per_token + out_w / d)
+
+
+def existing(req: SelectionRequest, wf: Workflow, p: Profile, load: float) -> float:
+    """A running instance's load in wf's units: its busy fraction kept (unchanged in the base contract)."""
+    return load * capacity(req, wf, p) / p.max_output_tokens_per_s
 
 
 def brute_force(req: SelectionRequest) -> tuple[tuple[float, float, int] | None, int]:
@@ -90,10 +109,11 @@ def brute_force(req: SelectionRequest) -> tuple[tuple[float, float, int] | None,
             for (k, r), ld in loads.items():
                 if k == "R":
                     i = reuse[r]
-                    tot, cap = ld + i.load_output_tokens_per_s, prof[(i.model_id, i.tp, i.pp)].max_output_tokens_per_s
+                    p = prof[(i.model_id, i.tp, i.pp)]
+                    tot, cap = ld + existing(req, wf, p, i.load_output_tokens_per_s), capacity(req, wf, p)
                 else:
                     p, n = groups[r]
-                    tot, cap = ld, n * p.max_output_tokens_per_s  # r replicas carry r times one
+                    tot, cap = ld, n * capacity(req, wf, p)  # r replicas carry r times one
                 if tot > req.options.utilization_cap * cap * (1 + 1e-9) + 1e-9:
                     ok = False
             if not ok:
@@ -153,14 +173,15 @@ def recheck(req: SelectionRequest, v: Variant) -> None:
     # Groups are disjoint, cover every new instance, and each replica carries load / r.
     assert sorted(k for ks in group_load for k in ks) == sorted(news)
     for keys, ld in group_load.items():
-        cap = prof[(news[keys[0]].model_id, news[keys[0]].tp, news[keys[0]].pp)].max_output_tokens_per_s
+        cap = capacity(req, wf, prof[(news[keys[0]].model_id, news[keys[0]].tp, news[keys[0]].pp)])
         assert ld <= req.options.utilization_cap * len(keys) * cap * (1 + 1e-9) + 1e-9
         for k in keys:
             assert close(news[k].load_output_tokens_per_s, ld / len(keys))
     for iid, ld in reuse_load.items():
         i = insts[iid]
-        assert ld + i.load_output_tokens_per_s <= (req.options.utilization_cap * prof[(i.model_id, i.tp, i.pp)]
-                                                   .max_output_tokens_per_s * (1 + 1e-9) + 1e-9)
+        p = prof[(i.model_id, i.tp, i.pp)]
+        assert ld + existing(req, wf, p, i.load_output_tokens_per_s) <= (
+            req.options.utilization_cap * capacity(req, wf, p) * (1 + 1e-9) + 1e-9)
     # Placement order: groups by first use in topological order, each group's replicas consecutively.
     order: list[str] = []
     for s in topo(wf):
@@ -208,6 +229,40 @@ def test_exact_and_exhaustive_equal_the_brute_force_of_the_extension(req: Select
 def test_exact_equals_the_brute_force_with_clones_reuse_and_tight_capacity(req: SelectionRequest,
                                                                             reps: int) -> None:
     _agree(with_replicas(req, reps), ("exact",))
+
+
+def busy(req: SelectionRequest, reps: int, decode_factor: float) -> SelectionRequest:
+    """`req` under BUSY_TIME with `reps` replicas; profiles get a pure-decode throughput of
+    decode_factor x max_output_tokens_per_s (0: unknown), so capacities move both ways."""
+    profiles = tuple(dataclasses.replace(p, decode_tokens_per_s=decode_factor * p.max_output_tokens_per_s)
+                     for p in req.profiles)
+    return dataclasses.replace(req, profiles=profiles, options=dataclasses.replace(
+        req.options, max_replicas=reps, capacity_model=CapacityModel.BUSY_TIME))
+
+
+@settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 3, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(requests(), dense_requests()), st.integers(1, 2), st.sampled_from([0.0, 1.0, 1.5, 3.0]))
+def test_busy_time_capacity_exact_and_exhaustive_equal_the_brute_force(req: SelectionRequest, reps: int,
+                                                                       decode_factor: float) -> None:
+    _agree(busy(req, reps, decode_factor))
+
+
+def test_busy_time_counts_the_prompts() -> None:
+    """Long prompts fill an instance before its reference output-token figure: one stage of 2,000 prompt
+    tokens and 100 output tokens at 2 req/s is 200 output tokens/s, which fits the reference 300 tok/s but
+    takes 2 x (2000 x 2e-4 + 100 / 600) = 1.13 busy seconds per second: one instance is not enough."""
+    gpus = tuple(Gpu(f"n0-g{g}", "n0", 80.0, 0.0) for g in range(2))
+    wf = Workflow("w", (Stage("s", StageKind.LLM, (), 2000, 100),))
+    req = SelectionRequest(Slo(0.1, 10.0, 2.0), (wf,), (Model("m", 0.5, 7.0, 7.0),),
+                           (Profile("m", 1, 1, 50.0, 0.05, 2e-4, 0.01, 300.0, decode_tokens_per_s=600.0),),
+                           Cluster(gpus, ()), SelectionOptions(max_replicas=2))
+    base = select(req, "exact").variant
+    assert base is not None and len(base.new_instances) == 1
+    res = select(dataclasses.replace(req, options=dataclasses.replace(
+        req.options, capacity_model=CapacityModel.BUSY_TIME)), "exact")
+    assert res.variant is not None and res.optimal and len(res.variant.new_instances) == 2
+    assert res.variant.assignments[0].replica_keys == ("new-0", "new-1")
 
 
 def _hot_stage(rate: float, reps: int, free_gpus: int = 4) -> SelectionRequest:

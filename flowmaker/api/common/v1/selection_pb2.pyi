@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CapacityModel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CAPACITY_MODEL_UNSPECIFIED: _ClassVar[CapacityModel]
+    CAPACITY_MODEL_OUTPUT_TOKENS: _ClassVar[CapacityModel]
+    CAPACITY_MODEL_BUSY_TIME: _ClassVar[CapacityModel]
+
 class Infeasibility(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     INFEASIBILITY_UNSPECIFIED: _ClassVar[Infeasibility]
@@ -14,6 +20,9 @@ class Infeasibility(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INFEASIBILITY_NO_LATENCY: _ClassVar[Infeasibility]
     INFEASIBILITY_NO_CAPACITY: _ClassVar[Infeasibility]
     INFEASIBILITY_NO_GPU_MEMORY: _ClassVar[Infeasibility]
+CAPACITY_MODEL_UNSPECIFIED: CapacityModel
+CAPACITY_MODEL_OUTPUT_TOKENS: CapacityModel
+CAPACITY_MODEL_BUSY_TIME: CapacityModel
 INFEASIBILITY_UNSPECIFIED: Infeasibility
 INFEASIBILITY_NO_MODEL_MEETS_ACCURACY: Infeasibility
 INFEASIBILITY_NO_LATENCY: Infeasibility
@@ -21,20 +30,22 @@ INFEASIBILITY_NO_CAPACITY: Infeasibility
 INFEASIBILITY_NO_GPU_MEMORY: Infeasibility
 
 class SelectionOptions(_message.Message):
-    __slots__ = ("utilization_cap", "allow_reuse", "time_budget_s", "max_trials", "seed", "max_replicas")
+    __slots__ = ("utilization_cap", "allow_reuse", "time_budget_s", "max_trials", "seed", "max_replicas", "capacity_model")
     UTILIZATION_CAP_FIELD_NUMBER: _ClassVar[int]
     ALLOW_REUSE_FIELD_NUMBER: _ClassVar[int]
     TIME_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
     MAX_TRIALS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_MODEL_FIELD_NUMBER: _ClassVar[int]
     utilization_cap: float
     allow_reuse: bool
     time_budget_s: float
     max_trials: int
     seed: int
     max_replicas: int
-    def __init__(self, utilization_cap: _Optional[float] = ..., allow_reuse: _Optional[bool] = ..., time_budget_s: _Optional[float] = ..., max_trials: _Optional[int] = ..., seed: _Optional[int] = ..., max_replicas: _Optional[int] = ...) -> None: ...
+    capacity_model: CapacityModel
+    def __init__(self, utilization_cap: _Optional[float] = ..., allow_reuse: _Optional[bool] = ..., time_budget_s: _Optional[float] = ..., max_trials: _Optional[int] = ..., seed: _Optional[int] = ..., max_replicas: _Optional[int] = ..., capacity_model: _Optional[_Union[CapacityModel, str]] = ...) -> None: ...
 
 class NewInstance(_message.Message):
     __slots__ = ("key", "model_id", "tp", "pp", "node", "gpu_ids", "memory_gb_per_gpu", "load_output_tokens_per_s")
