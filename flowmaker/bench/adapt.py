@@ -91,6 +91,7 @@ class AdaptConfig:
     utilization_cap: float = DEFAULT_UTILIZATION_CAP
     seed: int = 0
     segment_s: float = DEFAULT_SEGMENT_S
+    max_replicas: int = 4  # a re-selection may scale a stage out to this many replicas (as the orchestrator)
 
     def validate(self) -> AdaptConfig:
         if not self.band > 1:
@@ -239,7 +240,8 @@ class _Controller:
         req = SelectionRequest(slo=slo, workflows=task.nominal_workflows(self.kind, self.cfg.plan_tokens),
                                models=self.models, profiles=self.profiles, cluster=cluster,
                                options=SelectionOptions(utilization_cap=self.cfg.utilization_cap, allow_reuse=True,
-                                                        seed=self.cfg.seed))
+                                                        seed=self.cfg.seed,
+                                                        max_replicas=self.cfg.max_replicas if self.adaptive else 1))
         return select(req, "exact").variant
 
     def _materialise(self, task: str, v: Variant, t: float) -> tuple[Route, dict[str, float]]:
@@ -254,8 +256,11 @@ class _Controller:
             shares[iid] = ni.load_output_tokens_per_s
         for iid, added in v.reuse:
             shares[iid] = shares.get(iid, 0.0) + added
-        stage_map = tuple((a.stage_id, a.instance_id if a.reused else new_ids[a.new_key]) for a in v.assignments)
-        return Route(v.workflow_id, stage_map), shares
+        stage_map: list[tuple[str, str]] = []
+        for a in v.assignments:  # a stage on a replica group: one entry per replica
+            keys = (a.instance_id,) if a.reused else tuple(new_ids[k] for k in a.replica_keys or (a.new_key,))
+            stage_map.extend((a.stage_id, iid) for iid in keys)
+        return Route(v.workflow_id, tuple(stage_map)), shares
 
     # ---- events ----------------------------------------------------------------------------------
 
@@ -312,7 +317,8 @@ class _Controller:
         b = self._select(st.task, rate, self.cluster(t, loads, hide=exclusive)) if exclusive else None
         cur = dict(st.routes[-1].stage_instances)
         fits = a is not None and a.workflow_id == st.routes[-1].workflow_id and not a.new_instances and \
-            {x.stage_id: x.instance_id for x in a.assignments if x.reused} == cur
+            {x.stage_id: x.instance_id for x in a.assignments if x.reused} == cur and \
+            len(cur) == len(st.routes[-1].stage_instances)  # a stage on replicas is not "the same" as one instance
         chosen, same = a or b, False
         if fits and a is not None:
             keep_cost = sum(self.instances[i].memory_gb for i in exclusive) * a.latency_s
