@@ -109,8 +109,11 @@ async def run(host: str, port: int, argv: Sequence[str]) -> int:
         await web.TCPSite(runner, host, port).start()
         print(f"keyproxy: {host}:{port} -> 127.0.0.1:{up_port} (pid {child.pid}), /v1 requires the key", flush=True)
         loop = asyncio.get_running_loop()
+        def forward(sig: int) -> None:
+            if child.returncode is None:
+                child.send_signal(sig)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda s=sig: child.returncode is None and child.send_signal(s))
+            loop.add_signal_handler(sig, forward, sig)
         return await child.wait()
     finally:
         if child.returncode is None:

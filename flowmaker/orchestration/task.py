@@ -28,7 +28,7 @@ def replica_slot(stage_id: str, i: int) -> str:
 
 def replicas_of(stage_instances: dict[str, str], stage_id: str) -> list[str]:
     """The instances serving a stage: one, or every replica of its group (the first is the primary)."""
-    out = []
+    out: list[str] = []
     while (iid := stage_instances.get(replica_slot(stage_id, len(out)))) is not None:
         out.append(iid)
     return out

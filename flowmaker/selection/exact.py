@@ -121,7 +121,7 @@ def _dominated(pb: Problem) -> list[bool]:
     profs = pb.profiles
     n = len(profs)
     out = [False] * n
-    groups: dict[tuple[int, float], list[int]] = {}
+    groups: dict[tuple[int, float, int], list[int]] = {}
     for i, prof in enumerate(profs):
         if pb.p_ok[i]:
             groups.setdefault((pb.p_k[i], prof.memory_gb_per_gpu, pb.p_reps[i]), []).append(i)
@@ -887,6 +887,8 @@ class _Search:
                 k = p_k[pi]
                 reps = p_reps[pi]
                 group: list[tuple[str, tuple[str, ...]]] = []
+                node: str = ""
+                gids: tuple[str, ...] = ()
                 if check_place and reps > 1:  # a replica group: placed replica by replica, not cached
                     placed = _place_group(layout, free, k, mpg, reps)
                     if placed is None:
@@ -926,8 +928,8 @@ class _Search:
                     for g in gids:
                         free[g] += mpg
                     for _, gg in group:
-                        for g in gg:
-                            free[g] += mpg
+                        for g2 in gg:
+                            free[g2] += mpg
                 assigned[s] = False
                 if search.done or halted(lb):
                     return
