@@ -61,10 +61,15 @@ def test_arrival_meter_and_drift_rule() -> None:
     assert (tid, rate) == ("t", 2.5) and "> 2 x planned 1" in why
     # Within the band: nothing, and the timer resets.
     assert drifted({"t": t}, {"t": TaskLoad(1.5, 1.0, 50)}, since, 106.0, p) == [] and since == {}
-    # Falling below planned / band scales back in, to at least the policy's floor.
+    # Falling below planned / band scales back in, to at least the policy's floor, after scale_in_factor x the
+    # hold-down, and with headroom over what is observed.
     low = {"t": TaskLoad(0.0, 0.0, 0)}
     drifted({"t": t}, low, since, 200.0, p)
-    assert drifted({"t": t}, low, since, 205.0, p)[0][1] == p.min_rate_rps
+    assert drifted({"t": t}, low, since, 205.0, p) == []  # scaling in waits longer
+    assert drifted({"t": t}, low, since, 210.0, p)[0][1] == p.min_rate_rps
+    lull = {"t": TaskLoad(0.4, 0.0, 0)}
+    drifted({"t": t}, lull, since, 250.0, p)
+    assert drifted({"t": t}, lull, since, 260.0, p)[0][1] == pytest.approx(0.4 * p.scale_in_headroom)
     # The rate as planned but the latency breaks the SLO: ask for band x more.
     slow = {"t": TaskLoad(1.0, 4.0, 50)}
     drifted({"t": t}, slow, since, 300.0, p)
