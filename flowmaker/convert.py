@@ -35,6 +35,7 @@ from flowmaker.api.common.v1 import cluster_pb2, selection_pb2, task_pb2, workfl
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2
 from flowmaker.api.selector.v1 import selector_pb2
 from flowmaker.domain import (
+    CapacityModel,
     Cluster,
     Gpu,
     GpuType,
@@ -98,6 +99,7 @@ def _enum_from_proto(number: int, enum_desc: _descriptor.EnumDescriptor, cls: ty
 _STAGE_KIND = workflow_pb2.StageKind.DESCRIPTOR
 _PROFILE_SOURCE = cluster_pb2.ProfileSource.DESCRIPTOR
 _INFEASIBILITY = selection_pb2.Infeasibility.DESCRIPTOR
+_CAPACITY_MODEL = selection_pb2.CapacityModel.DESCRIPTOR
 
 
 def stage_kind_to_proto(kind: StageKind) -> workflow_pb2.StageKind:
@@ -280,7 +282,10 @@ def cluster_from_proto(m: cluster_pb2.Cluster) -> Cluster:
 def selection_options_to_proto(o: SelectionOptions) -> selection_pb2.SelectionOptions:
     # allow_reuse is always written so that the JSON shows the effective value.
     return selection_pb2.SelectionOptions(utilization_cap=o.utilization_cap, allow_reuse=o.allow_reuse,
-                                          time_budget_s=o.time_budget_s, max_trials=o.max_trials, seed=o.seed)
+                                          time_budget_s=o.time_budget_s, max_trials=o.max_trials, seed=o.seed,
+                                          max_replicas=o.max_replicas,
+                                          capacity_model=cast(selection_pb2.CapacityModel,
+                                                              _enum_to_proto(o.capacity_model, _CAPACITY_MODEL)))
 
 
 def selection_options_from_proto(m: selection_pb2.SelectionOptions) -> SelectionOptions:
@@ -288,6 +293,9 @@ def selection_options_from_proto(m: selection_pb2.SelectionOptions) -> Selection
         utilization_cap=m.utilization_cap or 1.0,  # spec: default 1
         allow_reuse=m.allow_reuse if m.HasField("allow_reuse") else True,  # spec: default true
         time_budget_s=m.time_budget_s, max_trials=m.max_trials, seed=m.seed,
+        max_replicas=m.max_replicas or 1,  # 0 (absent) = the base contract
+        capacity_model=_enum_from_proto(m.capacity_model, _CAPACITY_MODEL, CapacityModel, "options.capacity_model")
+        or CapacityModel.OUTPUT_TOKENS,
     )
 
 
@@ -306,7 +314,7 @@ def stage_assignment_to_proto(a: StageAssignment) -> selection_pb2.StageAssignme
     return selection_pb2.StageAssignment(
         stage_id=a.stage_id, model_id=a.model_id, tp=a.tp, pp=a.pp, reused=a.reused, instance_id=a.instance_id,
         new_key=a.new_key, gpu_ids=list(a.gpu_ids), latency_s=a.latency_s,
-        load_output_tokens_per_s=a.load_output_tokens_per_s,
+        load_output_tokens_per_s=a.load_output_tokens_per_s, replica_keys=list(a.replica_keys),
     )
 
 
@@ -314,7 +322,7 @@ def stage_assignment_from_proto(m: selection_pb2.StageAssignment) -> StageAssign
     return StageAssignment(
         stage_id=m.stage_id, model_id=m.model_id, tp=m.tp, pp=m.pp, reused=m.reused, instance_id=m.instance_id,
         new_key=m.new_key, gpu_ids=tuple(m.gpu_ids), latency_s=m.latency_s,
-        load_output_tokens_per_s=m.load_output_tokens_per_s,
+        load_output_tokens_per_s=m.load_output_tokens_per_s, replica_keys=tuple(m.replica_keys),
     )
 
 

@@ -44,6 +44,9 @@ class Limits:
     id_chars: int = 128
     # Structure
     workflows_per_task: int = 16
+    # A task's request, serialized: its record must fit one etcd value (etcd's --max-request-bytes is 1.5 MiB
+    # by default, and the record grows by the selection later), so a bigger one is refused up front.
+    task_bytes: int = 786_432
     stages_per_workflow: int = 64
     sample_inputs: int = 16
     models_per_request: int = 512
@@ -61,6 +64,7 @@ class Limits:
     gpus_per_instance: int = 64  # tp, pp and tp*pp
     memory_gb: float = 65_536.0  # any GPU memory figure
     bayesopt_trials: int = 10_000  # SelectionOptions.max_trials
+    replicas: int = 16  # SelectionOptions.max_replicas (domain.selection.MAX_REPLICAS)
     selection_time_budget_s: float = 60.0  # SelectionOptions.time_budget_s
     params_b: float = 100_000.0  # model size, billions of parameters
     # Model architecture (RegisterModel): what fits the analytic model with room to spare.
@@ -268,6 +272,7 @@ FIELD_RULES: dict[str, tuple[Rule, ...]] = {
     _C + "Cluster.instances": (("count", "instances_per_cluster"),),
     # selection.proto
     _C + "SelectionOptions.max_trials": (("range", "bayesopt_trials"),),
+    _C + "SelectionOptions.max_replicas": (("range", "replicas"),),
     _C + "SelectionOptions.time_budget_s": (("range", "selection_time_budget_s"),),
     # selector.proto
     "flowmaker.selector.v1.SelectVariantRequest.workflows": (("count", "workflows_per_task"),),
@@ -323,6 +328,20 @@ FIELD_RULES: dict[str, tuple[Rule, ...]] = {
     _P + "ProfileModelRequest.engine": (("id",),),
     _P + "GetProfilingJobRequest.job_id": (("id",),),
 }
+
+
+# Whole-message bounds: (limit, the field that makes the message big), checked on the serialized size
+# before the walk.
+MESSAGE_RULES: Mapping[str, tuple[str, str]] = {
+    _O + "DeployTaskRequest": ("task_bytes", "workflows"),
+}
+
+
+def check_message_bytes(n: int, field: str, limit: str, limits: Limits = LIMITS) -> None:
+    cap = int(getattr(limits, limit))
+    if n > cap:
+        raise _limit_error(f"the request is {n} bytes, at most {cap} (limit {limit}); send fewer or smaller "
+                           "workflows", field, limit, cap)
 
 
 def apply_rule(rule: Rule, value: Any, field: str, limits: Limits = LIMITS) -> None:

@@ -43,6 +43,8 @@ from rich.table import Table
 
 from flowmaker.bench.serving import GPU_TYPE, _json_safe, bench_cluster, code_version
 from flowmaker.domain import (
+    MAX_REPLICAS,
+    CapacityModel,
     Cluster,
     Gpu,
     GpuType,
@@ -91,6 +93,8 @@ class AdaptConfig:
     utilization_cap: float = DEFAULT_UTILIZATION_CAP
     seed: int = 0
     segment_s: float = DEFAULT_SEGMENT_S
+    max_replicas: int = 4  # a re-selection may scale a stage out to this many replicas (as the orchestrator)
+    capacity_model: str = "busy_time"  # of every selection (both policies): busy_time or output_tokens
 
     def validate(self) -> AdaptConfig:
         if not self.band > 1:
@@ -104,6 +108,11 @@ class AdaptConfig:
         if self.colocation not in ADAPT_COLOCATION_MODES:
             raise InvalidSpec(f"unknown colocation mode {self.colocation!r}; known: {list(ADAPT_COLOCATION_MODES)}",
                               field="colocation")
+        if not 1 <= self.max_replicas <= MAX_REPLICAS:
+            raise InvalidSpec(f"must be within [1, {MAX_REPLICAS}], got {self.max_replicas}", field="max_replicas")
+        if self.capacity_model.upper() not in CapacityModel.__members__:
+            raise InvalidSpec(f"unknown capacity model {self.capacity_model!r}; known: busy_time, output_tokens",
+                              field="capacity_model")
         if self.plan_tokens not in NOMINAL_STATS:
             raise InvalidSpec(f"unknown statistic {self.plan_tokens!r}; known: {list(NOMINAL_STATS)}",
                               field="plan_tokens")
@@ -239,7 +248,9 @@ class _Controller:
         req = SelectionRequest(slo=slo, workflows=task.nominal_workflows(self.kind, self.cfg.plan_tokens),
                                models=self.models, profiles=self.profiles, cluster=cluster,
                                options=SelectionOptions(utilization_cap=self.cfg.utilization_cap, allow_reuse=True,
-                                                        seed=self.cfg.seed))
+                                                        seed=self.cfg.seed,
+                                                        max_replicas=self.cfg.max_replicas if self.adaptive else 1,
+                                                        capacity_model=CapacityModel[self.cfg.capacity_model.upper()]))
         return select(req, "exact").variant
 
     def _materialise(self, task: str, v: Variant, t: float) -> tuple[Route, dict[str, float]]:
@@ -254,8 +265,11 @@ class _Controller:
             shares[iid] = ni.load_output_tokens_per_s
         for iid, added in v.reuse:
             shares[iid] = shares.get(iid, 0.0) + added
-        stage_map = tuple((a.stage_id, a.instance_id if a.reused else new_ids[a.new_key]) for a in v.assignments)
-        return Route(v.workflow_id, stage_map), shares
+        stage_map: list[tuple[str, str]] = []
+        for a in v.assignments:  # a stage on a replica group: one entry per replica
+            keys = (a.instance_id,) if a.reused else tuple(new_ids[k] for k in a.replica_keys or (a.new_key,))
+            stage_map.extend((a.stage_id, iid) for iid in keys)
+        return Route(v.workflow_id, tuple(stage_map)), shares
 
     # ---- events ----------------------------------------------------------------------------------
 
@@ -312,7 +326,8 @@ class _Controller:
         b = self._select(st.task, rate, self.cluster(t, loads, hide=exclusive)) if exclusive else None
         cur = dict(st.routes[-1].stage_instances)
         fits = a is not None and a.workflow_id == st.routes[-1].workflow_id and not a.new_instances and \
-            {x.stage_id: x.instance_id for x in a.assignments if x.reused} == cur
+            {x.stage_id: x.instance_id for x in a.assignments if x.reused} == cur and \
+            len(cur) == len(st.routes[-1].stage_instances)  # a stage on replicas is not "the same" as one instance
         chosen, same = a or b, False
         if fits and a is not None:
             keep_cost = sum(self.instances[i].memory_gb for i in exclusive) * a.latency_s
@@ -569,8 +584,11 @@ def run_adapt_bench(out_dir: str | Path, traces_dir: str | Path | None = None, c
                              "period_trace_s": cfg.period_trace_s, "window_trace_s": cfg.window_trace_s,
                              "ready_trace_s": cfg.ready_trace_s, "colocation": cfg.colocation,
                              "plan_tokens": cfg.plan_tokens, "utilization_cap": cfg.utilization_cap,
-                             "segment_s": cfg.segment_s, "seed": cfg.seed,
+                             "segment_s": cfg.segment_s, "seed": cfg.seed, "max_replicas": cfg.max_replicas,
+                             "capacity_model": cfg.capacity_model,
                              "load_policy": {"min_rate_rps": LoadPolicy().min_rate_rps,
+                                             "scale_in_factor": LoadPolicy().scale_in_factor,
+                                             "scale_in_headroom": LoadPolicy().scale_in_headroom,
                                              "min_samples": LoadPolicy().min_samples,
                                              "latency_quantile": LoadPolicy().latency_quantile}},
                   "seeds": {"run": cfg.seed,

@@ -155,6 +155,9 @@ def adapt(out: Path = typer.Option(Path("out/bench-adapt"), help="Output folder 
           window: float = typer.Option(60.0, help="Observed rate/latency window, trace seconds."),
           ready: float = typer.Option(15.0, help="Re-selection to new variant serving, trace seconds."),
           colocation: str = typer.Option("dynamic", help="GPU sharing in the simulator: dynamic or ignore."),
+          max_replicas: int = typer.Option(4, help="Replicas per stage a re-selection may scale out to."),
+          capacity_model: str = typer.Option("busy_time", help="Capacity model of the selections: busy_time or "
+                                                               "output_tokens (docs/selection-spec.md)."),
           json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
     """Deploy-once vs adaptive re-selection (the orchestrator's drift rule) on a replayed Azure trace segment:
     goodput, cost, re-selections, plots over time."""
@@ -164,7 +167,8 @@ def adapt(out: Path = typer.Option(Path("out/bench-adapt"), help="Output folder 
         guess = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "traces"
         traces = guess if guess.is_dir() else None
     cfg = AdaptConfig(band=band, hold_down_trace_s=hold_down, period_trace_s=period, window_trace_s=window,
-                      ready_trace_s=ready, colocation=colocation, seed=seed, segment_s=segment_s)
+                      ready_trace_s=ready, colocation=colocation, seed=seed, segment_s=segment_s,
+                      max_replicas=max_replicas, capacity_model=capacity_model)
     result = run_adapt_bench(out, traces_dir=traces, cfg=cfg,
                              loads=[float(x) for x in loads.split(",") if x.strip()] or None,
                              traces=[x.strip() for x in trace_kinds.split(",") if x.strip()],

@@ -2,6 +2,8 @@
 
 from flowmaker.domain.cluster import Cluster, Gpu, GpuType, Instance, Model, ModelArch, Profile, ProfileSource
 from flowmaker.domain.selection import (
+    MAX_REPLICAS,
+    CapacityModel,
     Infeasibility,
     NewInstance,
     SelectionOptions,
@@ -13,7 +15,8 @@ from flowmaker.domain.selection import (
 from flowmaker.domain.workflow import Slo, Stage, StageKind, TaskSpec, Workflow
 
 __all__ = [
-    "Cluster", "Gpu", "GpuType", "Infeasibility", "Instance", "Model", "ModelArch", "NewInstance",
+    "MAX_REPLICAS", "CapacityModel", "Cluster", "Gpu", "GpuType", "Infeasibility", "Instance", "Model", "ModelArch",
+    "NewInstance",
     "Profile", "ProfileSource", "SelectionOptions", "SelectionRequest", "SelectionResult", "Slo",
     "Stage", "StageAssignment", "StageKind", "TaskSpec", "Variant", "Workflow",
 ]

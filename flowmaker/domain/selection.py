@@ -10,6 +10,17 @@ from flowmaker.domain.workflow import Slo, Workflow
 from flowmaker.errors import InvalidSpec
 
 
+class CapacityModel(enum.Enum):
+    """What an instance's capacity counts (docs/selection-spec.md)."""
+
+    OUTPUT_TOKENS = "OUTPUT_TOKENS"  # the base contract
+    BUSY_TIME = "BUSY_TIME"  # prefill + decode busy time at each workflow's mean request
+
+
+# Replicas per new instance the selection extension allows (docs/selection-spec.md).
+MAX_REPLICAS = 16
+
+
 @dataclass(frozen=True, slots=True)
 class SelectionOptions:
     utilization_cap: float = 1.0  # u in (0, 1]: an instance may run at most u * max_output_tokens_per_s
@@ -17,6 +28,8 @@ class SelectionOptions:
     time_budget_s: float = 0.0  # 0 = the strategy's default (exhaustive / bayesopt stop here)
     max_trials: int = 0  # bayesopt: 0 = default (200)
     seed: int = 0  # bayesopt / randomised strategies
+    max_replicas: int = 1  # replicas per new instance (docs/selection-spec.md extension); 1 = base contract
+    capacity_model: CapacityModel = CapacityModel.OUTPUT_TOKENS
 
     def validate(self, path: str = "options") -> SelectionOptions:
         if not 0.0 < self.utilization_cap <= 1.0:
@@ -25,6 +38,9 @@ class SelectionOptions:
             raise InvalidSpec("must be >= 0", field=f"{path}.time_budget_s")
         if self.max_trials < 0:
             raise InvalidSpec("must be >= 0", field=f"{path}.max_trials")
+        if not 1 <= self.max_replicas <= MAX_REPLICAS:
+            raise InvalidSpec(f"must be within [1, {MAX_REPLICAS}] (0 in the API means 1), got {self.max_replicas}",
+                              field=f"{path}.max_replicas")
         return self
 
 
@@ -110,6 +126,7 @@ class StageAssignment:
     gpu_ids: tuple[str, ...] = ()
     latency_s: float = 0.0  # this stage's latency (calls included)
     load_output_tokens_per_s: float = 0.0
+    replica_keys: tuple[str, ...] = ()  # a replica group: the new keys of all its replicas, new_key first
 
 
 @dataclass(frozen=True, slots=True)

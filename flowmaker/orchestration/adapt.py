@@ -24,6 +24,11 @@ from flowmaker.orchestration.task import TaskRecord, TaskState
 class LoadPolicy:
     band: float = 2.0  # re-select when observed > band x planned or < planned / band
     hold_down_s: float = 30.0  # ... for this long (wall), and at most once per this long
+    # Scaling in waits longer and keeps headroom (as autoscalers do: a burst after a lull must not find the
+    # capacity gone): the drift below the plan must last `scale_in_factor` x the hold-down, and the rate
+    # planned for is `scale_in_headroom` x what is observed.
+    scale_in_factor: float = 2.0
+    scale_in_headroom: float = 1.5
     min_rate_rps: float = 0.01  # the smallest rate a task is planned for (model req/s)
     min_samples: int = 10  # latency quantiles need this many requests in the window
     latency_quantile: float = 0.95
@@ -89,13 +94,14 @@ def drifted(tasks: dict[str, TaskRecord], loads: dict[str, TaskLoad], since: dic
             since.pop(tid, None)
             continue
         planned = max(t.plan_rate_rps, p.min_rate_rps)
-        target, why = 0.0, ""
+        target, why, hold = 0.0, "", p.hold_down_s
         # The rate first: planning for what arrives is the fix for most latency trouble too.
         if ld.rate_rps > planned * p.band:
             target, why = ld.rate_rps, f"observed {ld.rate_rps:.3g} req/s > {p.band:g} x planned {planned:.3g}"
         elif ld.rate_rps < planned / p.band and planned > p.min_rate_rps:
-            target = max(ld.rate_rps, p.min_rate_rps)
+            target = max(ld.rate_rps * p.scale_in_headroom, p.min_rate_rps)
             why = f"observed {ld.rate_rps:.3g} req/s < planned {planned:.3g} / {p.band:g}"
+            hold = p.hold_down_s * p.scale_in_factor
         elif ld.samples >= p.min_samples and ld.latency_q_s > t.slo.max_latency_s:
             # The rate is as planned, yet too slow (the plan's capacity model was optimistic, or the
             # instances are shared with tasks above their plans): ask for `band` x more capacity.
@@ -107,7 +113,7 @@ def drifted(tasks: dict[str, TaskRecord], loads: dict[str, TaskLoad], since: dic
             continue
         first = since.setdefault(tid, now)
         last = t.last_reselection.at if t.last_reselection else 0.0
-        if now - first >= p.hold_down_s and now - last >= p.hold_down_s:
+        if now - first >= hold and now - last >= p.hold_down_s:
             out.append((tid, target, f"{why} for {now - first:.0f}s"))
             since.pop(tid, None)
     return out

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from flowmaker.domain import Variant
 from flowmaker.errors import InvalidSpec, NoCapacity
-from flowmaker.orchestration.task import DeployedInstance, TaskRecord
+from flowmaker.orchestration.task import DeployedInstance, TaskRecord, replica_slot
 from flowmaker.selection.placement import EPS_GB
 from flowmaker.state import keys
 from flowmaker.state.records import ClusterView, InstanceRecord, InstanceState, reuse_value
@@ -83,6 +83,11 @@ def plan_commit(task_id: str, variant: Variant, new_ids: Sequence[str]) -> Commi
                 raise InvalidSpec(f"stage {a.stage_id!r} names unknown new instance {a.new_key!r}",
                                   field="variant.assignments")
             stage_instances[a.stage_id] = by_key[a.new_key]
+            for i, key in enumerate(a.replica_keys[1:], 1):  # a replica group: the others beside the first
+                if key not in by_key:
+                    raise InvalidSpec(f"stage {a.stage_id!r} names unknown replica {key!r}",
+                                      field="variant.assignments")
+                stage_instances[replica_slot(a.stage_id, i)] = by_key[key]
     reuse = tuple(ReuseAction(iid, loads[iid]) for iid in sorted(loads))
     return CommitPlan(task_id, deploy, reuse, stage_instances)
 

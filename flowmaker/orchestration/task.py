@@ -18,6 +18,21 @@ from flowmaker import errors
 from flowmaker.domain import NewInstance, Slo, Stage, StageAssignment, StageKind, Variant, Workflow
 from flowmaker.errors import FailedPrecondition, InvalidSpec
 
+REPLICA_SEP = "#"
+
+
+def replica_slot(stage_id: str, i: int) -> str:
+    """The `stage_instances` key of a stage's i-th replica (0 = the stage id itself)."""
+    return stage_id if i == 0 else f"{stage_id}{REPLICA_SEP}{i}"
+
+
+def replicas_of(stage_instances: dict[str, str], stage_id: str) -> list[str]:
+    """The instances serving a stage: one, or every replica of its group (the first is the primary)."""
+    out: list[str] = []
+    while (iid := stage_instances.get(replica_slot(stage_id, len(out)))) is not None:
+        out.append(iid)
+    return out
+
 
 class TaskState(enum.Enum):
     """Mirrors flowmaker.common.v1.Task.State (without the prefix)."""
@@ -149,7 +164,9 @@ class TaskRecord:
     state: TaskState = TaskState.AWAITING_APPROVAL
     strategy: str = ""
     variant: Variant | None = None
-    stage_instances: dict[str, str] = field(default_factory=dict)  # LLM stage id -> instance id
+    # LLM stage id -> instance id; a stage on a replica group (selection's max_replicas) has its other
+    # replicas under "<stage id>#1", "#2", ... (`replicas_of`); '#' is outside the id charset.
+    stage_instances: dict[str, str] = field(default_factory=dict)
     new_instances: tuple[DeployedInstance, ...] = ()  # what the commit reserved for this task
     predicted_latency_s: float = 0.0
     observed_latencies_s: tuple[float, ...] = ()  # most recent Invoke latencies (bounded window)
@@ -319,7 +336,8 @@ def variant_to_json(v: Variant) -> dict[str, Any]:
         "workflow_id": v.workflow_id,
         "assignments": [{"stage_id": a.stage_id, "model_id": a.model_id, "tp": a.tp, "pp": a.pp, "reused": a.reused,
                          "instance_id": a.instance_id, "new_key": a.new_key, "gpu_ids": list(a.gpu_ids),
-                         "latency_s": a.latency_s, "load_output_tokens_per_s": a.load_output_tokens_per_s}
+                         "latency_s": a.latency_s, "load_output_tokens_per_s": a.load_output_tokens_per_s,
+                         **({"replica_keys": list(a.replica_keys)} if a.replica_keys else {})}
                         for a in v.assignments],
         "new_instances": [{"key": n.key, "model_id": n.model_id, "tp": n.tp, "pp": n.pp, "node": n.node,
                            "gpu_ids": list(n.gpu_ids), "memory_gb_per_gpu": n.memory_gb_per_gpu,
@@ -336,7 +354,8 @@ def variant_from_json(d: dict[str, Any]) -> Variant:
         assignments=tuple(StageAssignment(
             a["stage_id"], a["model_id"], int(a["tp"]), int(a["pp"]), bool(a["reused"]), a.get("instance_id", ""),
             a.get("new_key", ""), tuple(a.get("gpu_ids", ())), float(a.get("latency_s", 0.0)),
-            float(a.get("load_output_tokens_per_s", 0.0))) for a in d.get("assignments", ())),
+            float(a.get("load_output_tokens_per_s", 0.0)), tuple(a.get("replica_keys", ())))
+            for a in d.get("assignments", ())),
         new_instances=tuple(NewInstance(
             n["key"], n["model_id"], int(n["tp"]), int(n["pp"]), n["node"], tuple(n["gpu_ids"]),
             float(n["memory_gb_per_gpu"]), float(n["load_output_tokens_per_s"])) for n in d.get("new_instances", ())),

@@ -74,17 +74,22 @@ def configure_client_tls(settings: Any) -> None:
 def channel(target: str, *, default_timeout_s: float = DEFAULT_TIMEOUT_S,
             interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
             options: Sequence[tuple[str, Any]] = (), tracing: bool = True,
-            tls: TlsFiles | bool | None = True, token: str = "") -> grpc.aio.Channel:
+            tls: TlsFiles | bool | None = True, token: str = "", tls_server_name: str = "") -> grpc.aio.Channel:
     """An aio channel to `target` ("host:port") whose calls always carry a deadline.
     `interceptors` run outside the deadline interceptor. With `tracing` (default), OpenTelemetry's
     client interceptors come first: every call is a CLIENT span and carries the trace context.
     `tls`: True = the process's identity (configure_client_tls; plaintext when none is configured),
     explicit TlsFiles, or False/None = plaintext. `token`: sent as `authorization: Bearer <token>` on
-    every call (TLS only: gRPC never sends call credentials in the clear)."""
+    every call (TLS only: gRPC never sends call credentials in the clear). `tls_server_name`: the name the
+    server's certificate must carry, instead of the host of `target` (TLS only): for a peer dialled by an
+    address its certificate cannot list in advance, e.g. a Kubernetes deployer at its pod IP, whose
+    certificate names it `deployer`."""
     otel = client_interceptors() if tracing else []
     chain = [*otel, *interceptors, _DeadlineInterceptor(default_timeout_s)]
     files = _client_tls if tls is True else (tls or None)
     if files is not None:
+        if tls_server_name:
+            options = [*options, ("grpc.ssl_target_name_override", tls_server_name)]
         creds = channel_credentials(files)
         if token:
             creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
@@ -94,7 +99,8 @@ def channel(target: str, *, default_timeout_s: float = DEFAULT_TIMEOUT_S,
 
 def insecure_channel(target: str, *, default_timeout_s: float = DEFAULT_TIMEOUT_S,
                      interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
-                     options: Sequence[tuple[str, Any]] = (), tracing: bool = True) -> grpc.aio.Channel:
+                     options: Sequence[tuple[str, Any]] = (), tracing: bool = True,
+                     tls_server_name: str = "") -> grpc.aio.Channel:
     """Kept for its callers: `channel()`, which is TLS once the process has an identity configured."""
     return channel(target, default_timeout_s=default_timeout_s, interceptors=interceptors, options=options,
-                   tracing=tracing)
+                   tracing=tracing, tls_server_name=tls_server_name)

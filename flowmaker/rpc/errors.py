@@ -228,6 +228,11 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[
     return parse
 
 
+# Requests larger than this (serialized bytes) are validated off the event loop (flowmaker.cancel.offload);
+# smaller ones are checked in place, where a thread hop would cost more than the walk.
+OFFLOAD_CHECK_BYTES = 32_768
+
+
 def _check_request(request: Any) -> None:
     """The edge checks, before any handler code: decodable, then valid (flowmaker.rpc.validate)."""
     if isinstance(request, Undecodable):
@@ -321,7 +326,12 @@ class _Edge:
         ptoken = current_principal.set(principal)
         try:
             if self.check:
-                _check_request(request)
+                if isinstance(request, Message) and request.ByteSize() > OFFLOAD_CHECK_BYTES:
+                    # A big request (a maximal DAG, a long profile list) is validated in a worker, bounded by
+                    # the caller's deadline: health checks and other callers keep being answered meanwhile.
+                    await _cancel.offload(_check_request, request)
+                else:
+                    _check_request(request)
             caller = None
             if self.limiter is not None:
                 c = f"principal:{principal.name}" if principal.name else caller_of(context)
@@ -338,7 +348,16 @@ class _Edge:
         caller, ptoken = state
         if caller is not None and self.limiter is not None:
             self.limiter.exit(caller)
-        current_principal.reset(ptoken)
+        _reset(current_principal, ptoken)
+
+
+def _reset(var: Any, token: Any) -> None:
+    """Reset a context variable, unless this runs in another context than the one that set it: a stream
+    abandoned by its client is finalized by the event loop's async-generator hook, in a task of its own."""
+    try:
+        var.reset(token)
+    except ValueError:
+        pass
 
 
 def _wrap_unary(behavior: Callable[..., Any], edge: _Edge) -> Callable[..., Any]:
@@ -364,17 +383,23 @@ def _wrap_stream(behavior: Callable[..., Any], edge: _Edge) -> Callable[..., Any
         async def gen_wrapper(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             token = _set_deadline(context)
             state = None
+            agen = None
             try:
                 state = await edge.enter(request_or_iterator, context)
-                async for item in behavior(request_or_iterator, context):
+                agen = behavior(request_or_iterator, context)
+                async for item in agen:
                     yield item
             except grpc.aio.AbortError:
                 raise
             except Exception as e:
                 await _abort(context, e, edge.method)
             finally:
+                if agen is not None:
+                    # A client that went away: the handler's own cleanup (cancelling its engine calls) runs
+                    # now, not whenever the garbage collector gets to the generator.
+                    await agen.aclose()
                 edge.exit(state)
-                incoming_deadline.reset(token)
+                _reset(incoming_deadline, token)
         return gen_wrapper
     # A coroutine handler that writes with context.write() (or a sync iterator): same as unary.
     return _wrap_unary(behavior, edge)

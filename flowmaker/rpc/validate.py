@@ -22,8 +22,18 @@ from typing import Any
 from google.protobuf import descriptor as _d
 from google.protobuf.message import Message
 
+from flowmaker.cancel import checkpoint
 from flowmaker.errors import InvalidSpec
-from flowmaker.limits import FIELD_RULES, LIMITS, Limits, apply_rule, check_bytes, check_count
+from flowmaker.limits import (
+    FIELD_RULES,
+    LIMITS,
+    MESSAGE_RULES,
+    Limits,
+    apply_rule,
+    check_bytes,
+    check_count,
+    check_message_bytes,
+)
 
 _FLOATS = (_d.FieldDescriptor.TYPE_DOUBLE, _d.FieldDescriptor.TYPE_FLOAT)
 _STRINGS = (_d.FieldDescriptor.TYPE_STRING, _d.FieldDescriptor.TYPE_BYTES)
@@ -39,9 +49,14 @@ def validate_request(msg: Message, limits: Limits = LIMITS) -> None:
     if not msg.DESCRIPTOR.full_name.startswith("flowmaker."):
         return
     _walk(msg, "", limits)
+    # After the fields: a request too big because of one field names that field and its own limit.
+    whole = MESSAGE_RULES.get(msg.DESCRIPTOR.full_name)
+    if whole is not None:
+        check_message_bytes(msg.ByteSize(), whole[1], whole[0], limits)
 
 
 def _walk(msg: Message, path: str, limits: Limits) -> None:
+    checkpoint()  # run in a worker for big requests (flowmaker.rpc.errors): stop once the caller has gone
     for fd, value in msg.ListFields():
         fpath = _join(path, fd.name)
         rules = FIELD_RULES.get(fd.full_name, ())

@@ -132,10 +132,10 @@ def _dominated(pb: Problem) -> list[bool]:
     profs = pb.profiles
     n = len(profs)
     out = [False] * n
-    groups: dict[tuple[int, float], list[int]] = {}
+    groups: dict[tuple[int, float, int], list[int]] = {}
     for i, prof in enumerate(profs):
         if pb.p_ok[i]:
-            groups.setdefault((pb.p_k[i], prof.memory_gb_per_gpu), []).append(i)
+            groups.setdefault((pb.p_k[i], prof.memory_gb_per_gpu, pb.p_reps[i]), []).append(i)
     for ids in groups.values():
         for q in ids:
             pq = profs[q]
@@ -164,7 +164,12 @@ def _placeable(pb: Problem) -> list[bool]:
         free = sorted((pb.free0[g] for g in ids), reverse=True)
         for k in range(1, len(free) + 1):
             kth[k] = max(kth.get(k, -INF), free[k - 1])
-    return [pb.profiles[i].memory_gb_per_gpu - EPS_GB <= kth.get(pb.p_k[i], -INF) for i in range(len(pb.profiles))]
+    out = [pb.profiles[i].memory_gb_per_gpu - EPS_GB <= kth.get(pb.p_k[i], -INF) for i in range(len(pb.profiles))]
+    for i, reps in enumerate(pb.p_reps):  # a replica group must fit replica after replica
+        if reps > 1 and out[i]:
+            out[i] = _place_group(pb.layout, dict(pb.free0), pb.p_k[i], pb.profiles[i].memory_gb_per_gpu,
+                                  reps) is not None
+    return out
 
 
 def _static(pb: Problem, pw: PWorkflow, check_cap: bool, usable: list[bool]) -> _Static:
@@ -346,7 +351,7 @@ class _Search:
         load = pw.load
         tool_lat = pw.tool_lat
         lam = pb.lam
-        p_cap, p_mem, p_k = pb.p_cap, pb.p_mem, pb.p_k
+        p_cap, p_mem, p_k, p_reps = pb.p_cap, pb.p_mem, pb.p_k, pb.p_reps
         r_prof, r_load0 = pb.r_prof, pb.r_load0
         profiles = pb.profiles
         layout = pb.layout
@@ -891,7 +896,18 @@ class _Search:
                     continue
                 mpg = profiles[pi].memory_gb_per_gpu
                 k = p_k[pi]
-                if check_place:
+                reps = p_reps[pi]
+                group: list[tuple[str, tuple[str, ...]]] = []
+                node: str = ""
+                gids: tuple[str, ...] = ()
+                if check_place and reps > 1:  # a replica group: placed replica by replica, not cached
+                    placed = _place_group(layout, free, k, mpg, reps)
+                    if placed is None:
+                        assigned[s] = False
+                        continue
+                    group = placed
+                    node, gids = "", ()
+                elif check_place:
                     if k not in place_cache:
                         place_cache[k] = _best_node(layout, free, k)
                     pl = place_cache[k]
@@ -905,20 +921,26 @@ class _Search:
                     node, gids = "", ()
                 slots.append(pi)
                 slot_load.append(ld)
-                places.append((node, gids))
+                if group:
+                    places.extend(group)
+                else:
+                    places.extend((node, gids) for _ in range(reps))
                 mem_now[0] += m
-                gpus_now[0] += k
+                gpus_now[0] += k * reps
                 choice.append((NEW, len(slots) - 1))
                 descend(j, lb)
                 choice.pop()
-                gpus_now[0] -= k
+                gpus_now[0] -= k * reps
                 mem_now[0] -= m
-                places.pop()
+                del places[len(places) - reps:]
                 slot_load.pop()
                 slots.pop()
                 if check_place:
                     for g in gids:
                         free[g] += mpg
+                    for _, gg in group:
+                        for g2 in gg:
+                            free[g2] += mpg
                 assigned[s] = False
                 if search.done or halted(lb):
                     return
@@ -1062,6 +1084,24 @@ def _core_lp(cols_lo: list[float], cols_hi: list[float], cost: list[float], entr
     lp.a_matrix_.num_col_ = len(cost)
     lp.a_matrix_.num_row_ = len(rlo)
     return lp
+
+
+def _place_group(layout, free: dict[str, float], k: int, mpg: float, reps: int
+                 ) -> list[tuple[str, tuple[str, ...]]] | None:
+    """Place `reps` replicas of k GPUs x `mpg` GB one after another (LeastLoaded each), taking their
+    memory from `free`; None (and `free` as it was) when one does not fit."""
+    out: list[tuple[str, tuple[str, ...]]] = []
+    for _ in range(reps):
+        pl = _best_node(layout, free, k)
+        if pl is None or pl[0] < mpg - EPS_GB:
+            for _, gids in out:
+                for g in gids:
+                    free[g] += mpg
+            return None
+        for g in pl[2]:
+            free[g] -= mpg
+        out.append((pl[1], pl[2]))
+    return out
 
 
 def _best_node(layout, free: dict[str, float], k: int) -> tuple[float, str, tuple[str, ...]] | None:

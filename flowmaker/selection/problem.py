@@ -69,12 +69,22 @@ class Problem:
         self.u = req.options.utilization_cap
         self.models = {m.id: m for m in req.models}
         # A (model, tp, pp) is deployable iff it has a profile; profiles of unknown models are unusable.
-        self.profiles: tuple[Profile, ...] = tuple(p for p in req.profiles if p.model_id in self.models)
-        self.prof_by_key = {p.key: i for i, p in enumerate(self.profiles)}
+        # With the replicas extension (options.max_replicas R > 1) every profile p becomes R "group
+        # profiles" (p, r), r = 1..R, next to each other: a new instance of one is a group of r replicas
+        # (r times the memory and capacity, the same latency, placed replica by replica). The strategies
+        # search them as profiles; only placement looks at `p_reps`.
+        base = tuple(p for p in req.profiles if p.model_id in self.models)
+        reps_max = max(1, req.options.max_replicas)
+        self.profiles: tuple[Profile, ...] = tuple(p for p in base for _ in range(reps_max))
+        self.p_reps: tuple[int, ...] = tuple(r for _ in base for r in range(1, reps_max + 1))
+        # Running instances are single instances: their key maps to the r = 1 entry.
+        self.prof_by_key = {p.key: i for i, p in reversed(list(enumerate(self.profiles)))}
         self.p_acc = tuple(self.models[p.model_id].accuracy for p in self.profiles)
-        self.p_mem = tuple(p.total_memory_gb for p in self.profiles)
-        self.p_cap = tuple(self.u * p.max_output_tokens_per_s for p in self.profiles)
-        self.p_k = tuple(p.tp * p.pp for p in self.profiles)
+        self.p_mem = tuple(r * p.total_memory_gb for p, r in zip(self.profiles, self.p_reps, strict=True))
+        self.p_cap = tuple(r * self.u * p.max_output_tokens_per_s
+                           for p, r in zip(self.profiles, self.p_reps, strict=True))
+        self.p_k = tuple(p.tp * p.pp for p in self.profiles)  # GPUs of ONE replica (what placement needs)
+        self.p_gpus = tuple(r * k for r, k in zip(self.p_reps, self.p_k, strict=True))  # of the whole group
         self.p_ok = tuple(a >= self.alpha for a in self.p_acc)
         # Reuse candidates: running instances whose (model, tp, pp) has a profile and model is known.
         self.reusable: tuple[Instance, ...] = ()
@@ -122,9 +132,11 @@ class Problem:
 
     def build_variant(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
                       placements: Sequence[tuple[str, tuple[str, ...]]]) -> Variant:
-        """Assemble the response object for a feasible choice (placements in slot order)."""
+        """Assemble the response object for a feasible choice. `placements` holds one entry per new
+        instance in placement order: a slot (group) of r replicas takes r consecutive entries."""
         lat = self.stage_latencies(pw, choice, slot_prof)
         L = self.longest_path(pw, lat)
+        first = self.slot_offsets(slot_prof)
         slot_load = [0.0] * len(slot_prof)
         reuse_load: dict[int, float] = {}
         assigns: list[StageAssignment] = []
@@ -139,22 +151,36 @@ class Problem:
                                                gpu_ids=inst.gpu_ids, latency_s=lat[s],
                                                load_output_tokens_per_s=pw.load[s]))
             else:
-                p = self.profiles[slot_prof[ref]]
+                pi = slot_prof[ref]
+                p = self.profiles[pi]
                 slot_load[ref] += pw.load[s]
-                accs.append(self.p_acc[slot_prof[ref]])
-                assigns.append(StageAssignment(st.id, p.model_id, p.tp, p.pp, False, new_key=f"new-{ref}",
-                                               gpu_ids=placements[ref][1], latency_s=lat[s],
-                                               load_output_tokens_per_s=pw.load[s]))
-        news = tuple(
-            NewInstance(f"new-{j}", self.profiles[pi].model_id, self.profiles[pi].tp, self.profiles[pi].pp,
-                        placements[j][0], placements[j][1], self.profiles[pi].memory_gb_per_gpu, slot_load[j])
-            for j, pi in enumerate(slot_prof))
+                accs.append(self.p_acc[pi])
+                keys = tuple(f"new-{first[ref] + i}" for i in range(self.p_reps[pi]))
+                assigns.append(StageAssignment(st.id, p.model_id, p.tp, p.pp, False, new_key=keys[0],
+                                               gpu_ids=placements[first[ref]][1], latency_s=lat[s],
+                                               load_output_tokens_per_s=pw.load[s],
+                                               replica_keys=keys if len(keys) > 1 else ()))
+        news = []
+        for j, pi in enumerate(slot_prof):
+            p, reps = self.profiles[pi], self.p_reps[pi]
+            for i in range(reps):  # each replica is planned at an equal share of the group's load
+                node, gids = placements[first[j] + i]
+                news.append(NewInstance(f"new-{first[j] + i}", p.model_id, p.tp, p.pp, node, gids,
+                                        p.memory_gb_per_gpu, slot_load[j] / reps))
         mem = sum(self.p_mem[pi] for pi in slot_prof)
         return Variant(
-            workflow_id=pw.wf.id, assignments=tuple(assigns), new_instances=news,
+            workflow_id=pw.wf.id, assignments=tuple(assigns), new_instances=tuple(news),
             reuse=tuple((self.reusable[i].id, ld) for i, ld in sorted(reuse_load.items())),
             latency_s=L, accuracy=min(accs), cost=mem * L, new_memory_gb=mem,
-            new_gpus=sum(self.p_k[pi] for pi in slot_prof))
+            new_gpus=sum(self.p_gpus[pi] for pi in slot_prof))
+
+    def slot_offsets(self, slot_prof: Sequence[int]) -> list[int]:
+        """Index of each slot's first replica among the new instances (placement order)."""
+        out, n = [], 0
+        for pi in slot_prof:
+            out.append(n)
+            n += self.p_reps[pi]
+        return out
 
     def check(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int]
               ) -> tuple[int, list[tuple[str, tuple[str, ...]]]]:
@@ -186,18 +212,19 @@ class Problem:
         free = dict(self.free0)
         places: list[tuple[str, tuple[str, ...]]] = []
         for pi in slot_prof:
-            pl = place_least_loaded(self.layout, free, self.p_k[pi], self.profiles[pi].memory_gb_per_gpu)
-            if pl is None:
-                return 4, []
-            for g in pl[1]:
-                free[g] -= self.profiles[pi].memory_gb_per_gpu
-            places.append(pl)
+            for _ in range(self.p_reps[pi]):  # a group places its replicas one after another
+                pl = place_least_loaded(self.layout, free, self.p_k[pi], self.profiles[pi].memory_gb_per_gpu)
+                if pl is None:
+                    return 4, []
+                for g in pl[1]:
+                    free[g] -= self.profiles[pi].memory_gb_per_gpu
+                places.append(pl)
         return 5, places
 
     def score(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int]) -> tuple[float, float, int]:
         """(cost, latency, new GPUs) of a complete choice: the key the spec's tie-breaks order by."""
         lat = self.longest_path(pw, self.stage_latencies(pw, choice, slot_prof))
-        return sum(self.p_mem[p] for p in slot_prof) * lat, lat, sum(self.p_k[p] for p in slot_prof)
+        return sum(self.p_mem[p] for p in slot_prof) * lat, lat, sum(self.p_gpus[p] for p in slot_prof)
 
     def result(self, strategy: str, best_at: tuple[PWorkflow, Sequence[Choice], Sequence[int],
                                                     Sequence[tuple[str, tuple[str, ...]]]],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from flowmaker.domain import SelectionRequest, SelectionResult
+from flowmaker.domain import CapacityModel, SelectionRequest, SelectionResult
 from flowmaker.errors import InvalidSpec
 
 Strategy = Callable[[SelectionRequest], SelectionResult]
@@ -32,6 +32,9 @@ def select(request: SelectionRequest, strategy: str = "exact") -> SelectionResul
     """Validate the request and run the named strategy on it."""
     fn = get_strategy(strategy)
     request.validate()
+    if request.options.capacity_model is CapacityModel.BUSY_TIME:
+        from flowmaker.selection.busytime import select_busy_time
+        return select_busy_time(request, strategy, fn)
     return fn(request)
 
 

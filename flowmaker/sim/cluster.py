@@ -100,13 +100,18 @@ class Route:
     """One way to serve a task's request: a candidate workflow and, per LLM stage, an instance id."""
 
     workflow_id: str
-    stage_instances: tuple[tuple[str, str], ...]  # (LLM stage id, instance id)
+    # (LLM stage id, instance id); a stage scaled out to replicas appears once per replica, and each of its
+    # calls goes to the replica with the least outstanding work.
+    stage_instances: tuple[tuple[str, str], ...]
 
     def instance_for(self, stage_id: str) -> str:
         for s, i in self.stage_instances:
             if s == stage_id:
                 return i
         raise KeyError(stage_id)
+
+    def replicas_for(self, stage_id: str) -> list[str]:
+        return [i for s, i in self.stage_instances if s == stage_id]
 
 
 # (request, its index within the task, outstanding work of an instance id in engine seconds) -> index into routes.
@@ -316,7 +321,8 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     def submit_call(r: _Req, stage_id: str, call: int, t: float) -> None:
         nonlocal asked_out, asked_in, calls
         st = r.wf.stage(stage_id)
-        iid = r.route.instance_for(stage_id)
+        ids = r.route.replicas_for(stage_id)
+        iid = ids[0] if len(ids) == 1 else min(ids, key=outstanding)
         engines[iid].submit(f"{r.arrival.req_id}|{stage_id}|{call}", st.input_tokens, st.output_tokens, t)
         dirty.add(iid)
         if t >= measure_from_s:

@@ -537,13 +537,18 @@ class NodeAgent:
     def _engine_process(self, rec: InstanceRecord, backend: EngineBackend, profile: Profile) -> EngineProcess:
         from flowmaker.catalog import get_model
 
+        ctx = 0
         try:
-            hf_id = get_model(rec.model_id).hf_id
+            m = get_model(rec.model_id)
+            hf_id = m.hf_id
+            ctx = m.arch.max_ctx if m.arch is not None else 0
         except NotFound:
             hf_id = rec.model_id
         extra: tuple[str, ...] = ()
         if backend.name == "emulated":
-            extra = ("--time-scale", f"{self.settings.engine_time_scale:g}")
+            # The model's context, as vLLM reads it from the config: prompt + max_tokens beyond it is a 400.
+            extra = ("--time-scale", f"{self.settings.engine_time_scale:g}",
+                     *(("--max-model-len", str(ctx)) if ctx > 0 else ()))
         port = 0 if backend.announces_port else _free_port(self.settings.engine_host)
         spec = EngineSpec(rec.id, rec.model_id, hf_id, rec.tp, rec.pp,
                           tuple(self.gpus[g].index for g in rec.gpu_ids), self.settings.engine_host, port,

@@ -20,7 +20,8 @@ async def main() -> None:
     telemetry.setup_tracing("flowmaker-orchestrator")
     store = connect(settings.etcd_endpoint_list, namespace=settings.etcd_namespace, timeout_s=settings.etcd_timeout_s)
     clients = Clients(settings.selector_address, settings.generator_address, timeout_s=settings.call_timeout_s,
-                      profiler_address=settings.profiler_address)
+                      profiler_address=settings.profiler_address,
+                      deployer_tls_server_name=settings.deployer_tls_server_name)
     orch = Orchestrator(settings, store, clients)
 
     async def ready(running: RunningServer) -> None:

@@ -39,19 +39,22 @@ class Clients:
     """Channels are created once and reused; every call on them carries a deadline (rpc.channels)."""
 
     def __init__(self, selector_address: str, generator_address: str = "", *, timeout_s: float = 30.0,
-                 profiler_address: str = "") -> None:
+                 profiler_address: str = "", deployer_tls_server_name: str = "") -> None:
         self.timeout_s = timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.deployer_tls_server_name = deployer_tls_server_name
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
         self.selector = selector_pb2_grpc.SelectorServiceStub(self.channel(selector_address))
         self.profiler = (profiler_pb2_grpc.ProfilerServiceStub(self.channel(profiler_address))
                          if profiler_address else None)
         self.generator: Generator = (GeneratorClient(self.channel(generator_address), timeout_s)
                                      if generator_address else TemplateGenerator())
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
+    def channel(self, address: str, tls_server_name: str = "") -> grpc.aio.Channel:
+        key = (address, tls_server_name)
+        ch = self._channels.get(key)
         if ch is None:
-            ch = self._channels[address] = insecure_channel(address, default_timeout_s=self.timeout_s)
+            ch = self._channels[key] = insecure_channel(address, default_timeout_s=self.timeout_s,
+                                                        tls_server_name=tls_server_name)
         return ch
 
     async def registered_models(self, timeout_s: float) -> tuple[Model, ...] | None:
@@ -62,7 +65,7 @@ class Clients:
         return tuple(convert.model_from_proto(m) for m in resp.models)
 
     def deployer(self, address: str) -> deployer_pb2_grpc.DeployerServiceStub:
-        return deployer_pb2_grpc.DeployerServiceStub(self.channel(address))
+        return deployer_pb2_grpc.DeployerServiceStub(self.channel(address, self.deployer_tls_server_name))
 
     async def close(self) -> None:
         await self.generator.close()

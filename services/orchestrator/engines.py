@@ -12,7 +12,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from flowmaker import telemetry
-from flowmaker.errors import DeadlineExceeded, Unavailable
+from flowmaker.errors import DeadlineExceeded, InvalidSpec, Unavailable
+from flowmaker.redact import scrub
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,14 @@ class EngineClient:
                 async with self._http().post(url, json=body, headers=headers,
                                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                     if r.status != 200:
-                        detail = (await r.text())[:500]
+                        # Scrubbed: an engine may echo the request, its Authorization header included.
+                        detail = scrub((await r.text())[:2000], [api_key])[:500]
+                        if r.status == 400:
+                            # The call itself was refused (e.g. prompt + max_tokens beyond the model's context,
+                            # by the engine's own token count): retrying cannot help.
+                            raise InvalidSpec(f"{what} refused the call: {detail}", field="input",
+                                              reason="ENGINE_REJECTED",
+                                              metadata={"instance_id": instance_id, "status": "400"})
                         raise Unavailable(f"{what} answered HTTP {r.status}: {detail}", reason="ENGINE_ERROR",
                                           metadata={"instance_id": instance_id, "status": str(r.status)})
                     if on_delta is None:

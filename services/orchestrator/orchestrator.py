@@ -30,7 +30,8 @@ from flowmaker import convert, telemetry
 from flowmaker.api.common.v1 import cluster_pb2, selection_pb2
 from flowmaker.api.deployer.v1 import deployer_pb2
 from flowmaker.api.selector.v1 import selector_pb2
-from flowmaker.catalog import default_models
+from flowmaker.cancel import checkpoint, offload
+from flowmaker.catalog import default_models, get_model
 from flowmaker.domain import Cluster, Model, Slo, Stage, Variant, Workflow
 from flowmaker.errors import (
     Conflict,
@@ -41,6 +42,7 @@ from flowmaker.errors import (
     NotFound,
     Unavailable,
 )
+from flowmaker.limits import LimitExceeded
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad
 from flowmaker.orchestration.cluster import OBSERVED_LOAD_MAX_AGE_S, excluding_task, read_live_cluster
 from flowmaker.orchestration.commit import CommitPlan, ReleaseAction, commit_ops, plan_commit, plan_release
@@ -56,6 +58,7 @@ from flowmaker.orchestration.task import (
     TaskRecord,
     TaskState,
     derive_state,
+    replicas_of,
 )
 from flowmaker.rpc.channels import deadline_s
 from flowmaker.rpc.errors import call, incoming_deadline
@@ -137,6 +140,17 @@ class TaskView:
     observed_rate_rps: float = 0.0  # model-time arrivals/s over the orchestrator's window (0: not measured)
 
 
+def _check_workflows(workflows: Sequence[Workflow]) -> None:
+    """Validate each workflow (ids, DAG, templates) and that workflow ids are distinct."""
+    ids: set[str] = set()
+    for i, w in enumerate(workflows):
+        checkpoint()
+        w.validate(f"workflows[{i}]")
+        if w.id in ids:
+            raise InvalidSpec(f"duplicate workflow id {w.id!r}", field=f"workflows[{i}].id")
+        ids.add(w.id)
+
+
 class Orchestrator:
     def __init__(self, settings: OrchestratorSettings, store: StateStore, clients: Clients,
                  engines: EngineClient | None = None) -> None:
@@ -150,6 +164,9 @@ class Orchestrator:
         self._pending_obs: defaultdict[str, list[float]] = defaultdict(list)
         self._inflight: defaultdict[str, int] = defaultdict(int)  # instance id -> engine calls in progress
         self._delete_results: dict[str, list[str]] = {}  # task id -> instances its delete stopped
+        # Model id -> context length (prompt + completion tokens): the catalog's, and the registered models'
+        # once a selection has listed them (`_models`). Every engine call's max_tokens is clamped to it.
+        self._contexts: dict[str, int] = {m.id: m.arch.max_ctx for m in default_models() if m.arch is not None}
         self.arrivals = ArrivalMeter(settings.load_window_s)
         s = settings
         self.reconciler = Reconciler(self, store, Policy(
@@ -291,12 +308,9 @@ class Orchestrator:
             raise InvalidSpec(f"must be >= 0 (0 = default), got {max_workflows}", field="max_workflows")
         if not workflows and not description.strip():
             raise InvalidSpec("must describe the task (or give workflows)", field="description")
-        ids: set[str] = set()
-        for i, w in enumerate(workflows):
-            w.validate(f"workflows[{i}]")
-            if w.id in ids:
-                raise InvalidSpec(f"duplicate workflow id {w.id!r}", field=f"workflows[{i}].id")
-            ids.add(w.id)
+        if workflows:
+            # CPU work proportional to the DAGs: in a worker, bounded by the caller's deadline.
+            await offload(_check_workflows, tuple(workflows))
         tid = f"{_slug(name or description, 'task')}-{uuid.uuid4().hex[:8]}"
         with _tracer().start_as_current_span("task.create", attributes={telemetry.FLOWMAKER_TASK: tid}) as span:
             candidates = tuple(workflows) or await self._generate(description,
@@ -399,6 +413,7 @@ class Orchestrator:
             return ()
         by_id = {m.id: m for m in default_models()}
         by_id.update({m.id: m for m in registered})
+        self._contexts.update({m.id: m.arch.max_ctx for m in registered if m.arch is not None and m.arch.max_ctx > 0})
         return tuple(by_id.values())
 
     async def _wait_for_capacity(self, task_id: str, why: str) -> None:
@@ -707,9 +722,10 @@ class Orchestrator:
         for attempt in range(1, self.settings.commit_retries + 1):
             view = await read_live_cluster(self.store)
             seen = excluding_task(view, refs)
-            a = await self._select_at(t, rate_rps, seen.cluster)
+            reps = self.settings.load_max_replicas  # scaling a stage out is one of the answers
+            a = await self._select_at(t, rate_rps, seen.cluster, max_replicas=reps)
             fresh = replace(seen.cluster, instances=tuple(i for i in seen.cluster.instances if i.id not in exclusive))
-            b = await self._select_at(t, rate_rps, fresh) if exclusive else None
+            b = await self._select_at(t, rate_rps, fresh, max_replicas=reps) if exclusive else None
             tkv, cur = await self._get(task_id)
             if cur.state is not TaskState.ACTIVE or cur.next_variant is not None:
                 return
@@ -754,8 +770,10 @@ class Orchestrator:
         await self._note_reselection(task_id, replace(note, outcome="FAILED",
                                                       reason=f"{why}; the cluster kept changing"))
 
-    async def _select_at(self, t: TaskRecord, rate_rps: float, cluster: Cluster) -> Variant | None:
-        """The selector's variant for `t`'s approved workflows at `rate_rps` on `cluster` (None: infeasible)."""
+    async def _select_at(self, t: TaskRecord, rate_rps: float, cluster: Cluster, *, max_replicas: int = 1
+                         ) -> Variant | None:
+        """The selector's variant for `t`'s approved workflows at `rate_rps` on `cluster` (None: infeasible),
+        with at least `max_replicas` replicas per new instance allowed."""
         req = selector_pb2.SelectVariantRequest(
             slo=convert.slo_to_proto(replace(t.slo, arrival_rate_rps=rate_rps)),
             workflows=[convert.workflow_to_proto(w) for w in t.candidates if w.id in t.approved_workflow_ids],
@@ -763,6 +781,7 @@ class Orchestrator:
             models=[convert.model_to_proto(m) for m in await self._models()])
         if t.options_json:
             req.options.CopyFrom(convert.selection_options_from_json(t.options_json))
+        req.options.max_replicas = max(req.options.max_replicas, max_replicas)
         result = convert.selection_result_from_proto(await call(self.clients.selector.SelectVariant(
             req, timeout=self.settings.select_timeout_s)))
         return result.variant
@@ -1003,15 +1022,21 @@ class Orchestrator:
         insts: dict[str, InstanceRecord] = {}
         for iid in t.instance_ids:
             rec = await self._route_instance(iid)
-            if rec is None or rec.state is not InstanceState.READY or not rec.endpoint:
-                # Being healed: wait (within the request's deadline) for the replacement rather than fail.
-                rec = await self._await_replacement(task_id, iid, None)
-                if rec is None:
-                    cur = await self._route_instance(iid)
-                    state = cur.state.value if cur else "gone"
-                    raise Unavailable(f"task {task_id} is DEGRADED: instance {iid} is {state}"
-                                      + (f" ({cur.reason.splitlines()[0]})" if cur and cur.reason else ""),
-                                      reason="INSTANCE_FAILED", metadata={"instance_id": iid})
+            if rec is not None and rec.state is InstanceState.READY and rec.endpoint:
+                insts[iid] = rec
+        for stage in wf.stages:
+            ids = replicas_of(t.stage_instances, stage.id) if stage.is_llm else []
+            if not ids or any(i in insts for i in ids):
+                continue  # a replica group serves while at least one of its replicas does
+            iid = ids[0]
+            # Being healed: wait (within the request's deadline) for the replacement rather than fail.
+            rec = await self._await_replacement(task_id, iid, None)
+            if rec is None:
+                cur = await self._route_instance(iid)
+                state = cur.state.value if cur else "gone"
+                raise Unavailable(f"task {task_id} is DEGRADED: instance {iid} is {state}"
+                                  + (f" ({cur.reason.splitlines()[0]})" if cur and cur.reason else ""),
+                                  reason="INSTANCE_FAILED", metadata={"instance_id": iid})
             insts[iid] = rec
 
         async def run_stage(stage: Stage, prompt: str) -> StageResult:
@@ -1029,8 +1054,9 @@ class Orchestrator:
                 await asyncio.sleep(stage.latency_s / self.settings.tool_time_scale)
                 return StageResult(stage.id, prompt, input_tokens=len(prompt.split()),
                                    output_tokens=len(prompt.split()))
-            rec = insts[t.stage_instances[stage.id]]
+            rec = self._pick_replica(insts, replicas_of(t.stage_instances, stage.id))
             max_tokens = min(stage.output_tokens, max_output_tokens) if max_output_tokens else stage.output_tokens
+            max_tokens = self._clamp_to_context(stage, rec.model_id, prompt, max_tokens)
             on_delta: OnDelta | None = None
             if on_event is not None:
                 async def on_delta(piece: str) -> None:
@@ -1086,6 +1112,33 @@ class Orchestrator:
         pending.append(ex.latency_s)
         del pending[:-self.settings.latency_window]
         return ex
+
+    def _clamp_to_context(self, stage: Stage, model_id: str, prompt: str, max_tokens: int) -> int:
+        """`max_tokens` clamped so that prompt + completion fit the model's context (when it is known);
+        INVALID_ARGUMENT (limit context_tokens) when the prompt alone leaves no room. The prompt is counted
+        in words, as the emulated engine counts; a real engine whose tokenizer counts more answers 400,
+        which `EngineClient.chat` reports as INVALID_ARGUMENT too."""
+        ctx = self._contexts.get(model_id)
+        if ctx is None:
+            with contextlib.suppress(NotFound):
+                arch = get_model(model_id).arch
+                ctx = arch.max_ctx if arch is not None else None
+        if not ctx:
+            return max_tokens
+        in_tokens = len(prompt.split())
+        room = ctx - in_tokens
+        if room < 1:
+            raise LimitExceeded(f"stage {stage.id!r}: its prompt has {in_tokens} tokens, which leaves no room for "
+                                f"an answer in the {ctx}-token context of model {model_id!r} (limit context_tokens)",
+                                field="input", metadata={"limit": "context_tokens", "max": str(ctx),
+                                                         "stage_id": stage.id})
+        return min(max_tokens, room)
+
+    def _pick_replica(self, insts: dict[str, InstanceRecord], ids: list[str]) -> InstanceRecord:
+        """The serving replica with the least outstanding work (engine calls in flight from here); ties at
+        random, so that equal replicas share the load."""
+        recs = [insts[i] for i in ids if i in insts]
+        return min(recs, key=lambda r: (self._inflight[r.id], random.random()))
 
     def _admit(self, task_id: str, t: TaskRecord, wf: Workflow, insts: dict[str, InstanceRecord]) -> None:
         """Admission control: reject at once (RESOURCE_EXHAUSTED, with a retry hint) a request that cannot

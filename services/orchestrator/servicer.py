@@ -13,7 +13,7 @@ import grpc
 from flowmaker import convert
 from flowmaker.api.common.v1 import task_pb2
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from flowmaker.cancel import incoming_deadline, remaining_s
+from flowmaker.cancel import checkpoint, incoming_deadline, offload, remaining_s
 from flowmaker.errors import DeadlineExceeded, PermissionDenied
 from flowmaker.rpc.auth import current_principal
 from flowmaker.state import keys
@@ -22,6 +22,14 @@ from services.orchestrator.orchestrator import Orchestrator, TaskView
 T = TypeVar("T")
 
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
+
+
+def _workflows_from_proto(workflows: Any) -> list[Any]:
+    out = []
+    for w in workflows:
+        checkpoint()
+        out.append(convert.workflow_from_proto(w))
+    return out
 
 
 def _task(v: TaskView) -> task_pb2.Task:
@@ -76,7 +84,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         v = await self.orch.deploy_task(
             request.description, convert.slo_from_proto(request.slo) if request.HasField("slo") else None,
             name=request.name, max_workflows=request.max_workflows,
-            workflows=[convert.workflow_from_proto(w) for w in request.workflows])
+            workflows=await offload(_workflows_from_proto, request.workflows))  # a big DAG: off the event loop
         await self.owners.record(v.task.id)
         return orchestrator_pb2.DeployTaskResponse(task=_task(v))
 

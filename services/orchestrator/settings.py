@@ -19,6 +19,10 @@ class OrchestratorSettings(ServiceSettings):
                                   "there are offered to the selector beside the catalog's; empty = the catalog only.")
     generator_address: str = Field(default="", description="host:port of the generator service; empty = the built-in "
                                                    "template library, in process.")
+    deployer_tls_server_name: str = Field(default="", description="With TLS: the name the deployers' certificates "
+                                          "are checked against instead of the host of their advertised address "
+                                          "(Kubernetes: `deployer`, as they advertise their pod IPs); empty = "
+                                          "that host.")
     max_workflows: int = Field(default=3, ge=1, le=20, description="Candidates asked of the generator when the request "
                                                            "says 0.")
     default_strategy: str = Field(default="exact", description="Selection strategy when ApproveWorkflows names none.")
@@ -64,5 +68,8 @@ class OrchestratorSettings(ServiceSettings):
     load_hold_down_s: float = Field(default=30.0, ge=0, description="The drift must last this long (wall s), and "
                                     "two re-selections of a task are at least this far apart; keep it >= "
                                     "load_window_s, so the rate planned for is all new regime.")
+    load_max_replicas: int = Field(default=4, ge=1, le=16, description="A re-selection for load may scale a stage "
+                                   "out to this many replicas (selection's max_replicas; docs/selection-spec.md), "
+                                   "unless the task's own options ask for more.")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="After a switch, how long requests already on "
                                    "the old instances may take before their references are released.")

@@ -60,7 +60,8 @@ def build(settings: ProfilerSettings, store: StateStore) -> ProfilerApp:
     registry = Registry(store, gpus, settings.gpus_per_node)
     channel = None
     if settings.deployer_address:
-        channel = insecure_channel(settings.deployer_address, default_timeout_s=settings.call_timeout_s)
+        channel = insecure_channel(settings.deployer_address, default_timeout_s=settings.call_timeout_s,
+                                   tls_server_name=settings.deployer_tls_server_name)
 
     def launcher_for(job: dict[str, Any]) -> EngineLauncher:
         if channel is not None:

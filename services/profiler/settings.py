@@ -15,6 +15,9 @@ class ProfilerSettings(ServiceSettings):
     port: int = Field(default=DEFAULT_PORTS["profiler"], ge=0, le=65535, description="gRPC port; 0 = any free port.")
     deployer_address: str = Field(default="", description="Deployer gRPC address (host:port) that starts the engines of a "
                                                   "measured sweep; empty = start them on this host (engine_backend).")
+    deployer_tls_server_name: str = Field(default="", description="With TLS: the name the deployer's certificate is "
+                                          "checked against instead of the host of deployer_address; empty = "
+                                          "that host.")
     engine_backend: str = Field(default="emulated", description="Backend of locally started engines when no deployer is "
                                                         "configured: emulated, vllm or trtllm; empty = refuse "
                                                         "ProfileModel (FAILED_PRECONDITION).")

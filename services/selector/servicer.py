@@ -10,6 +10,7 @@ import grpc
 
 from flowmaker import convert, metrics
 from flowmaker.api.selector.v1 import selector_pb2, selector_pb2_grpc
+from flowmaker.cancel import offload
 from flowmaker.catalog import default_models, get_gpu_type
 from flowmaker.domain import Cluster, SelectionRequest
 from flowmaker.errors import DeadlineExceeded
@@ -32,7 +33,8 @@ class SelectorServicer(selector_pb2_grpc.SelectorServiceServicer):
 
     async def SelectVariant(self, request: selector_pb2.SelectVariantRequest,
                             context: grpc.aio.ServicerContext) -> selector_pb2.SelectVariantResponse:
-        req, strategy = convert.select_variant_request_from_proto(request)
+        # Converting a big request (many profiles, models, stages) is CPU work: off the event loop too.
+        req, strategy = await offload(convert.select_variant_request_from_proto, request)
         get_strategy(strategy)  # an unknown name fails before any etcd read
         req = await self._complete(req, has_cluster=request.HasField("cluster"))
         req = with_deadline(req, context.time_remaining())

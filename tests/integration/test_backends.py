@@ -207,3 +207,45 @@ def test_registry_and_spec_validation() -> None:
     with pytest.raises(InvalidSpec) as e3:
         EngineProcess(get_backend("vllm"), EngineSpec("i", "m", "", 1, 1, (0,), "127.0.0.1", 0, PROFILE))
     assert e3.value.field == "spec.port"
+
+
+async def test_trtllm_behind_the_key_proxy(procs: list[EngineProcess]) -> None:
+    """trtllm-serve has no --api-key: with a per-instance key it listens on loopback behind
+    flowmaker.engine.keyproxy, which refuses /v1 without the key (401, as vLLM) and relays the rest,
+    streams included. The engine itself never gets the key, and a stop takes both processes down."""
+    s = spec("trtllm")
+    p = EngineProcess(get_backend("trtllm"), s, env=engine_env(), api_key="inst-key-123")
+    procs.append(p)
+    await p.start()
+    await p.wait_healthy(timeout_s=30)
+    assert p.port == s.port
+    pid = p.pid
+    assert pid is not None
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    assert len(children) == 1
+    engine_pid = int(children[0])
+    engine_env_vars = Path(f"/proc/{engine_pid}/environ").read_bytes().split(b"\0")
+    assert not any(b"inst-key-123" in v for v in engine_env_vars)  # the key stays with the proxy
+    engine_cmd = Path(f"/proc/{engine_pid}/cmdline").read_bytes().split(b"\0")
+    assert engine_cmd[engine_cmd.index(b"--host") + 1] == b"127.0.0.1"  # loopback only
+    assert engine_cmd[engine_cmd.index(b"--port") + 1] != str(s.port).encode()
+    model = get_backend("trtllm").served_model_name(s)
+    key = {"Authorization": "Bearer inst-key-123"}
+    async with aiohttp.ClientSession() as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "inst-key-123"}):
+            async with http.get(p.base_url + "/v1/models", headers=headers) as r:
+                assert r.status == 401 and await r.json() == {"error": "Unauthorized"}
+        async with http.get(p.base_url + "/v1/models", headers=key) as r:
+            assert r.status == 200 and [m["id"] for m in (await r.json())["data"]] == [model]
+        body = {"model": model, "prompt": "stream me", "max_tokens": 6, "stream": True}
+        async with http.post(p.base_url + "/v1/completions", json=body, headers=key) as r:
+            assert r.status == 200
+            lines = [ln.decode().strip() async for ln in r.content if ln.strip()]
+        assert lines[-1] == "data: [DONE]"
+        assert len("".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-1]).split()) == 6
+        async with http.post(p.base_url + "/v1/completions", json=body) as r:
+            assert r.status == 401
+    m = await p.scrape_metrics()  # /metrics is not under /v1: the deployer scrapes it without the key
+    assert m["running"] == 0
+    await p.stop(grace_s=2)
+    assert gone(pid) and not Path(f"/proc/{engine_pid}").exists()

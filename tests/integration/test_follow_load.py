@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -60,10 +61,15 @@ def test_arrival_meter_and_drift_rule() -> None:
     assert (tid, rate) == ("t", 2.5) and "> 2 x planned 1" in why
     # Within the band: nothing, and the timer resets.
     assert drifted({"t": t}, {"t": TaskLoad(1.5, 1.0, 50)}, since, 106.0, p) == [] and since == {}
-    # Falling below planned / band scales back in, to at least the policy's floor.
+    # Falling below planned / band scales back in, to at least the policy's floor, after scale_in_factor x the
+    # hold-down, and with headroom over what is observed.
     low = {"t": TaskLoad(0.0, 0.0, 0)}
     drifted({"t": t}, low, since, 200.0, p)
-    assert drifted({"t": t}, low, since, 205.0, p)[0][1] == p.min_rate_rps
+    assert drifted({"t": t}, low, since, 205.0, p) == []  # scaling in waits longer
+    assert drifted({"t": t}, low, since, 210.0, p)[0][1] == p.min_rate_rps
+    lull = {"t": TaskLoad(0.4, 0.0, 0)}
+    drifted({"t": t}, lull, since, 250.0, p)
+    assert drifted({"t": t}, lull, since, 260.0, p)[0][1] == pytest.approx(0.4 * p.scale_in_headroom)
     # The rate as planned but the latency breaks the SLO: ask for band x more.
     slow = {"t": TaskLoad(1.0, 4.0, 50)}
     drifted({"t": t}, slow, since, 300.0, p)
@@ -90,11 +96,12 @@ class Stack:
         return {r.id: r for r in (InstanceRecord.from_json(kv.value)
                                   for kv in (await self.store.get_prefix(keys.INSTANCES)).items)}
 
-    async def deploy(self, name: str, slo: Slo = SLO) -> Any:
+    async def deploy(self, name: str, slo: Slo = SLO, utilization_cap: float = 0.0) -> Any:
         t = (await call(self.stub.DeployTask(pb.DeployTaskRequest(
             description=name, name=name, slo=convert.slo_to_proto(slo), workflows=[convert.workflow_to_proto(WF)])))).task
         return (await call(self.stub.ApproveWorkflows(pb.ApproveWorkflowsRequest(
-            task_id=t.id, workflow_ids=["gen"], options=selection_pb2.SelectionOptions(allow_reuse=True)),
+            task_id=t.id, workflow_ids=["gen"],
+            options=selection_pb2.SelectionOptions(allow_reuse=True, utilization_cap=utilization_cap)),
             timeout=120))).task
 
     async def get(self, task_id: str) -> Any:
@@ -122,14 +129,16 @@ class Driver:
         self.stub, self.task_id = stub, task_id
         self.rate = 0.0
         self.results: list[tuple[float, float, str]] = []  # (start wall time, latency s, "OK" or the error)
+        self.served_by: Counter[str] = Counter()  # instance id -> requests its first stage served
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.Task[None] | None = None
 
     async def _one(self) -> None:
         t0 = time.monotonic()
         try:
-            await call(self.stub.Invoke(pb.InvokeRequest(task_id=self.task_id, input="ramp"), timeout=60))
+            r = await call(self.stub.Invoke(pb.InvokeRequest(task_id=self.task_id, input="ramp"), timeout=60))
             self.results.append((t0, time.monotonic() - t0, "OK"))
+            self.served_by[r.stages[0].instance_id] += 1
         except FlowMakerError as e:
             self.results.append((t0, time.monotonic() - t0, f"{type(e).__name__} {e.reason}: {e}"))
 
@@ -231,6 +240,54 @@ async def test_ramp_reselects_make_before_break_and_scales_back_in(stack: Stack)
     assert not bad, bad[:5]
     assert len(drv.results) > 100
     assert time.monotonic() - ramp_at > 0 and down_at > ramp_at
+    for gpu in await stack.gpus():
+        assert gpu.memory_used_gb <= gpu.memory_total_gb
+
+
+async def test_a_ramp_beyond_one_instance_scales_out_to_replicas_and_back_in(stack: Stack) -> None:
+    """With a utilization cap of 0.5, 8 req/s (1,600 output tokens/s) is more than any one instance of the
+    cheapest model may carry: the re-selection scales the stage out to a replica group (selection's
+    max_replicas), requests are spread over the replicas, and when the load falls back one instance is
+    left. Not one request is lost."""
+    t = await stack.deploy("wide", utilization_cap=0.5)
+    assert t.state == task_pb2.Task.STATE_ACTIVE, t.failure.message
+    first = dict(t.stage_instances)
+    assert list(first) == ["answer"]
+    drv = Driver(stack.stub, t.id).start()
+    try:
+        drv.rate = 0.2
+        await asyncio.sleep(2)
+        drv.rate = 8.0
+
+        async def scaled_out() -> bool:
+            g = await stack.get(t.id)
+            return "answer#1" in g.stage_instances and g.last_reselection.outcome == "DONE"
+        took = await _until(scaled_out, 60, "scaled out to replicas after the ramp")
+        g = await stack.get(t.id)
+        group = [g.stage_instances[k] for k in sorted(g.stage_instances)]
+        assert len(group) >= 2 and first["answer"] not in group, g.stage_instances
+        assert g.variant.assignments[0].replica_keys, g.variant
+        assert g.variant.new_gpus == len(group) * g.variant.assignments[0].tp * g.variant.assignments[0].pp
+        print(f"scaled out {took:.1f}s after the ramp to {len(group)} replicas: {g.last_reselection.reason}")
+        # Requests are spread over the replicas (least outstanding work).
+        before = Counter(drv.served_by)
+        await asyncio.sleep(6)
+        spread = {i: drv.served_by[i] - before[i] for i in group}
+        assert all(n > 0 for n in spread.values()), spread
+        assert min(spread.values()) >= 0.25 * max(spread.values()), spread
+
+        drv.rate = 0.2
+
+        async def scaled_in() -> bool:
+            g2 = await stack.get(t.id)
+            return "answer#1" not in g2.stage_instances and g2.last_reselection.planned_arrival_rate_rps < 1.0 \
+                and len(await stack.instances()) == 1
+        took_down = await _until(scaled_in, WINDOW_S + HOLD_S + 40, "scaled back in to one instance")
+        print(f"scaled in {took_down:.1f}s after the drop; spread over replicas {spread}")
+    finally:
+        await drv.stop()
+    bad = [r for r in drv.results if r[2] != "OK"]
+    assert not bad, bad[:5]
     for gpu in await stack.gpus():
         assert gpu.memory_used_gb <= gpu.memory_total_gb
 

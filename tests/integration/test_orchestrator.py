@@ -358,3 +358,95 @@ async def test_commit_without_deploy_is_resumed_and_a_pending_reuse_waits_for_re
         await call(stack.orch.DeleteTask(pb.DeleteTaskRequest(task_id=t)))
     assert await stack.instances() == {}
     assert all(g.memory_used_gb == 0.0 for g in await stack.gpus())
+
+
+async def test_max_tokens_clamped_to_the_models_context(stack: Stack) -> None:
+    """Each engine call's max_tokens is clamped so that prompt + completion fit the model's context (the
+    catalog's max_ctx, which the deployer also gives the emulated engine); a prompt that alone fills the
+    context is INVALID_ARGUMENT naming `input` and the limit, not an engine error."""
+    t = await stack.approve((await stack.deploy(ONE, name="ctx")).id, "one")
+    assert t.state == ACTIVE, t.failure.message
+    model_id = (await stack.instances())[t.stage_instances["answer"]].model_id
+    from flowmaker.catalog import get_model
+    arch = get_model(model_id).arch
+    assert arch is not None
+    ctx = arch.max_ctx
+    # 3 tokens of room left: the stage asks for 10, the engine is asked for 3 (and would refuse 10).
+    r = await call(stack.orch.Invoke(pb.InvokeRequest(task_id=t.id, input=" ".join(["w"] * (ctx - 3))),
+                                     timeout=120))
+    assert len(r.output.split()) == 3 and r.stages[0].input_tokens == ctx - 3
+    with pytest.raises(InvalidSpec) as e:
+        await call(stack.orch.Invoke(pb.InvokeRequest(task_id=t.id, input=" ".join(["w"] * ctx)), timeout=120))
+    assert e.value.field == "input" and e.value.metadata.get("limit") == "context_tokens"
+    assert str(ctx) in e.value.message
+
+
+async def test_maximal_deploy_task_does_not_stall_health(etcd_store: Any, start_service: Any) -> None:
+    """A DeployTask at the limits (16 workflows x 64 stages, each depending on every earlier one, templates
+    filling the rest of `task_bytes`) is validated and converted in worker threads: the orchestrator's health
+    check keeps answering within 1 s while it runs. One byte over `task_bytes` is INVALID_ARGUMENT (it was
+    accepted, then failed as a retryable UNAVAILABLE when etcd refused the oversized record)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from flowmaker.rpc.channels import insecure_channel
+    from services.orchestrator.clients import Clients
+    from services.orchestrator.servicer import SERVICE_NAME
+    from services.orchestrator.servicer import add_servicers as add_orchestrator
+    from services.orchestrator.settings import OrchestratorSettings
+
+    oset = OrchestratorSettings(host="127.0.0.1", port=0, grace_s=0.5, selector_address="127.0.0.1:1")
+    clients = Clients(oset.selector_address, timeout_s=5)
+    core = Orchestrator(oset, etcd_store, clients)
+
+    async def close() -> None:
+        await core.close()
+        await clients.close()
+
+    o = await start_service("orchestrator", lambda s: add_orchestrator(s, core), oset, on_shutdown=[close])
+    from flowmaker.limits import LIMITS
+
+    def request(template_bytes: int) -> pb.DeployTaskRequest:
+        wfs = []
+        for w in range(LIMITS.workflows_per_task):
+            stages = []
+            for i in range(LIMITS.stages_per_workflow):
+                deps = tuple(f"s{j}" for j in range(i))
+                text = "{input} " + " ".join("{" + d + "}" for d in deps) + " "
+                stages.append(Stage(f"s{i}", input_tokens=100, output_tokens=10, depends_on=deps,
+                                    prompt_template=text + "x" * max(0, template_bytes - len(text))))
+            wfs.append(convert.workflow_to_proto(Workflow(f"w{w}", tuple(stages))))
+        return pb.DeployTaskRequest(description="maximal", name="big", slo=convert.slo_to_proto(SLO), workflows=wfs)
+
+    req = request(560)
+    assert LIMITS.task_bytes * 0.9 < req.ByteSize() <= LIMITS.task_bytes
+    too_big = request(620)
+    assert too_big.ByteSize() > LIMITS.task_bytes
+
+    async with insecure_channel(o.address, default_timeout_s=60) as ch:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(ch)
+        health = health_pb2_grpc.HealthStub(ch)
+        done = asyncio.Event()
+        worst = 0.0
+        checks = 0
+
+        async def probe() -> None:
+            nonlocal worst, checks
+            while not done.is_set():
+                t0 = time.monotonic()
+                h = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+                assert h.status == health_pb2.HealthCheckResponse.SERVING
+                worst, checks = max(worst, time.monotonic() - t0), checks + 1
+                await asyncio.sleep(0.01)
+
+        prober = asyncio.create_task(probe())
+        try:
+            for _ in range(3):
+                r = await call(stub.DeployTask(req, timeout=60))
+                assert len(r.task.candidates) == 16 and len(r.task.candidates[0].stages) == 64
+            with pytest.raises(InvalidSpec) as e:
+                await call(stub.DeployTask(too_big, timeout=60))
+            assert e.value.field == "workflows" and e.value.metadata.get("limit") == "task_bytes"
+        finally:
+            done.set()
+            await prober
+    assert checks >= 3 and worst < 1.0, f"a health check took {worst:.3f} s while a maximal DeployTask ran"

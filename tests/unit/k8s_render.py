@@ -1,8 +1,9 @@
 """A small kustomize renderer for the features deploy/kubernetes uses, so CI can build the manifests without
 kubectl: `resources` (files and directories), `namespace`, `commonLabels` (metadata, selectors, pod
 templates), `images`, `patchesStrategicMerge` (lists of named items merged by `name`, as Kubernetes'
-patch merge keys for containers, env, volumes and ports do) and `configMapGenerator` (files and literals,
-hash suffix disabled). Anything else in a kustomization is an error, so the manifests cannot quietly rely
+patch merge keys for containers, env, volumes and ports do; a `null` value deletes the field and a named
+item with `$patch: delete` the item, as strategic merge patches do) and `configMapGenerator` (files and
+literals, hash suffix disabled). Anything else in a kustomization is an error, so the manifests cannot quietly rely
 on a feature this renderer ignores.
 """
 
@@ -28,14 +29,23 @@ def _merge(base: Any, patch: Any) -> Any:
     if isinstance(base, dict) and isinstance(patch, dict):
         out = dict(base)
         for k, v in patch.items():
-            out[k] = _merge(base[k], v) if k in base else copy.deepcopy(v)
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = _merge(base[k], v) if k in base else copy.deepcopy(v)
         return out
     if (isinstance(base, list) and isinstance(patch, list) and patch
             and all(isinstance(x, dict) and "name" in x for x in base + patch)):
         out_l = [copy.deepcopy(x) for x in base]
         for item in patch:
             i = next((j for j, x in enumerate(out_l) if x["name"] == item["name"]), None)
-            if i is None:
+            if item.get("$patch") == "delete":
+                if i is None:
+                    raise ValueError(f"$patch: delete of {item['name']!r}, which is not there")
+                del out_l[i]
+            elif "$patch" in item:
+                raise ValueError(f"$patch: {item['$patch']!r} is not rendered (only delete)")
+            elif i is None:
                 out_l.append(copy.deepcopy(item))
             else:
                 out_l[i] = _merge(out_l[i], item)

@@ -1,5 +1,5 @@
-"""deploy/kubernetes checked without a cluster: the example overlay rendered (tests/unit/k8s_render.py, the
-kustomize features it uses), every object validated against the Kubernetes OpenAPI schemas
+"""deploy/kubernetes checked without a cluster: the example overlay (mTLS, the default) and the insecure one
+(plaintext for debugging) rendered (tests/unit/k8s_render.py, the kustomize features they use), every object validated against the Kubernetes OpenAPI schemas
 (kubernetes-validate, offline, strict), and every command, FLOWMAKER_* variable, port, probe, Secret and
 ConfigMap it names checked against the code and the other manifests, as test_compose.py does for compose/."""
 
@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from pydantic_settings import BaseSettings
 
+from flowmaker.rpc.tls import IDENTITIES
 from flowmaker.settings import DEFAULT_PORTS
 
 k8s_render = pytest.importorskip("k8s_render")
@@ -29,9 +30,27 @@ OTEL_VARS = {"OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME", "OTEL_EXPORTER_OTLP_EN
 OTHER_VARS = {"HF_HOME", "HF_TOKEN", "POD_NAME"}  # read by huggingface_hub (vLLM) / used in etcd's args
 
 
+TLS_DIR = "/etc/flowmaker/tls"
+
+
+@pytest.fixture(scope="module", params=["example", "insecure"])
+def docs(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    """Each overlay, rendered: `example` (mTLS, the default) and `insecure` (plaintext for debugging)."""
+    return k8s_render.render(K8S / "overlays" / request.param)
+
+
 @pytest.fixture(scope="module")
-def docs() -> list[dict[str, Any]]:
+def secure_docs() -> list[dict[str, Any]]:
     return k8s_render.render(K8S / "overlays" / "example")
+
+
+@pytest.fixture(scope="module")
+def insecure_docs() -> list[dict[str, Any]]:
+    return k8s_render.render(K8S / "overlays" / "insecure")
+
+
+def is_secure(docs: list[dict[str, Any]]) -> bool:
+    return "--client-cert-auth" in pod_spec(by_kind(docs, "StatefulSet")["etcd"])["containers"][0]["args"]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -79,12 +98,18 @@ def test_the_shape_the_issue_asks_for(docs: list[dict[str, Any]]) -> None:
     assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == "etcd"
     assert by_kind(docs, "Service")["etcd"]["spec"]["clusterIP"] == "None"  # stable member names
     deployments = by_kind(docs, "Deployment")
-    for svc in ("orchestrator", "selector", "generator", "profiler"):
-        c = pod_spec(deployments[svc])["containers"][0]
-        port = DEFAULT_PORTS[svc]
-        for probe in ("readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == port, f"{svc}: {probe} is not gRPC health on {port}"
     ds = by_kind(docs, "DaemonSet")["deployer"]
+    for svc in SERVICES:
+        c = pod_spec(ds if svc == "deployer" else deployments[svc])["containers"][0]
+        port = DEFAULT_PORTS[svc]
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if is_secure(docs):  # Kubernetes' gRPC probes speak plaintext only
+                cmd = c[probe]["exec"]["command"]
+                assert cmd[:3] == ["grpc_health_probe", f"-addr=localhost:{port}", "-tls"], f"{svc}: {probe}"
+                assert "grpc" not in c[probe]
+            else:
+                assert c[probe]["grpc"]["port"] == port, f"{svc}: {probe} is not gRPC health on {port}"
+                assert "exec" not in c[probe]
     spec = pod_spec(ds)
     c = spec["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] == 4
@@ -184,6 +209,107 @@ def test_selectors_ports_and_references_resolve(docs: list[dict[str, Any]]) -> N
             mounts = {m["name"] for m in c.get("volumeMounts", [])}
             assert mounts <= {v["name"] for v in spec.get("volumes", [])} | {
                 t["metadata"]["name"] for t in d["spec"].get("volumeClaimTemplates", [])}, c["name"]
+
+
+def _tls_volume(spec: dict[str, Any], container: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """The flowmaker-tls secret volume of a pod and the files it mounts at TLS_DIR in `container`."""
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == TLS_DIR]
+    assert mount.get("readOnly") is True
+    [vol] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert vol["secret"]["secretName"] == "flowmaker-tls"
+    items = vol["secret"]["items"]
+    assert all(i["key"] == i["path"] for i in items)
+    return vol["secret"], {f"{TLS_DIR}/{i['path']}" for i in items}
+
+
+def test_mtls_is_the_default(secure_docs: list[dict[str, Any]]) -> None:
+    """The example overlay (the base) runs every gRPC service, the gateway's channel and etcd on mTLS, with the
+    files `python -m flowmaker.rpc.tls` creates, as compose/ and `flowmaker up` do."""
+    pki_files = {"ca.pem", *(f"{i}.{ext}" for i in IDENTITIES for ext in ("pem", "key"))}
+    pods = {d["metadata"]["name"]: d for d in workloads(secure_docs)}
+    for svc in SERVICES:
+        spec = pod_spec(pods[svc])
+        [c] = spec["containers"]
+        secret, files = _tls_volume(spec, c)
+        assert not secret.get("optional"), f"{svc}: the flowmaker-tls Secret must be required"
+        assert {f.rsplit("/", 1)[1] for f in files} == {"ca.pem", f"{svc}.pem", f"{svc}.key"}, svc  # no ca.key
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        pre = f"FLOWMAKER_{svc.upper()}_"
+        mine = (f"{TLS_DIR}/ca.pem", f"{TLS_DIR}/{svc}.pem", f"{TLS_DIR}/{svc}.key")
+        assert (env[pre + "TLS_CA_FILE"], env[pre + "TLS_CERT_FILE"], env[pre + "TLS_KEY_FILE"]) == mine, svc
+        assert set(mine) <= files
+        assert env[pre + "ETCD_TLS"] == "true", svc
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            cmd = c[probe]["exec"]["command"]
+            assert cmd[3:] == [f"-tls-ca-cert={mine[0]}", f"-tls-client-cert={mine[1]}",
+                               f"-tls-client-key={mine[2]}"], f"{svc}: {probe}"
+            assert c[probe]["timeoutSeconds"] >= 3
+    # The deployer is dialled at its pod IP (advertise_host = status.podIP): its callers check the name
+    # `deployer`, which its certificate carries (ensure_pki: SAN = the identity).
+    deployer_env = {e["name"]: e for e in pod_spec(pods["deployer"])["containers"][0]["env"]}
+    assert deployer_env["FLOWMAKER_DEPLOYER_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    for svc in ("orchestrator", "profiler"):
+        env = {e["name"]: e.get("value") for e in pod_spec(pods[svc])["containers"][0]["env"]}
+        assert env[f"FLOWMAKER_{svc.upper()}_DEPLOYER_TLS_SERVER_NAME"] == "deployer", svc
+    gw = pod_spec(pods["gateway"])
+    _, files = _tls_volume(gw, gw["containers"][0])
+    assert files == {f"{TLS_DIR}/ca.pem"}
+    assert {e["name"]: e.get("value") for e in gw["containers"][0]["env"]}["FLOWMAKER_GATEWAY_TLS_CA_FILE"] == \
+        f"{TLS_DIR}/ca.pem"
+    etcd = pod_spec(pods["etcd"])
+    secret, files = _tls_volume(etcd, etcd["containers"][0])
+    assert not secret.get("optional")
+    args = etcd["containers"][0]["args"]
+    flags = dict(a.split("=", 1) if "=" in a else (a, "") for a in args)
+    for flag in ("--listen-client-urls", "--advertise-client-urls", "--listen-peer-urls",
+                 "--initial-advertise-peer-urls"):
+        assert flags[flag].startswith("https://"), flag
+    assert all(u.split("=", 1)[1].startswith("https://") for u in flags["--initial-cluster"].split(","))
+    assert {"--client-cert-auth", "--peer-client-cert-auth"} <= set(flags)
+    assert flags["--peer-cert-allowed-cn"] == "etcd"
+    for flag, name in (("--cert-file", "etcd.pem"), ("--key-file", "etcd.key"), ("--trusted-ca-file", "ca.pem"),
+                       ("--peer-cert-file", "etcd.pem"), ("--peer-key-file", "etcd.key"),
+                       ("--peer-trusted-ca-file", "ca.pem")):
+        assert flags[flag] == f"{TLS_DIR}/{name}" and flags[flag] in files, flag
+    mounted = {i["key"] for d in pods.values() for v in pod_spec(d).get("volumes", [])
+               if v.get("secret", {}).get("secretName") == "flowmaker-tls" for i in v["secret"]["items"]}
+    assert mounted <= pki_files
+
+
+def test_docs_create_the_certificates_the_manifests_need() -> None:
+    """docs/kubernetes.md's PKI command names every etcd member (clients dial etcd-N.etcd) and its Secret
+    command takes every file the manifests mount, never the CA's key."""
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+    [cmd] = [line for line in text.splitlines() if "python -m flowmaker.rpc.tls" in line and "--host" in line]
+    assert all(f"--host etcd-{i}.etcd" in cmd for i in range(3)), cmd
+    assert "ca.key" not in text.split("create secret generic flowmaker-tls", 1)[1].split("```", 1)[0]
+
+
+def test_insecure_overlay_is_plaintext(insecure_docs: list[dict[str, Any]]) -> None:
+    for d in workloads(insecure_docs):
+        spec = pod_spec(d)
+        for v in spec.get("volumes", []):
+            if v.get("secret", {}).get("secretName") == "flowmaker-tls":
+                assert v["secret"]["optional"] is True, d["metadata"]["name"]
+        for c in spec["containers"]:
+            names = {e["name"] for e in c.get("env", [])}
+            assert not {n for n in names if re.search(r"_TLS(_|$)", n)}, c["name"]
+            for a in c.get("args", []):
+                assert "https://" not in a and "cert" not in a, a
+    # Everything else is the example overlay's.
+    example = k8s_render.render(K8S / "overlays" / "example")
+    assert {(d["kind"], d["metadata"]["name"]) for d in insecure_docs} == \
+        {(d["kind"], d["metadata"]["name"]) for d in example}
+
+
+def test_renderer_applies_deletes(tmp_path: Path) -> None:
+    (tmp_path / "base.yaml").write_text("kind: ConfigMap\nmetadata: {name: x}\ndata: {a: '1', b: '2'}\n"
+                                        "items: [{name: p, v: 1}, {name: q, v: 2}]\n")
+    (tmp_path / "patch.yaml").write_text("kind: ConfigMap\nmetadata: {name: x}\ndata: {a: null}\n"
+                                         "items: [{name: p, $patch: delete}]\n")
+    (tmp_path / "kustomization.yaml").write_text("resources: [base.yaml]\npatchesStrategicMerge: [patch.yaml]\n")
+    [d] = k8s_render.render(tmp_path)
+    assert d["data"] == {"b": "2"} and d["items"] == [{"name": "q", "v": 2}]
 
 
 def test_overlay_sets_namespace_images_and_labels(docs: list[dict[str, Any]]) -> None:

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -83,6 +84,9 @@ class EngineBackend(ABC):
     name: ClassVar[str]
     # True when the engine prints `LISTENING <port>` once bound, so `spec.port` may be 0.
     announces_port: ClassVar[bool] = False
+    # Whether the engine itself refuses /v1 calls without the per-instance key (from ENGINE_API_KEY_VARS).
+    # One that cannot (trtllm-serve) is started behind `flowmaker.engine.keyproxy`, bound to loopback.
+    checks_api_key: ClassVar[bool] = True
     health_path: ClassVar[str] = "/health"
     metrics_path: ClassVar[str] = "/metrics"
 
@@ -141,7 +145,7 @@ _SECRET_NAME = re.compile(r"(?i)(API_?KEY|SECRET|PASSWORD|TOKEN|CREDENTIAL|PRIVA
 _ENGINE_NEEDS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_TOKEN"})
 
 
-ENGINE_API_KEY_VARS = ("FLOWMAKER_ENGINE_API_KEY", "VLLM_API_KEY")  # emulated engine, vLLM (trtllm-serve: none)
+ENGINE_API_KEY_VARS = ("FLOWMAKER_ENGINE_API_KEY", "VLLM_API_KEY")  # emulated engine (and keyproxy), vLLM
 
 
 def engine_base_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -225,6 +229,10 @@ class EngineProcess:
         if shutil.which(argv[0], path=env.get("PATH")) is None:  # the wrapper would only exit 127
             raise EngineStartError(f"cannot run {argv[0]!r} for {self.backend.name} engine {self.spec.instance_id}: "
                                    "no such executable (on PATH)", field="backend")
+        if self.api_key and not self.backend.checks_api_key:
+            # The engine listens on loopback only; the key check listens where the engine would have.
+            argv = [sys.executable, "-m", "flowmaker.engine.keyproxy", "--host", self.spec.host,
+                    "--port", str(self.spec.port), "--", *argv]
         try:
             # Its own session (a stop reaches its workers), but never an orphan: it dies with the deployer.
             self._proc = await asyncio.create_subprocess_exec(

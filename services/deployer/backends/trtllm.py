@@ -18,6 +18,9 @@ from services.deployer.backends.base import EngineBackend, EngineSpec, parse_trt
 
 class TrtllmBackend(EngineBackend):
     name: ClassVar[str] = "trtllm"
+    # trtllm-serve has no --api-key (NVIDIA/TensorRT-LLM#9950): with per-instance keys it runs on loopback
+    # behind `flowmaker.engine.keyproxy`, which checks the key (EngineProcess.start).
+    checks_api_key: ClassVar[bool] = False
 
     def __init__(self, executable: str = "trtllm-serve", kv_cache_free_gpu_memory_fraction: float = 0.9) -> None:
         if not 0.0 < kv_cache_free_gpu_memory_fraction <= 1.0:

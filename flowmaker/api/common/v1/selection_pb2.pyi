@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CapacityModel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CAPACITY_MODEL_UNSPECIFIED: _ClassVar[CapacityModel]
+    CAPACITY_MODEL_OUTPUT_TOKENS: _ClassVar[CapacityModel]
+    CAPACITY_MODEL_BUSY_TIME: _ClassVar[CapacityModel]
+
 class Infeasibility(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     INFEASIBILITY_UNSPECIFIED: _ClassVar[Infeasibility]
@@ -14,6 +20,9 @@ class Infeasibility(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INFEASIBILITY_NO_LATENCY: _ClassVar[Infeasibility]
     INFEASIBILITY_NO_CAPACITY: _ClassVar[Infeasibility]
     INFEASIBILITY_NO_GPU_MEMORY: _ClassVar[Infeasibility]
+CAPACITY_MODEL_UNSPECIFIED: CapacityModel
+CAPACITY_MODEL_OUTPUT_TOKENS: CapacityModel
+CAPACITY_MODEL_BUSY_TIME: CapacityModel
 INFEASIBILITY_UNSPECIFIED: Infeasibility
 INFEASIBILITY_NO_MODEL_MEETS_ACCURACY: Infeasibility
 INFEASIBILITY_NO_LATENCY: Infeasibility
@@ -21,18 +30,22 @@ INFEASIBILITY_NO_CAPACITY: Infeasibility
 INFEASIBILITY_NO_GPU_MEMORY: Infeasibility
 
 class SelectionOptions(_message.Message):
-    __slots__ = ("utilization_cap", "allow_reuse", "time_budget_s", "max_trials", "seed")
+    __slots__ = ("utilization_cap", "allow_reuse", "time_budget_s", "max_trials", "seed", "max_replicas", "capacity_model")
     UTILIZATION_CAP_FIELD_NUMBER: _ClassVar[int]
     ALLOW_REUSE_FIELD_NUMBER: _ClassVar[int]
     TIME_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
     MAX_TRIALS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_MODEL_FIELD_NUMBER: _ClassVar[int]
     utilization_cap: float
     allow_reuse: bool
     time_budget_s: float
     max_trials: int
     seed: int
-    def __init__(self, utilization_cap: _Optional[float] = ..., allow_reuse: _Optional[bool] = ..., time_budget_s: _Optional[float] = ..., max_trials: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    max_replicas: int
+    capacity_model: CapacityModel
+    def __init__(self, utilization_cap: _Optional[float] = ..., allow_reuse: _Optional[bool] = ..., time_budget_s: _Optional[float] = ..., max_trials: _Optional[int] = ..., seed: _Optional[int] = ..., max_replicas: _Optional[int] = ..., capacity_model: _Optional[_Union[CapacityModel, str]] = ...) -> None: ...
 
 class NewInstance(_message.Message):
     __slots__ = ("key", "model_id", "tp", "pp", "node", "gpu_ids", "memory_gb_per_gpu", "load_output_tokens_per_s")
@@ -55,7 +68,7 @@ class NewInstance(_message.Message):
     def __init__(self, key: _Optional[str] = ..., model_id: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., node: _Optional[str] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., memory_gb_per_gpu: _Optional[float] = ..., load_output_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("stage_id", "model_id", "tp", "pp", "reused", "instance_id", "new_key", "gpu_ids", "latency_s", "load_output_tokens_per_s")
+    __slots__ = ("stage_id", "model_id", "tp", "pp", "reused", "instance_id", "new_key", "gpu_ids", "latency_s", "load_output_tokens_per_s", "replica_keys")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +79,7 @@ class StageAssignment(_message.Message):
     GPU_IDS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     LOAD_OUTPUT_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_KEYS_FIELD_NUMBER: _ClassVar[int]
     stage_id: str
     model_id: str
     tp: int
@@ -76,7 +90,8 @@ class StageAssignment(_message.Message):
     gpu_ids: _containers.RepeatedScalarFieldContainer[str]
     latency_s: float
     load_output_tokens_per_s: float
-    def __init__(self, stage_id: _Optional[str] = ..., model_id: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., reused: _Optional[bool] = ..., instance_id: _Optional[str] = ..., new_key: _Optional[str] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., latency_s: _Optional[float] = ..., load_output_tokens_per_s: _Optional[float] = ...) -> None: ...
+    replica_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stage_id: _Optional[str] = ..., model_id: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., reused: _Optional[bool] = ..., instance_id: _Optional[str] = ..., new_key: _Optional[str] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., latency_s: _Optional[float] = ..., load_output_tokens_per_s: _Optional[float] = ..., replica_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReusedInstance(_message.Message):
     __slots__ = ("instance_id", "load_output_tokens_per_s")
