@@ -230,7 +230,7 @@ class RelaxedModel:
             cost[self.L] = 1.0
         elif objective == "G":
             for pi, c in self.y.items():
-                cost[c] = float(self.pb.p_k[pi])
+                cost[c] = float(self.pb.p_gpus[pi])  # of the whole group (replicas)
         else:
             for pi, c in self.y.items():
                 cost[c] = self.pb.p_mem[pi]
@@ -425,9 +425,9 @@ def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
         for q in profs:
             if q == p or q in out:
                 continue
-            if pb.p_mem[q] <= pb.p_mem[p] and pb.p_cap[q] >= pb.p_cap[p] and pb.p_k[q] <= pb.p_k[p] and all(
+            if pb.p_mem[q] <= pb.p_mem[p] and pb.p_cap[q] >= pb.p_cap[p] and pb.p_gpus[q] <= pb.p_gpus[p] and all(
                     a <= b for a, b in zip(lat[q], lat[p], strict=True)):
-                strict = (pb.p_mem[q] < pb.p_mem[p] or pb.p_cap[q] > pb.p_cap[p] or pb.p_k[q] < pb.p_k[p]
+                strict = (pb.p_mem[q] < pb.p_mem[p] or pb.p_cap[q] > pb.p_cap[p] or pb.p_gpus[q] < pb.p_gpus[p]
                           or any(a < b for a, b in zip(lat[q], lat[p], strict=True)))
                 if strict or q < p:
                     out.add(p)

@@ -220,7 +220,7 @@ def _agree(req: SelectionRequest, strategies: tuple[str, ...] = ("exact", "exhau
           suppress_health_check=[HealthCheck.too_slow])
 @given(requests(), st.integers(2, 3))
 def test_exact_and_exhaustive_equal_the_brute_force_of_the_extension(req: SelectionRequest, reps: int) -> None:
-    _agree(with_replicas(req, reps))
+    _agree(with_replicas(req, reps), ("exact", "exhaustive", "milp"))
 
 
 @settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 6, deadline=None,
@@ -228,7 +228,7 @@ def test_exact_and_exhaustive_equal_the_brute_force_of_the_extension(req: Select
 @given(dense_requests(), st.integers(2, 3))
 def test_exact_equals_the_brute_force_with_clones_reuse_and_tight_capacity(req: SelectionRequest,
                                                                             reps: int) -> None:
-    _agree(with_replicas(req, reps), ("exact",))
+    _agree(with_replicas(req, reps), ("exact", "milp"))
 
 
 def busy(req: SelectionRequest, reps: int, decode_factor: float) -> SelectionRequest:
@@ -245,7 +245,7 @@ def busy(req: SelectionRequest, reps: int, decode_factor: float) -> SelectionReq
 @given(st.one_of(requests(), dense_requests()), st.integers(1, 2), st.sampled_from([0.0, 1.0, 1.5, 3.0]))
 def test_busy_time_capacity_exact_and_exhaustive_equal_the_brute_force(req: SelectionRequest, reps: int,
                                                                        decode_factor: float) -> None:
-    _agree(busy(req, reps, decode_factor))
+    _agree(busy(req, reps, decode_factor), ("exact", "exhaustive", "milp"))
 
 
 def test_busy_time_counts_the_prompts() -> None:
