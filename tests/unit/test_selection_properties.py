@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flowmaker.domain import (
+    CapacityModel,
     Cluster,
     Gpu,
     Infeasibility,
@@ -132,157 +133,202 @@ def spec_place(gpus: list[Gpu], free: dict[str, float], k: int, mem: float) -> t
     return cands[0][1], cands[0][2]
 
 
-def brute_force(req: SelectionRequest) -> tuple[tuple[float, float] | None, int]:
-    """Return ((cost, L) of the optimum or None, tightest failed constraint 1..4 / 5 feasible)."""
+def capacity(req: SelectionRequest, wf: Workflow, p: Profile) -> float:
+    """Output tokens/s one instance of p carries for wf: the base contract's figure, or under BUSY_TIME the
+    spec's out_w / (in_w * prefill_s_per_token + out_w / D(p)) at the workflow's mean request."""
+    if req.options.capacity_model is not CapacityModel.BUSY_TIME:
+        return p.max_output_tokens_per_s
+    calls = [s for s in wf.stages if s.is_llm]
+    n = sum(s.calls_per_request for s in calls)
+    in_w = sum(s.calls_per_request * s.input_tokens for s in calls) / n
+    out_w = sum(s.calls_per_request * s.output_tokens for s in calls) / n
+    d = p.decode_tokens_per_s if p.decode_tokens_per_s > 0 else p.max_output_tokens_per_s
+    return out_w / (in_w * p.prefill_s_per_token + out_w / d)
+
+
+def existing(req: SelectionRequest, wf: Workflow, p: Profile, load: float) -> float:
+    """A running instance's load in wf's units: its busy fraction kept (unchanged in the base contract)."""
+    return load * capacity(req, wf, p) / p.max_output_tokens_per_s
+
+
+def brute_force(req: SelectionRequest) -> tuple[tuple[float, float, int] | None, int]:
+    """((cost, L, new GPUs) of the optimum or None, tightest failed constraint 1..4 / 5 feasible)."""
+    R = req.options.max_replicas
     prof = {(p.model_id, p.tp, p.pp): p for p in req.profiles if p.model_id in {m.id for m in req.models}}
     acc = {m.id: m.accuracy for m in req.models}
     reuse = [i for i in req.cluster.instances if (i.model_id, i.tp, i.pp) in prof] if req.options.allow_reuse else []
-    best: tuple[float, float] | None = None
+    groups_of = [(p, r) for p in prof.values() for r in range(1, R + 1)]
+    best: tuple[float, float, int] | None = None
     level = 1
     for wf in req.workflows:
         llm = [s for s in topo(wf) if s.is_llm]
 
-        def gen(j: int, acc_choice: list, nslots: int, llm: list[Stage] = llm):  # restricted growth
+        def gen(j: int, ch: list, n_open: int, llm: list[Stage] = llm):
             if j == len(llm):
-                yield list(acc_choice)
+                yield list(ch)
                 return
-            opts = [("R", r) for r in range(len(reuse))] + [("J", k) for k in range(nslots)] + \
-                   [("O", p) for p in prof.values()]
-            for o in opts:
-                acc_choice.append(o)
-                yield from gen(j + 1, acc_choice, nslots + (o[0] == "O"))
-                acc_choice.pop()
+            for o in ([("R", r) for r in range(len(reuse))] + [("J", g) for g in range(n_open)]
+                      + [("O", g) for g in groups_of]):
+                ch.append(o)
+                yield from gen(j + 1, ch, n_open + (o[0] == "O"))
+                ch.pop()
 
         for ch in gen(0, [], 0):
-            slots: list[Profile] = []
-            inst_of: list[tuple[str, int]] = []
+            groups: list[tuple[Profile, int]] = []
+            where: list[tuple[str, int]] = []
             for kind, ref in ch:
                 if kind == "O":
-                    slots.append(ref)
-                    inst_of.append(("N", len(slots) - 1))
+                    groups.append(ref)
+                    where.append(("N", len(groups) - 1))
                 elif kind == "J":
-                    inst_of.append(("N", ref))
+                    where.append(("N", ref))
                 else:
-                    inst_of.append(("R", ref))
-            prof_of = [reuse[r].model_id if k == "R" else slots[r].model_id for k, r in inst_of]
-            if any(acc[m] < req.slo.min_accuracy for m in prof_of):
+                    where.append(("R", ref))
+            models = [reuse[r].model_id if k == "R" else groups[r][0].model_id for k, r in where]
+            if any(acc[m] < req.slo.min_accuracy for m in models):
                 continue
             level = max(level, 2)
             lat = {s.id: s.latency_s for s in wf.stages if not s.is_llm}
             loads: dict[tuple[str, int], float] = {}
-            for s, (k, r) in zip(llm, inst_of, strict=True):
-                p = prof[(reuse[r].model_id, reuse[r].tp, reuse[r].pp)] if k == "R" else slots[r]
-                lat[s.id] = stage_latency(s, p)
+            for s, (k, r) in zip(llm, where, strict=True):
+                p = prof[(reuse[r].model_id, reuse[r].tp, reuse[r].pp)] if k == "R" else groups[r][0]
+                lat[s.id] = stage_latency(s, p)  # a call runs on one replica
                 loads[(k, r)] = loads.get((k, r), 0.0) + req.slo.arrival_rate_rps * s.calls_per_request * \
                     s.output_tokens
             L = longest(wf, lat)
             if L > req.slo.max_latency_s * (1 + 1e-9):
                 continue
             level = max(level, 3)
-            cap_ok = True
+            ok = True
             for (k, r), ld in loads.items():
                 if k == "R":
                     i = reuse[r]
-                    tot, p = ld + i.load_output_tokens_per_s, prof[(i.model_id, i.tp, i.pp)]
+                    p = prof[(i.model_id, i.tp, i.pp)]
+                    tot, cap = ld + existing(req, wf, p, i.load_output_tokens_per_s), capacity(req, wf, p)
                 else:
-                    tot, p = ld, slots[r]
-                if tot > req.options.utilization_cap * p.max_output_tokens_per_s * (1 + 1e-9) + 1e-9:
-                    cap_ok = False
-            if not cap_ok:
+                    p, n = groups[r]
+                    tot, cap = ld, n * capacity(req, wf, p)  # r replicas carry r times one
+                if tot > req.options.utilization_cap * cap * (1 + 1e-9) + 1e-9:
+                    ok = False
+            if not ok:
                 continue
             level = max(level, 4)
             free = {g.id: g.memory_total_gb - g.memory_used_gb for g in req.cluster.gpus}
-            placed = True
-            for p in slots:
-                pl = spec_place(list(req.cluster.gpus), free, p.tp * p.pp, p.memory_gb_per_gpu)
-                if pl is None:
-                    placed = False
+            for p, n in groups:
+                for _ in range(n):  # replica after replica, in the group's place in the order
+                    pl = spec_place(list(req.cluster.gpus), free, p.tp * p.pp, p.memory_gb_per_gpu)
+                    if pl is None:
+                        ok = False
+                        break
+                    for g in pl[1]:
+                        free[g] -= p.memory_gb_per_gpu
+                if not ok:
                     break
-                for g in pl[1]:
-                    free[g] -= p.memory_gb_per_gpu
-            if not placed:
+            if not ok:
                 continue
             level = 5
-            cost = sum(p.memory_gb_per_gpu * p.tp * p.pp for p in slots) * L
-            if best is None or cost < best[0] - REL * max(1, cost) or (close(cost, best[0]) and L < best[1]):
-                best = (cost, L)
+            cost = sum(n * p.memory_gb_per_gpu * p.tp * p.pp for p, n in groups) * L
+            gpus = sum(n * p.tp * p.pp for p, n in groups)
+            key = (cost, L, gpus)
+            if (best is None or cost < best[0] - REL * max(1, cost)
+                    or (close(cost, best[0]) and (L < best[1] - REL * max(1, L)
+                                                  or (close(L, best[1]) and gpus < best[2])))):
+                best = key
     return best, level
 
 
 def recheck(req: SelectionRequest, v: Variant) -> None:
-    """Independent feasibility re-check of a returned variant."""
+    """Independent feasibility re-check of a returned variant (the base contract and its extensions)."""
     wf = next(w for w in req.workflows if w.id == v.workflow_id)
     prof = {(p.model_id, p.tp, p.pp): p for p in req.profiles}
     acc = {m.id: m.accuracy for m in req.models}
     insts = {i.id: i for i in req.cluster.instances}
+    news = {n.key: n for n in v.new_instances}
+    assert len(news) == len(v.new_instances)
     by_stage = {a.stage_id: a for a in v.assignments}
     assert sorted(by_stage) == sorted(s.id for s in wf.stages if s.is_llm)
     lat = {s.id: s.latency_s for s in wf.stages if not s.is_llm}
-    loads: dict[str, float] = {}
+    group_load: dict[tuple[str, ...], float] = {}
+    reuse_load: dict[str, float] = {}
     for s in wf.stages:
         if not s.is_llm:
             continue
         a = by_stage[s.id]
         assert acc[a.model_id] >= req.slo.min_accuracy
         lat[s.id] = stage_latency(s, prof[(a.model_id, a.tp, a.pp)])
-        key = a.instance_id if a.reused else a.new_key
+        ld = req.slo.arrival_rate_rps * s.calls_per_request * s.output_tokens
         if a.reused:
-            assert req.options.allow_reuse
+            assert req.options.allow_reuse and not a.replica_keys
             i = insts[a.instance_id]
             assert (i.model_id, i.tp, i.pp) == (a.model_id, a.tp, a.pp)
-        loads[key] = loads.get(key, 0.0) + req.slo.arrival_rate_rps * s.calls_per_request * s.output_tokens
+            reuse_load[a.instance_id] = reuse_load.get(a.instance_id, 0.0) + ld
+            continue
+        keys = a.replica_keys or (a.new_key,)
+        assert keys[0] == a.new_key and len(keys) <= req.options.max_replicas
+        assert all((news[k].model_id, news[k].tp, news[k].pp) == (a.model_id, a.tp, a.pp) for k in keys)
+        group_load[keys] = group_load.get(keys, 0.0) + ld
     L = longest(wf, lat)
-    assert close(L, v.latency_s)
-    assert L <= req.slo.max_latency_s * (1 + 1e-9)
-    news = {n.key: n for n in v.new_instances}
-    for key, ld in loads.items():
-        if key in insts:
-            i = insts[key]
-            cap = prof[(i.model_id, i.tp, i.pp)].max_output_tokens_per_s
-            ld += i.load_output_tokens_per_s
-        else:
-            n = news[key]
-            cap = prof[(n.model_id, n.tp, n.pp)].max_output_tokens_per_s
-        assert ld <= req.options.utilization_cap * cap * (1 + 1e-9) + 1e-9
-    # Placement: replay LeastLoaded in the spec's order (order of first use in topological order).
+    assert close(L, v.latency_s) and L <= req.slo.max_latency_s * (1 + 1e-9)
+    # Groups are disjoint, cover every new instance, and each replica carries load / r.
+    assert sorted(k for ks in group_load for k in ks) == sorted(news)
+    for keys, ld in group_load.items():
+        cap = capacity(req, wf, prof[(news[keys[0]].model_id, news[keys[0]].tp, news[keys[0]].pp)])
+        assert ld <= req.options.utilization_cap * len(keys) * cap * (1 + 1e-9) + 1e-9
+        for k in keys:
+            assert close(news[k].load_output_tokens_per_s, ld / len(keys))
+    for iid, ld in reuse_load.items():
+        i = insts[iid]
+        p = prof[(i.model_id, i.tp, i.pp)]
+        assert ld + existing(req, wf, p, i.load_output_tokens_per_s) <= (
+            req.options.utilization_cap * capacity(req, wf, p) * (1 + 1e-9) + 1e-9)
+    # Placement order: groups by first use in topological order, each group's replicas consecutively.
     order: list[str] = []
     for s in topo(wf):
-        if s.is_llm and not by_stage[s.id].reused and by_stage[s.id].new_key not in order:
-            order.append(by_stage[s.id].new_key)
+        a = by_stage.get(s.id)
+        if a is not None and not a.reused and a.new_key not in order:
+            order.extend(a.replica_keys or (a.new_key,))
     assert order == [n.key for n in v.new_instances]
     free = {g.id: g.memory_total_gb - g.memory_used_gb for g in req.cluster.gpus}
-    mem = 0.0
     for key in order:
         n = news[key]
         pl = spec_place(list(req.cluster.gpus), free, n.tp * n.pp, n.memory_gb_per_gpu)
         assert pl is not None and (pl[0], tuple(pl[1])) == (n.node, n.gpu_ids)
         for g in pl[1]:
             free[g] -= n.memory_gb_per_gpu
-            assert free[g] >= -1e-9
-        mem += n.memory_gb_per_gpu * n.tp * n.pp
-    assert close(mem, v.new_memory_gb)
-    assert close(mem * L, v.cost)
+    mem = sum(n.memory_gb_per_gpu * n.tp * n.pp for n in v.new_instances)
+    assert close(mem, v.new_memory_gb) and close(mem * L, v.cost)
+    assert v.new_gpus == sum(n.tp * n.pp for n in v.new_instances)
 
 
 LEVEL = {1: Infeasibility.NO_MODEL_MEETS_ACCURACY, 2: Infeasibility.NO_LATENCY, 3: Infeasibility.NO_CAPACITY,
          4: Infeasibility.NO_GPU_MEMORY}
 
 
+def agree(req: SelectionRequest, strategies: tuple[str, ...] = ("exact", "exhaustive"), *,
+          proven: bool = False) -> None:
+    """Each strategy's answer has the brute force's (cost, L, new GPUs), or the same reason; `proven`: it
+    also says it proved it (optimal, lower bound = cost)."""
+    want, level = brute_force(req)
+    for name in strategies:
+        res = select(req, name)
+        assert res.optimal or not proven, name
+        if want is None:
+            assert res.variant is None and res.reason == LEVEL[level], (name, res.reason, level)
+            continue
+        assert res.variant is not None, name
+        v = res.variant
+        assert close(v.cost, want[0]), (name, v.cost, want)
+        assert close(v.latency_s, want[1]), (name, v.latency_s, want)
+        assert v.new_gpus == want[2], (name, v.new_gpus, want)
+        assert close(res.lower_bound, v.cost) or not proven, (name, res.lower_bound, v.cost)
+        recheck(req, v)
+
+
+
 @settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests())
 def test_exact_equals_exhaustive_equals_brute_force(req: SelectionRequest) -> None:
-    want, level = brute_force(req)
-    ex = select(req, "exact")
-    eh = select(req, "exhaustive")
-    for res in (ex, eh):
-        if want is None:
-            assert res.variant is None
-            assert res.reason == LEVEL[level], (res.strategy, res.reason, level)
-        else:
-            assert res.variant is not None, res.strategy
-            assert close(res.variant.cost, want[0]), (res.strategy, res.variant.cost, want)
-            assert close(res.variant.latency_s, want[1]), (res.strategy, res.variant.latency_s, want)
-            recheck(req, res.variant)
+    agree(req)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -453,17 +499,7 @@ def dense_requests(draw: st.DrawFn) -> SelectionRequest:
           suppress_health_check=[HealthCheck.too_slow])
 @given(dense_requests())
 def test_exact_equals_brute_force_with_clones_reuse_and_tight_capacity(req: SelectionRequest) -> None:
-    want, level = brute_force(req)
-    res = select(req, "exact")
-    assert res.optimal
-    if want is None:
-        assert res.variant is None and res.reason == LEVEL[level], (res.reason, level)
-    else:
-        assert res.variant is not None
-        assert close(res.variant.cost, want[0]), (res.variant.cost, want)
-        assert close(res.variant.latency_s, want[1]), (res.variant.latency_s, want)
-        assert close(res.lower_bound, res.variant.cost)
-        recheck(req, res.variant)
+    agree(req, ("exact",), proven=True)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -592,17 +628,7 @@ def test_a_class_whose_new_option_relaxes_priced_capacity_is_not_skipped() -> No
 def test_milp_equals_brute_force(req: SelectionRequest) -> None:
     """`milp` (the Pareto walk first, branch and bound for what it leaves open) == the brute force, including
     the tie-break by latency, placement-infeasible optima of the relaxation and all-reuse optima."""
-    want, level = brute_force(req)
-    res = select(req, "milp")
-    assert res.optimal
-    if want is None:
-        assert res.variant is None and res.reason == LEVEL[level], (res.reason, level)
-    else:
-        assert res.variant is not None
-        assert close(res.variant.cost, want[0]), (res.variant.cost, want)
-        assert close(res.variant.latency_s, want[1]), (res.variant.latency_s, want)
-        assert close(res.lower_bound, res.variant.cost)
-        recheck(req, res.variant)
+    agree(req, ("milp",), proven=True)
 
 
 @settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
