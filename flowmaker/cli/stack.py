@@ -28,6 +28,7 @@ from rich.table import Table
 from flowmaker.cli.output import EXIT_FAILED, console, error_line
 from flowmaker.launcher.client import RpcFailure, Stubs, call, failure_of, resolve, settings, to_json
 from flowmaker.launcher.stack import LocalStack, StackConfig, StackError, read_state, write_state
+from flowmaker.orchestration.task import replicas_of
 
 T = TypeVar("T")
 
@@ -161,6 +162,9 @@ def _variant_table(t: Any) -> Table:
         tab.add_column(c, justify="right" if c in ("stage latency", "load tok/s", "tp x pp") else "left")
     for a in v.assignments:
         inst = a.instance_id or t.stage_instances.get(a.stage_id, "") or a.new_key
+        group = replicas_of(dict(t.stage_instances), a.stage_id)
+        if len(group) > 1:  # a stage scaled out: every replica, requests spread by least outstanding work
+            inst = "\n".join(group) + f"\n({len(group)} replicas)"
         tab.add_row(a.stage_id, a.model_id or "(tool)", f"{a.tp}x{a.pp}" if a.model_id else "-", inst or "-",
                     "[green]reused[/green]" if a.reused else ("new" if a.model_id else "-"),
                     ",".join(a.gpu_ids) or "-", _s(a.latency_s), f"{a.load_output_tokens_per_s:.1f}")
