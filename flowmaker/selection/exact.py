@@ -4,7 +4,7 @@ Two phases when the first does not settle it (`flowmaker/selection/milp.py`, `se
 branch and bound below runs alone for 8% of the time budget (at most 0.25 s), which answers most requests.
 If it has not finished by then, the (memory, latency) Pareto front of every workflow is walked with
 mixed-integer programs over instance counts and stage assignments with placement relaxed (HiGHS; see the
-milp module). Its points become incumbents once their instances are packed and placed exactly as the
+milp module; a chain workflow's front is walked over instance multisets instead, see the chain module). Its points become incumbents once their instances are packed and placed exactly as the
 spec places them, and the walk proves a lower bound of every variant; when the best placed variant costs
 that bound, it is the optimum (ties: the least latency is on the walked front, the fewest new GPUs is one
 more MILP). Otherwise the branch and bound runs again from the best variant known, for the rest of the

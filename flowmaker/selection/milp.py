@@ -27,6 +27,10 @@ not fit, a cut (all of these stages on p => at least as many instances as they n
 solved again. A packed point is numbered in the spec's order (slots by first stage) and checked exactly
 (`Problem.check`: capacity and the LeastLoaded placement); then it is an incumbent.
 
+A chain workflow (one path of stages) is walked instead by `chain.walk_chain` (instance multisets best
+first, each packed exactly), unless an all-reuse variant (cost 0) is already known; it settles the new-GPU
+tie-break itself, so no `fewest_gpus` MILP follows.
+
 HiGHS solves each MILP to a zero gap with feasibility tolerances of 1e-9, and every bound taken from it is
 lowered by a relative 1e-9; the variants returned are always recomputed from the chosen assignment.
 """
@@ -83,6 +87,7 @@ class Front:
     candidates: list[tuple[tuple[float, float, int], list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]] = \
         field(default_factory=list)  # feasible variants found: (score, choice, slot profiles, placements)
     solves: int = 0
+    exact_ties: bool = False  # complete also settles the new-GPU tie-break (`chain.walk_chain`)
 
 
 class RelaxedModel:
@@ -450,6 +455,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first_s: float | None) -
     Pareto walks of every workflow (incumbents and a lower bound, or the proof), then branch and bound again
     from the best variant known, for the rest of the budget."""
     from flowmaker.selection import exact as ex
+    from flowmaker.selection.chain import is_chain, walk_chain
 
     started = time.perf_counter()
     budget = req.options.time_budget_s or ex.DEFAULT_BUDGET_S
@@ -473,10 +479,15 @@ def select_hybrid(req: SelectionRequest, strategy: str, first_s: float | None) -
     complete = True
     evaluated = search.leaves if search is not None else 0  # variants looked at: leaves and front points
     models: dict[int, RelaxedModel] = {}
+    exact_ties: dict[int, bool] = {}
     for pw in pb.workflows:
         m = RelaxedModel(pb, pw, usable)
         models[pw.index] = m
-        fr = m.walk(d2, best[0] if best else None)
+        # Chains: the multiset walk, unless all reuse is known to be optimal (cost 0: only the least latency
+        # of all-reuse assignments is left, which the MILP finds faster than a search over the running ones).
+        chain = is_chain(pw) and not (best is not None and best[0][0] <= 0.0)
+        fr = walk_chain(m, d2, best[0] if best else None) if chain else m.walk(d2, best[0] if best else None)
+        exact_ties[pw.index] = fr.exact_ties
         lb = min(lb, fr.lower_bound)
         complete = complete and fr.complete
         evaluated += len(fr.candidates)
@@ -486,6 +497,8 @@ def select_hybrid(req: SelectionRequest, strategy: str, first_s: float | None) -
     if complete and best is not None and best[0][0] <= lb * (1 + 2e-9) + 1e-300:
         # Proven (placement relaxed, so a fortiori). Tie-break: fewest new GPUs at this cost and latency.
         pw = best[1][0]
+        if exact_ties.get(pw.index):
+            return pb.result(strategy, best[1], started, evaluated, optimal=True)
         alt = models[pw.index].fewest_gpus(sum(pb.p_mem[p] for p in best[1][2]), best[0][1], d2 + 0.05 * budget)
         if alt is not None and better(*alt[0], best[0]):
             best = (alt[0], (pw, alt[1], alt[2], alt[3]))

@@ -728,3 +728,67 @@ def test_an_interrupted_walk_keeps_a_valid_lower_bound(req: SelectionRequest, so
     assert res.variant is not None and res.optimal
     assert close(res.variant.cost, want[0]) and close(res.variant.latency_s, want[1])
     recheck(req, res.variant)
+
+
+# ---------------------------------------------------------------- chain workflows: the multiset walk (`chain.walk_chain`)
+
+
+def _as_chains(req: SelectionRequest) -> SelectionRequest:
+    """The same request with every workflow's stages made one path, in their listed order."""
+    wfs = tuple(dataclasses.replace(wf, stages=tuple(
+        dataclasses.replace(s, depends_on=(wf.stages[i - 1].id,) if i else ())
+        for i, s in enumerate(wf.stages))) for wf in req.workflows)
+    return dataclasses.replace(req, workflows=wfs)
+
+
+@settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(requests(), dense_requests()).map(_as_chains))
+def test_chain_walk_equals_brute_force(req: SelectionRequest) -> None:
+    """On chains `milp` walks instance multisets instead of MILPs: == the brute force, tie-breaks included,
+    proven."""
+    agree(req, ("milp", "exact"), proven=True)
+
+
+@settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(requests(), dense_requests()).map(_as_chains), st.sampled_from([None, 0.5, 1.0, 2.0]))
+def test_the_chain_walk_bounds_every_variant_and_proves_the_optimum(req: SelectionRequest,
+                                                                    inc: float | None) -> None:
+    """`walk_chain` under an incumbent of `inc` x the optimum: its lower bound is at most the optimum, its
+    candidates are feasible, and when it says complete (with no smaller incumbent) its best candidate is the
+    brute force's answer, tie-breaks included."""
+    import math as _m
+
+    from flowmaker.selection.chain import is_chain, walk_chain
+    from flowmaker.selection.exact import usable_profiles
+    from flowmaker.selection.milp import RelaxedModel
+    from flowmaker.selection.problem import Problem, better
+
+    want, _ = brute_force(req)
+    pb = Problem(req)
+    usable = usable_profiles(pb)
+    best = None if want is None or inc is None else (want[0] * inc, want[1], 0)
+    lbs = []
+    found = None
+    complete = True
+    for pw in pb.workflows:
+        assert is_chain(pw)
+        fr = walk_chain(RelaxedModel(pb, pw, usable), _m.inf, best)
+        lbs.append(fr.lower_bound)
+        complete = complete and fr.complete
+        for sc, choice, slots, places in fr.candidates:
+            v = pb.build_variant(pw, choice, slots, places)
+            recheck(req, v)
+            assert close(v.cost, sc[0])
+            if want is not None:
+                assert v.cost >= want[0] * (1 - 1e-9) - 1e-12
+            if better(sc[0], sc[1], sc[2], found):
+                found = sc
+    if want is None:
+        assert found is None
+        return
+    assert min(lbs) <= want[0] * (1 + 1e-9) + 1e-12, (lbs, want)
+    if complete and (inc is None or inc >= 1.0):
+        assert found is not None, want
+        assert close(found[0], want[0]) and close(found[1], want[1]) and found[2] == want[2], (found, want)

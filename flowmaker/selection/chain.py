@@ -1,0 +1,278 @@
+"""The relaxed front of a CHAIN workflow without MILPs: instance multisets best first, each packed exactly.
+
+Used by `milp.select_hybrid` in place of `RelaxedModel.walk` for a workflow whose stages form one path. The
+relaxation is the walk's (placement relaxed, the dominated profiles of `milp._dominated_here` left out,
+the same options per stage), but bin packing is not aggregated: in a chain the latency is the sum of the
+stage latencies, so for a fixed multiset y of new instances (y[p] instances of profile p; M(y) their
+memory) the least latency L(y) of any assignment that fits (each stage on a running instance with room for
+it or on one of the y instances, every instance within its capacity) is found exactly by a depth-first
+search over the stages, heaviest first, bounded by the sum of each undecided stage's fastest option in y.
+
+Every variant V with new instances y_V costs M(y_V) * L_V >= M(y_V) * L(y_V), so
+
+    cost >= min over y of M(y) * L(y) >= min over y of M(y) * Lfast(y)
+
+(Lfast: every stage on its fastest option in y, capacity ignored). The multisets are visited best first by
+that last bound (a heap; a multiset's extensions, keyed by their least memory times the least latency of
+the workflow, are generated in canonical order), until no bound is at or below the incumbent (ties
+included). Each visited y gives its point (M(y), L(y)) and, when the search's assignment places
+(`Problem.check`), a candidate, which uses at most the instances of y, so it is at least as good as every
+variant with those instances in (cost, L, new GPUs). Hence when every visited y that could tie the best cost
+gave a placed candidate, the best candidate is the optimum, tie-breaks included (`complete`); otherwise, or
+at the deadline, the least bound over the points and the unvisited multisets is a lower bound of every
+variant of the workflow.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from typing import TYPE_CHECKING
+
+from flowmaker.selection.problem import INF, NEW, REUSE, PWorkflow, better, leq
+
+if TYPE_CHECKING:
+    from flowmaker.selection.milp import Front, RelaxedModel
+
+NODE_LIMIT = 200_000  # depth-first nodes per multiset; past it the multiset keeps its weaker bound
+
+
+def is_chain(pw: PWorkflow) -> bool:
+    """The stages form one path (each has at most one predecessor and at most one successor, one root)."""
+    n = len(pw.wf.stages)
+    roots = sum(1 for v in range(n) if not pw.preds[v])
+    if roots != 1 or any(len(pw.preds[v]) > 1 for v in range(n)):
+        return False
+    succ = [0] * n
+    for v in range(n):
+        for p in pw.preds[v]:
+            succ[p] += 1
+    return all(c <= 1 for c in succ)
+
+
+def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, int] | None) -> Front:
+    """The front of a chain workflow (module docstring); `model` is its `milp.RelaxedModel` (options,
+    packing into slots and `realize`). Returns a `milp.Front` whose `complete` means proven as described."""
+    from flowmaker.selection.milp import Front as Front_
+    from flowmaker.selection.milp import _tol
+
+    fr = Front_()
+    fr.exact_ties = True
+    if not model.ok:
+        fr.lower_bound, fr.complete = INF, True
+        return fr
+    pb, pw = model.pb, model.pw
+    opts = model.opts
+    llm = sorted(pw.llm, key=lambda s: -pw.load[s])
+    tool = sum(pw.tool_lat[v] for v in range(len(pw.wf.stages)) if not pw.wf.stages[v].is_llm)
+    profs = sorted({ref for s in llm for k, ref, _ in opts[s] if k == NEW})
+    pos = {pi: i for i, pi in enumerate(profs)}
+    mem = [pb.p_mem[pi] for pi in profs]
+    cap = [pb.p_cap[pi] for pi in profs]
+    users = [sum(1 for s in llm if any(k == NEW and ref == pi for k, ref, _ in opts[s])) for pi in profs]
+    reuse_lat = [min((lat for k, _, lat in opts[s] if k == REUSE), default=INF) for s in llm]
+    lmin_all = tool + sum(min(lat for _, _, lat in opts[s]) for s in llm)
+    spare = {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for s in llm for k, r, _ in opts[s] if k == REUSE}
+    total_load = sum(pw.load[s] for s in llm)
+    n_llm = len(llm)
+    P = len(profs)
+    suffix_min_mem = [min(mem[i:], default=INF) for i in range(P)] + [INF]
+
+    def fast(y: tuple[int, ...]) -> float:
+        t = tool
+        for j, s in enumerate(llm):
+            b = reuse_lat[j]
+            for k, ref, lat in opts[s]:
+                if k == NEW and y[pos[ref]] and lat < b:
+                    b = lat
+            if b == INF:
+                return INF
+            t += b
+        return t
+
+    def m_of(y: tuple[int, ...]) -> float:
+        return sum(mem[i] * c for i, c in enumerate(y))
+
+    def least_l(y: tuple[int, ...], cap_l: float) -> tuple[float, list[tuple[str, int, int]] | None, bool]:
+        """Least L <= cap_l of an assignment that fits y exactly: (L, per stage (kind, ref, bin), done)."""
+        bins_of = {pi: list(range(y[pos[pi]])) for pi in profs}
+        fill_new = {pi: [0.0] * y[pos[pi]] for pi in profs}
+        fill_r = {r: 0.0 for r in spare}
+        # Options of each stage usable with y, fastest first.
+        so = [sorted(((lat, k, ref) for k, ref, lat in opts[s] if k == REUSE or y[pos[ref]]), key=lambda o: o[0])
+              for s in llm]
+        rem = [0.0] * (n_llm + 1)
+        for j in range(n_llm - 1, -1, -1):
+            if not so[j]:
+                return INF, None, True
+            rem[j] = rem[j + 1] + so[j][0][0]
+        # Lagrangian prices of the aggregated capacities (the LP's duals): for any prices mu >= 0,
+        # L >= part + sum_j min_o (lat + mu_o * load_j) - sum_c mu_c * (room left in c).
+        room = {(REUSE, r): _tol(spare[r]) for r in spare}
+        room.update({(NEW, pi): y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]]})
+        mu = _prices(so, [pw.load[s] for s in llm], room)
+        rem_mu = [0.0] * (n_llm + 1)
+        for j in range(n_llm - 1, -1, -1):
+            ld = pw.load[llm[j]]
+            rem_mu[j] = rem_mu[j + 1] + min(lat + mu.get((k, ref), 0.0) * ld for lat, k, ref in so[j])
+        pen = [sum(mu.get(c, 0.0) * room[c] for c in room)]
+        best_l = [cap_l]
+        best_a: list[list[tuple[str, int, int]] | None] = [None]
+        cur: list[tuple[str, int, int]] = [(REUSE, 0, 0)] * n_llm
+        nodes = [0]
+
+        def go(j: int, part: float) -> bool:
+            nodes[0] += 1
+            if nodes[0] > NODE_LIMIT:
+                return False
+            if j == n_llm:
+                if part <= best_l[0]:
+                    best_l[0] = part
+                    best_a[0] = list(cur)
+                return True
+            nb = max(rem[j], rem_mu[j] - pen[0]) + part
+            if nb > best_l[0] * (1 + 1e-12) or (best_a[0] is not None and nb >= best_l[0] * (1 - 1e-12)):
+                return True
+            ld = pw.load[llm[j]]
+            for lat, k, ref in so[j]:
+                if part + lat + rem[j + 1] > best_l[0] * (1 + 1e-12):
+                    break  # options are fastest first
+                if best_a[0] is not None and part + lat + rem[j + 1] >= best_l[0] * (1 - 1e-12):
+                    break
+                dp = mu.get((k, ref), 0.0) * ld
+                if k == REUSE:
+                    if not leq(pb.r_load0[ref] + fill_r[ref] + ld, pb.p_cap[pb.r_prof[ref]]):
+                        continue
+                    fill_r[ref] += ld
+                    cur[j] = (REUSE, ref, 0)
+                    pen[0] -= dp
+                    ok = go(j + 1, part + lat)
+                    pen[0] += dp
+                    fill_r[ref] -= ld
+                    if not ok:
+                        return False
+                    continue
+                fills = fill_new[ref]
+                seen: set[float] = set()
+                cp = pb.p_cap[ref]
+                for b in bins_of[ref]:
+                    f = fills[b]
+                    if f in seen or not leq(f + ld, cp):
+                        continue
+                    seen.add(f)
+                    fills[b] = f + ld
+                    cur[j] = (NEW, ref, b)
+                    pen[0] -= dp
+                    ok = go(j + 1, part + lat)
+                    pen[0] += dp
+                    fills[b] = f
+                    if not ok:
+                        return False
+            return True
+
+        done = go(0, tool)
+        return best_l[0], best_a[0], done
+
+    inc = best[0] if best else INF
+    lb = INF
+    unplaced = INF  # least point value among multisets whose assignment did not place
+    y0 = tuple([0] * P)
+    heap: list[tuple[float, int, tuple[int, ...], int, bool]] = []
+    tick = 0
+
+    def push_eval(y: tuple[int, ...]) -> None:
+        nonlocal tick
+        m = m_of(y)
+        if sum(c * cp for c, cp in zip(y, cap, strict=True)) + sum(spare.values()) < total_load * (1 - 1e-9):
+            return  # cannot hold the load even aggregated
+        f = fast(y)
+        if f < INF and leq(f, pb.lam):
+            tick += 1
+            heapq.heappush(heap, (m * f, tick, y, 0, False))
+
+    def push_expand(y: tuple[int, ...], i: int) -> None:
+        nonlocal tick
+        if i >= P or sum(y) >= n_llm:
+            return
+        tick += 1
+        heapq.heappush(heap, ((m_of(y) + suffix_min_mem[i]) * lmin_all, tick, y, i, True))
+
+    push_eval(y0)
+    push_expand(y0, 0)
+    stopped = gave_up = False
+    while heap:
+        key, _, y, i, expand = heap[0]
+        if key > inc * (1 + 1e-9):
+            break
+        if time.perf_counter() > deadline:
+            stopped = True
+            break
+        heapq.heappop(heap)
+        if expand:
+            for q in range(i, P):
+                if y[q] >= users[q]:
+                    continue
+                z = (*y[:q], y[q] + 1, *y[q + 1:])
+                push_eval(z)
+                push_expand(z, q)
+            continue
+        m = m_of(y)
+        cap_l = min(_tol(pb.lam), inc * (1 + 1e-9) / m if m > 0 else INF)
+        L, a, done = least_l(y, cap_l)
+        fr.solves += 1
+        if not done:
+            lb = min(lb, key)  # the search gave up: the multiset keeps its bound
+            gave_up = True
+            continue
+        if a is None:
+            continue  # nothing fits y within cap_l: every variant with these instances costs more than inc
+        val = m * L
+        lb = min(lb, val)
+        assign = {llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)}
+        inst = {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW}
+        cand = model.realize(assign, inst)
+        if cand is None:
+            unplaced = min(unplaced, val)
+            continue
+        fr.candidates.append(cand)
+        sc = cand[0]
+        if better(sc[0], sc[1], sc[2], best):
+            best = sc
+            inc = best[0]
+    inc = best[0] if best else INF
+    rest = min((k for k, *_ in heap), default=INF)
+    fr.lower_bound = max(0.0, min(lb, rest, inc, unplaced) * (1 - 1e-9))
+    fr.complete = not stopped and not gave_up and (rest > inc * (1 + 1e-9) or not heap) \
+        and unplaced > inc * (1 + 2e-9)
+    return fr
+
+
+def _prices(so: list[list[tuple[float, str, int]]], loads: list[float], room: dict[tuple[str, int], float]
+            ) -> dict[tuple[str, int], float]:
+    """Prices >= 0 of the room of each capacity class (a running instance; all instances of one profile):
+    the duals of the LP that assigns the stages fractionally. Any prices >= 0 give a valid bound."""
+    from flowmaker.selection.exact import _core_lp
+    from flowmaker.selection.milp import _CORE
+
+    if _CORE is None:  # pragma: no cover
+        return {}
+    cls = sorted(room)
+    crow = {c: len(so) + i for i, c in enumerate(cls)}
+    cost: list[float] = []
+    entries: list[list[tuple[int, float]]] = []
+    for j, opts in enumerate(so):
+        for lat, k, ref in opts:
+            cost.append(lat)
+            entries.append([(j, 1.0), (crow[(k, ref)], loads[j])])
+    rlo = [1.0] * len(so) + [-INF] * len(cls)
+    rhi = [1.0] * len(so) + [room[c] for c in cls]
+    lp = _core_lp([0.0] * len(cost), [1.0] * len(cost), cost, entries, rlo, rhi)
+    h = _CORE._Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    h.passModel(lp)
+    h.run()
+    if h.modelStatusToString(h.getModelStatus()) != "Optimal":
+        return {}
+    dual = list(h.getSolution().row_dual)
+    return {c: max(0.0, -dual[crow[c]]) for c in cls}
