@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -631,6 +632,17 @@ def test_milp_equals_brute_force(req: SelectionRequest) -> None:
     agree(req, ("milp",), proven=True)
 
 
+
+def _recheck_candidates(req: SelectionRequest, pb: Any, pw: Any, candidates: Any, want: Any) -> None:
+    """Every incumbent a Pareto or chain walk offers is a feasible variant of its stated cost, never below the
+    optimum."""
+    for sc, choice, slots, places in candidates:
+        v = pb.build_variant(pw, choice, slots, places)
+        recheck(req, v)
+        assert close(v.cost, sc[0])
+        if want is not None:
+            assert v.cost >= want[0] * (1 - 1e-9) - 1e-12
+
 @settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(requests(), dense_requests()), st.sampled_from([None, 0.5, 1.0, 2.0]))
@@ -653,12 +665,7 @@ def test_the_walk_bounds_every_variant_and_its_points_are_feasible(req: Selectio
     for pw in pb.workflows:
         fr = RelaxedModel(pb, pw, usable).walk(_m.inf, best)
         lbs.append(fr.lower_bound)
-        for sc, choice, slots, places in fr.candidates:
-            v = pb.build_variant(pw, choice, slots, places)
-            recheck(req, v)
-            assert close(v.cost, sc[0])
-            if want is not None:
-                assert v.cost >= want[0] * (1 - 1e-9) - 1e-12
+        _recheck_candidates(req, pb, pw, fr.candidates, want)
     if want is None:
         return
     assert min(lbs) <= want[0] * (1 + 1e-9) + 1e-12, (lbs, want)
@@ -777,12 +784,8 @@ def test_the_chain_walk_bounds_every_variant_and_proves_the_optimum(req: Selecti
         fr = walk_chain(RelaxedModel(pb, pw, usable), _m.inf, best)
         lbs.append(fr.lower_bound)
         complete = complete and fr.complete
-        for sc, choice, slots, places in fr.candidates:
-            v = pb.build_variant(pw, choice, slots, places)
-            recheck(req, v)
-            assert close(v.cost, sc[0])
-            if want is not None:
-                assert v.cost >= want[0] * (1 - 1e-9) - 1e-12
+        _recheck_candidates(req, pb, pw, fr.candidates, want)
+        for sc, *_ in fr.candidates:
             if better(sc[0], sc[1], sc[2], found):
                 found = sc
     if want is None:
