@@ -24,10 +24,10 @@ from flowmaker.orchestration.task import TaskRecord, TaskState
 class LoadPolicy:
     band: float = 2.0  # re-select when observed > band x planned or < planned / band
     hold_down_s: float = 30.0  # ... for this long (wall), and at most once per this long
-    # Scaling in waits longer and keeps headroom (as autoscalers do: a burst after a lull must not find the
-    # capacity gone): the drift below the plan must last `scale_in_factor` x the hold-down, and the rate
-    # planned for is `scale_in_headroom` x what is observed.
-    scale_in_factor: float = 2.0
+    # Scaling in keeps headroom (a burst after a lull must not find the capacity gone): the rate planned for is
+    # `scale_in_headroom` x what is observed; and it may wait longer than scaling out, `scale_in_factor` x the
+    # hold-down (1: extra capacity is released within the hold-down, as the orchestrator promises).
+    scale_in_factor: float = 1.0
     scale_in_headroom: float = 1.5
     min_rate_rps: float = 0.01  # the smallest rate a task is planned for (model req/s)
     min_samples: int = 10  # latency quantiles need this many requests in the window

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -65,8 +66,11 @@ def test_arrival_meter_and_drift_rule() -> None:
     # hold-down, and with headroom over what is observed.
     low = {"t": TaskLoad(0.0, 0.0, 0)}
     drifted({"t": t}, low, since, 200.0, p)
-    assert drifted({"t": t}, low, since, 205.0, p) == []  # scaling in waits longer
-    assert drifted({"t": t}, low, since, 210.0, p)[0][1] == p.min_rate_rps
+    assert drifted({"t": t}, low, since, 205.0, p)[0][1] == p.min_rate_rps
+    slow_in = replace(p, scale_in_factor=2.0)
+    drifted({"t": t}, low, since, 220.0, slow_in)
+    assert drifted({"t": t}, low, since, 225.0, slow_in) == []  # a slower scale-in waits longer
+    assert drifted({"t": t}, low, since, 230.0, slow_in)[0][1] == p.min_rate_rps
     lull = {"t": TaskLoad(0.4, 0.0, 0)}
     drifted({"t": t}, lull, since, 250.0, p)
     assert drifted({"t": t}, lull, since, 260.0, p)[0][1] == pytest.approx(0.4 * p.scale_in_headroom)
