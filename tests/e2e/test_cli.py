@@ -109,7 +109,13 @@ def test_round_trip(stack: LocalStack) -> None:
     assert "done" in p.stdout
 
     # get / list / instances
-    g = ok_json(cli("task", "get", task_id, "--json", *orch))
+    # Accounting is batched off the request path (observe_flush_interval_s): the count arrives within seconds.
+    deadline = time.monotonic() + 10
+    while True:
+        g = ok_json(cli("task", "get", task_id, "--json", *orch))
+        if int(g.get("requests_served", 0)) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
     assert g["id"] == task_id and g["state"] in ("STATE_ACTIVE", "STATE_DEGRADED")
     assert int(g.get("requests_served", 0)) >= 2
     listed = ok_json(cli("task", "list", "--json", *orch))
