@@ -47,9 +47,15 @@ def select_cmd(request: Path = typer.Option(..., "--request", "-r", help="Select
         con.print(f"workflow [bold]{v.workflow_id}[/]  latency {v.latency_s:.3f} s  accuracy {v.accuracy:.3f}  "
                   f"cost {v.cost:.2f} GB·s  new memory {v.new_memory_gb:.1f} GB on {v.new_gpus} GPUs")
         t = Table("stage", "instance", "model", "tp", "pp", "GPUs", "latency s")
+        news = {n.key: n for n in v.new_instances}
         for a in v.assignments:
-            t.add_row(a.stage_id, a.instance_id if a.reused else f"{a.new_key} (new)", a.model_id, str(a.tp),
-                      str(a.pp), ",".join(a.gpu_ids), f"{a.latency_s:.3f}")
+            keys = a.replica_keys or (a.new_key,)
+            inst = a.instance_id if a.reused else f"{a.new_key} (new)"
+            gpus = ",".join(a.gpu_ids)
+            if len(keys) > 1:  # a replica group: every replica and its GPUs, one per line
+                inst = "\n".join(keys) + f"\n({len(keys)} new replicas)"
+                gpus = "\n".join(",".join(news[k].gpu_ids) for k in keys if k in news)
+            t.add_row(a.stage_id, inst, a.model_id, str(a.tp), str(a.pp), gpus, f"{a.latency_s:.3f}")
         con.print(t)
     if res.optimal:
         proof = "proven optimal" if res.variant is not None else "proven infeasible"
