@@ -71,6 +71,7 @@ from flowmaker.eval.traces import (
     get_trace,
 )
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad, drifted
+from flowmaker.orchestration.cluster import SATURATED_LOAD_TOK_S
 from flowmaker.orchestration.task import Reselection, TaskRecord, TaskState
 from flowmaker.selection import select
 from flowmaker.sim import DEFAULT_COLOCATION, Route, SimInstance, SimResult, TaskDeployment, simulate
@@ -95,6 +96,7 @@ class AdaptConfig:
     segment_s: float = DEFAULT_SEGMENT_S
     max_replicas: int = 4  # a re-selection may scale a stage out to this many replicas (as the orchestrator)
     capacity_model: str = "busy_time"  # of every selection (both policies): busy_time or output_tokens
+    saturation_slowdown: float = 4.0  # re-selections see an instance this much slower than alone as full (0: off)
 
     def validate(self) -> AdaptConfig:
         if not self.band > 1:
@@ -319,6 +321,12 @@ class _Controller:
         st = self.live[name]
         others = self.observe(t, exclude=name)  # the measured load without this task's own share
         loads = {m.id: m.busy_equiv_tokens_per_s for m in others.per_instance}
+        if self.cfg.saturation_slowdown > 0:
+            # As the deployer's saturation meter: an instance whose recent calls took saturation_slowdown x
+            # their time alone (all tasks' traffic) is full, whatever its token load says: no headroom.
+            for m in self.observe(t).per_instance:
+                if m.slowdown >= self.cfg.saturation_slowdown:
+                    loads[m.id] = SATURATED_LOAD_TOK_S
         mine = {i for _, i in st.routes[-1].stage_instances}
         exclusive = mine - self.referenced(exclude=name)
         seen = self.cluster(t, loads)
@@ -585,7 +593,7 @@ def run_adapt_bench(out_dir: str | Path, traces_dir: str | Path | None = None, c
                              "ready_trace_s": cfg.ready_trace_s, "colocation": cfg.colocation,
                              "plan_tokens": cfg.plan_tokens, "utilization_cap": cfg.utilization_cap,
                              "segment_s": cfg.segment_s, "seed": cfg.seed, "max_replicas": cfg.max_replicas,
-                             "capacity_model": cfg.capacity_model,
+                             "capacity_model": cfg.capacity_model, "saturation_slowdown": cfg.saturation_slowdown,
                              "load_policy": {"min_rate_rps": LoadPolicy().min_rate_rps,
                                              "scale_in_factor": LoadPolicy().scale_in_factor,
                                              "scale_in_headroom": LoadPolicy().scale_in_headroom,

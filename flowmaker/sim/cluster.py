@@ -162,6 +162,9 @@ class InstanceMetrics:
     busy_equiv_tokens_per_s: float
     utilization: float  # busy_equiv / max_output_tokens_per_s
     busy_fraction: float = 0.0  # share of its residence its batch was non-empty (at whatever co-location speed)
+    # End-to-end time of the window's finished calls over their time alone on the profile (0: none finished);
+    # calls still running at the end are not counted, so an instance that has stopped finishing reads low.
+    slowdown: float = 0.0
     residence_s: float = 0.0
     cost_usd: float = 0.0
 
@@ -290,6 +293,11 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     win_out = {i: 0 for i in order}  # output / prompt tokens of calls submitted from measure_from_s on
     win_in = {i: 0 for i in order}
     win_calls = {i: 0 for i in order}
+    # Slowdown (what the deployer's saturation meter measures): end-to-end time of the calls submitted from
+    # measure_from_s on, over what each takes alone on the instance's profile.
+    win_lat = {i: 0.0 for i in order}
+    win_lone = {i: 0.0 for i in order}
+    submitted: dict[str, float] = {}
     last_done = {i: 0.0 for i in order}
     deps = {d.task.name: d for d in deployments}
     for d in deployments:
@@ -323,9 +331,12 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
         st = r.wf.stage(stage_id)
         ids = r.route.replicas_for(stage_id)
         iid = ids[0] if len(ids) == 1 else min(ids, key=outstanding)
-        engines[iid].submit(f"{r.arrival.req_id}|{stage_id}|{call}", st.input_tokens, st.output_tokens, t)
+        call_id = f"{r.arrival.req_id}|{stage_id}|{call}"
+        engines[iid].submit(call_id, st.input_tokens, st.output_tokens, t)
         dirty.add(iid)
         if t >= measure_from_s:
+            submitted[call_id] = t
+            win_lone[iid] += engines[iid].profile.call_latency_s(st.input_tokens, st.output_tokens)
             win_out[iid] += st.output_tokens
             win_in[iid] += st.input_tokens
             win_calls[iid] += 1
@@ -388,6 +399,8 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
         for c in comps:
             rid, sid, call = c.req_id.rsplit("|", 2)
             rq = reqs[rid]
+            if c.req_id in submitted:
+                win_lat[iid] += c.finish_time - submitted.pop(c.req_id)
             last_done[iid] = max(last_done[iid], c.finish_time)
             if int(call) + 1 < rq.wf.stage(sid).calls_per_request:
                 submit_call(rq, sid, int(call) + 1, c.finish_time)
@@ -508,6 +521,7 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
         per_inst.append(InstanceMetrics(iid, win_calls[iid], win_out[iid], win_in[iid],
                                         win_out[iid] / window, busy / window * prof.max_output_tokens_per_s,
                                         busy / window, busy_fraction=eng.busy_s / resid[iid] if resid[iid] > 0 else 0.0,
+                                        slowdown=win_lat[iid] / win_lone[iid] if win_lone[iid] > 0 else 0.0,
                                         residence_s=resid[iid],
                                         cost_usd=inst_by_id[iid].memory_gb * resid[iid] * price))
     return SimResult(
