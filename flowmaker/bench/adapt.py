@@ -41,7 +41,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from flowmaker.bench.serving import GPU_TYPE, _json_safe, bench_cluster, code_version
+from flowmaker.bench.serving import GPU_TYPE, _json_safe, add_cell_rows, bench_cluster, code_version
 from flowmaker.domain import (
     MAX_REPLICAS,
     CapacityModel,
@@ -638,17 +638,10 @@ def _print(con: Console, rows: Sequence[dict[str, Any]], report: dict[str, Any])
     for c in ("trace", "load", "policy", "requests", "goodput", "cost $", "GB-h", "peak GB", "inst", "switch",
               "kept", "failed", "p99 s", "lost"):
         t.add_column(c, justify="left" if c in ("trace", "policy") else "right")
-    last = None
-    for r in rows:
-        cell = (r["trace"], r["load"])
-        if last is not None and cell != last:
-            t.add_section()
-        last = cell
-        t.add_row(r["trace"], f"{r['load']:.0%}", r["policy"], str(r["requests"]), f"{r['goodput']:.3f}",
-                  f"{r['cost_usd']:.4f}", f"{r['gb_seconds'] / 3600:.1f}", f"{r['peak_gb_reserved']:.0f}",
-                  str(r["instances_ever"]), str(r["reselections"]), str(r["reselections_kept"]),
-                  str(r["reselections_failed"]),
-                  "-" if not math.isfinite(r["p99_latency_s"]) else f"{r['p99_latency_s']:.1f}", str(r["lost"]))
+    add_cell_rows(t, rows, lambda r: (
+        f"{r['cost_usd']:.4f}", f"{r['gb_seconds'] / 3600:.1f}", f"{r['peak_gb_reserved']:.0f}",
+        str(r["instances_ever"]), str(r["reselections"]), str(r["reselections_kept"]), str(r["reselections_failed"]),
+        "-" if not math.isfinite(r["p99_latency_s"]) else f"{r['p99_latency_s']:.1f}", str(r["lost"])))
     con.print(t)
     st = Table(title="Adaptive / deploy-once per cell (goodput x, cost x, good requests per $ x)")
     for c in ("trace", "load", "goodput x", "cost x", "good/$ x", "switches"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -372,22 +372,27 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return format(v, spec)
 
 
-def _print(con: Console, rows: Sequence[dict[str, Any]], ratios: dict[str, Any], ablation: Sequence[dict[str, Any]],
-           report: dict[str, Any]) -> None:
-    t = Table(title="Serving on 8xA6000 (simulated): goodput / cost per trace and load")
-    for c in ("trace", "load", "policy", "requests", "goodput", "acc hit", "cost $", "GB", "inst", "mean s",
-              "p99 s", "unplaced"):
-        t.add_column(c, justify="right" if c not in ("trace", "policy", "unplaced") else "left")
+
+def add_cell_rows(t: Table, rows: Sequence[dict[str, Any]], rest: Callable[[dict[str, Any]], Sequence[str]]) -> None:
+    """One row per (trace, load, policy) result, a section per (trace, load) cell: trace, load, policy, requests
+    and goodput, then `rest(row)`."""
     last = None
     for r in rows:
         cell = (r["trace"], r["load"])
         if last is not None and cell != last:
             t.add_section()
         last = cell
-        t.add_row(r["trace"], f"{r['load']:.0%}", r["policy"], str(r["requests"]), f"{r['goodput']:.3f}",
-                  f"{r['accuracy_hit_rate']:.3f}", f"{r['cost_usd']:.4f}", f"{r['gb_reserved']:.0f}",
-                  str(r["instances"]), _fmt(r["mean_latency_s"], ".1f"), _fmt(r["p99_latency_s"], ".1f"),
-                  ",".join(u[0] for u in r["unplaced"]))
+        t.add_row(r["trace"], f"{r['load']:.0%}", r["policy"], str(r["requests"]), f"{r['goodput']:.3f}", *rest(r))
+
+def _print(con: Console, rows: Sequence[dict[str, Any]], ratios: dict[str, Any], ablation: Sequence[dict[str, Any]],
+           report: dict[str, Any]) -> None:
+    t = Table(title="Serving on 8xA6000 (simulated): goodput / cost per trace and load")
+    for c in ("trace", "load", "policy", "requests", "goodput", "acc hit", "cost $", "GB", "inst", "mean s",
+              "p99 s", "unplaced"):
+        t.add_column(c, justify="right" if c not in ("trace", "policy", "unplaced") else "left")
+    add_cell_rows(t, rows, lambda r: (
+        f"{r['accuracy_hit_rate']:.3f}", f"{r['cost_usd']:.4f}", f"{r['gb_reserved']:.0f}", str(r["instances"]),
+        _fmt(r["mean_latency_s"], ".1f"), _fmt(r["p99_latency_s"], ".1f"), ",".join(u[0] for u in r["unplaced"])))
     con.print(t)
     grid = sorted({(r["trace"], r["load"]) for r in rows})
     rt = Table(title="Every published comparison, per trace and load (x = times better for the first policy; "
