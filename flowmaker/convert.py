@@ -38,6 +38,7 @@ from flowmaker.domain import (
     CapacityModel,
     Cluster,
     Gpu,
+    GpuSharing,
     GpuType,
     Infeasibility,
     Instance,
@@ -100,6 +101,7 @@ _STAGE_KIND = workflow_pb2.StageKind.DESCRIPTOR
 _PROFILE_SOURCE = cluster_pb2.ProfileSource.DESCRIPTOR
 _INFEASIBILITY = selection_pb2.Infeasibility.DESCRIPTOR
 _CAPACITY_MODEL = selection_pb2.CapacityModel.DESCRIPTOR
+_GPU_SHARING = selection_pb2.GpuSharing.DESCRIPTOR
 
 
 def stage_kind_to_proto(kind: StageKind) -> workflow_pb2.StageKind:
@@ -285,7 +287,10 @@ def selection_options_to_proto(o: SelectionOptions) -> selection_pb2.SelectionOp
                                           time_budget_s=o.time_budget_s, max_trials=o.max_trials, seed=o.seed,
                                           max_replicas=o.max_replicas,
                                           capacity_model=cast(selection_pb2.CapacityModel,
-                                                              _enum_to_proto(o.capacity_model, _CAPACITY_MODEL)))
+                                                              _enum_to_proto(o.capacity_model, _CAPACITY_MODEL)),
+                                          gpu_sharing=cast(selection_pb2.GpuSharing,
+                                                           _enum_to_proto(o.gpu_sharing, _GPU_SHARING)),
+                                          interference=o.interference)
 
 
 def selection_options_from_proto(m: selection_pb2.SelectionOptions) -> SelectionOptions:
@@ -296,6 +301,9 @@ def selection_options_from_proto(m: selection_pb2.SelectionOptions) -> Selection
         max_replicas=m.max_replicas or 1,  # 0 (absent) = the base contract
         capacity_model=_enum_from_proto(m.capacity_model, _CAPACITY_MODEL, CapacityModel, "options.capacity_model")
         or CapacityModel.OUTPUT_TOKENS,
+        gpu_sharing=_enum_from_proto(m.gpu_sharing, _GPU_SHARING, GpuSharing, "options.gpu_sharing")
+        or GpuSharing.IGNORE,
+        interference=m.interference if m.HasField("interference") else 1.0,
     )
 
 

@@ -4,6 +4,7 @@ from flowmaker.domain.cluster import Cluster, Gpu, GpuType, Instance, Model, Mod
 from flowmaker.domain.selection import (
     MAX_REPLICAS,
     CapacityModel,
+    GpuSharing,
     Infeasibility,
     NewInstance,
     SelectionOptions,
@@ -15,8 +16,27 @@ from flowmaker.domain.selection import (
 from flowmaker.domain.workflow import Slo, Stage, StageKind, TaskSpec, Workflow
 
 __all__ = [
-    "MAX_REPLICAS", "CapacityModel", "Cluster", "Gpu", "GpuType", "Infeasibility", "Instance", "Model", "ModelArch",
+    "MAX_REPLICAS",
+    "CapacityModel",
+    "Cluster",
+    "Gpu",
+    "GpuSharing",
+    "GpuType",
+    "Infeasibility",
+    "Instance",
+    "Model",
+    "ModelArch",
     "NewInstance",
-    "Profile", "ProfileSource", "SelectionOptions", "SelectionRequest", "SelectionResult", "Slo",
-    "Stage", "StageAssignment", "StageKind", "TaskSpec", "Variant", "Workflow",
+    "Profile",
+    "ProfileSource",
+    "SelectionOptions",
+    "SelectionRequest",
+    "SelectionResult",
+    "Slo",
+    "Stage",
+    "StageAssignment",
+    "StageKind",
+    "TaskSpec",
+    "Variant",
+    "Workflow",
 ]

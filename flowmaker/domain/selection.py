@@ -17,6 +17,13 @@ class CapacityModel(enum.Enum):
     BUSY_TIME = "BUSY_TIME"  # prefill + decode busy time at each workflow's mean request
 
 
+class GpuSharing(enum.Enum):
+    """How the selector treats instances placed on the same GPU (docs/selection-spec.md)."""
+
+    IGNORE = "IGNORE"  # the base contract: every instance as if alone on its GPUs
+    INTERFERENCE = "INTERFERENCE"  # busy shares per GPU, compute budget, latency inflation, load-aware placement
+
+
 # Replicas per new instance the selection extension allows (docs/selection-spec.md).
 MAX_REPLICAS = 16
 
@@ -30,6 +37,8 @@ class SelectionOptions:
     seed: int = 0  # bayesopt / randomised strategies
     max_replicas: int = 1  # replicas per new instance (docs/selection-spec.md extension); 1 = base contract
     capacity_model: CapacityModel = CapacityModel.OUTPUT_TOKENS
+    gpu_sharing: GpuSharing = GpuSharing.IGNORE
+    interference: float = 1.0  # kappa of the INTERFERENCE model (flowmaker.sharing)
 
     def validate(self, path: str = "options") -> SelectionOptions:
         if not 0.0 < self.utilization_cap <= 1.0:
@@ -41,6 +50,8 @@ class SelectionOptions:
         if not 1 <= self.max_replicas <= MAX_REPLICAS:
             raise InvalidSpec(f"must be within [1, {MAX_REPLICAS}] (0 in the API means 1), got {self.max_replicas}",
                               field=f"{path}.max_replicas")
+        if not 0.0 <= self.interference <= 4.0:
+            raise InvalidSpec(f"must be within [0, 4], got {self.interference}", field=f"{path}.interference")
         return self
 
 

@@ -89,7 +89,7 @@ def select_bayesopt(req: SelectionRequest) -> SelectionResult:
         level = max(level, res)
         if res < 5:
             return worst * (1 + (5 - res))
-        key = pb.score(pw, choice, slots)
+        key = pb.score(pw, choice, slots, places)
         if better(*key, best):
             best, best_at = key, (pw, list(choice), list(slots), places)
         return key[0]

@@ -167,8 +167,12 @@ def _placeable(pb: Problem) -> list[bool]:
     out = [pb.profiles[i].memory_gb_per_gpu - EPS_GB <= kth.get(pb.p_k[i], -INF) for i in range(len(pb.profiles))]
     for i, reps in enumerate(pb.p_reps):  # a replica group must fit replica after replica
         if reps > 1 and out[i]:
-            out[i] = _place_group(pb.layout, dict(pb.free0), pb.p_k[i], pb.profiles[i].memory_gb_per_gpu,
-                                  reps) is not None
+            if pb.sharing:  # the load-aware rule may choose other GPUs for the earlier replicas
+                free_s, occ = dict(pb.free0), dict(pb.occ0)
+                out[i] = all(pb.place_new(free_s, occ, i) is not None for _ in range(reps))
+            else:
+                out[i] = _place_group(pb.layout, dict(pb.free0), pb.p_k[i], pb.profiles[i].memory_gb_per_gpu,
+                                      reps) is not None
     return out
 
 
@@ -356,6 +360,8 @@ class _Search:
         profiles = pb.profiles
         layout = pb.layout
         free = dict(pb.free0)
+        occ = dict(pb.occ0)  # GPU sharing: busy occupancy that load-aware placement reads
+        sharing = pb.sharing
         choice: list[Choice] = []
         slots: list[int] = []
         slot_load: list[float] = []
@@ -757,6 +763,15 @@ class _Search:
             search.leaves += 1
             L = max(fin)
             M = mem_now[0]
+            if sharing and check_place:
+                # GPU sharing: the complete variant's budget and slowed latency (every bound above used the
+                # latency alone, a lower bound of this one).
+                factors = pb.sharing_factors(pw, choice, slots, places)
+                if factors is None:
+                    return
+                L = pb.longest_path(pw, pb.stage_latencies(pw, choice, slots, factors))
+                if not leq(L, lam):
+                    return
             if better(M * L, L, gpus_now[0], search.best):
                 search.best = (M * L, L, gpus_now[0])
                 search.best_at = (pw, list(choice), list(slots), list(places))
@@ -796,6 +811,8 @@ class _Search:
             """Interchangeability class of an instance of profile pi carrying `used` load, for the
             stages j..: (pi, -1) when it can take all their load, (pi, how many fit) when it can take
             at most one of them, None otherwise."""
+            if sharing:  # instances of one profile on different GPUs are slowed differently
+                return None
             cap = p_cap[pi]
             if not check_cap or leq(used + st.w_rem[j], cap):
                 return (pi, -1)
@@ -900,7 +917,19 @@ class _Search:
                 group: list[tuple[str, tuple[str, ...]]] = []
                 node: str = ""
                 gids: tuple[str, ...] = ()
-                if check_place and reps > 1:  # a replica group: placed replica by replica, not cached
+                if check_place and sharing:  # load-aware: replica by replica, on (free memory, occupancy)
+                    placed_s: list[tuple[str, tuple[str, ...]]] = []
+                    for _ in range(reps):
+                        pl2 = pb.place_new(free, occ, pi)
+                        if pl2 is None:
+                            break
+                        placed_s.append(pl2)
+                    if len(placed_s) < reps:
+                        _unplace(placed_s, free, occ, mpg, pb.u_frac)
+                        assigned[s] = False
+                        continue
+                    group = placed_s
+                elif check_place and reps > 1:  # a replica group: placed replica by replica, not cached
                     placed = _place_group(layout, free, k, mpg, reps)
                     if placed is None:
                         assigned[s] = False
@@ -935,7 +964,9 @@ class _Search:
                 del places[len(places) - reps:]
                 slot_load.pop()
                 slots.pop()
-                if check_place:
+                if check_place and sharing:
+                    _unplace(group, free, occ, mpg, pb.u_frac)
+                elif check_place:
                     for g in gids:
                         free[g] += mpg
                     for _, gg in group:
@@ -1102,6 +1133,15 @@ def _place_group(layout, free: dict[str, float], k: int, mpg: float, reps: int
             free[g] -= mpg
         out.append((pl[1], pl[2]))
     return out
+
+
+def _unplace(placed: list[tuple[str, tuple[str, ...]]], free: dict[str, float], occ: dict[str, Any], mpg: float,
+             u: Any) -> None:
+    """Undo `Problem.place_new` for these replicas (GPU sharing)."""
+    for _, gids in placed:
+        for g in gids:
+            free[g] += mpg
+            occ[g] -= u
 
 
 def _best_node(layout, free: dict[str, float], k: int) -> tuple[float, str, tuple[str, ...]] | None:

@@ -76,7 +76,7 @@ def select_exhaustive(req: SelectionRequest) -> SelectionResult:
             level = max(level, res)
             if res < 5:
                 continue
-            key = problem.score(pw, choice, slots)
+            key = problem.score(pw, choice, slots, places)
             if better(*key, best):
                 best = key
                 best_at = (pw, list(choice), list(slots), places)

@@ -110,7 +110,7 @@ def select_heuristic(req: SelectionRequest) -> SelectionResult:
                     level = max(level, res)
                     if res < 5:
                         continue
-                    key = pb.score(pw, choice, slots)
+                    key = pb.score(pw, choice, slots, places)
                     if found is None or better(*key, found[0]):
                         found = (key, (pw, choice, slots, places))
                 if found is not None:

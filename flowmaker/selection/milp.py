@@ -323,7 +323,7 @@ class RelaxedModel:
         code, places = pb.check(pw, choice, slots)
         if code != 5:
             return None
-        return pb.score(pw, choice, slots), choice, slots, places
+        return pb.score(pw, choice, slots, places), choice, slots, places
 
     def walk(self, deadline: float, best: tuple[float, float, int] | None) -> Front:
         """The Pareto walk, from the top (module docstring). `best`: the incumbent (cost, L, GPUs) across
@@ -494,7 +494,9 @@ def select_hybrid(req: SelectionRequest, strategy: str, first_s: float | None) -
         for sc, choice, slots, places in fr.candidates:
             if best is None or better(*sc, best[0]):
                 best = (sc, (pw, choice, slots, places))
-    if complete and best is not None and best[0][0] <= lb * (1 + 2e-9) + 1e-300:
+    # Under GPU sharing the walk's points are bounds (latency alone, placement relaxed) and its tie-break
+    # argument does not hold: the branch and bound below proves the optimum from the best point instead.
+    if complete and best is not None and not pb.sharing and best[0][0] <= lb * (1 + 2e-9) + 1e-300:
         # Proven (placement relaxed, so a fortiori). Tie-break: fewest new GPUs at this cost and latency.
         pw = best[1][0]
         if exact_ties.get(pw.index):

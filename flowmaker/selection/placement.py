@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from flowmaker.domain import Gpu
 
 # Memory comparisons tolerate float noise from summing many per-GPU figures.
 EPS_GB = 1e-9
+_ZERO = Fraction(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +60,28 @@ def place_least_loaded(layout: NodeGpus, free_gb: Mapping[str, float], k: int,
 
 def free_memory(gpus: Sequence[Gpu]) -> dict[str, float]:
     return {g.id: g.memory_total_gb - g.memory_used_gb for g in gpus}
+
+
+def place_least_busy(layout: NodeGpus, free_gb: Mapping[str, float], busy: Mapping[str, Fraction], k: int,
+                     memory_gb_per_gpu: float) -> tuple[str, tuple[str, ...]] | None:
+    """Load-aware LeastLoaded (docs/selection-spec.md, "Extension: GPU sharing").
+
+    On each node the candidates are the GPUs where the memory fits; take the k of them with the least busy
+    share (ties: more free memory, then smaller GPU id). Among nodes with k candidates, pick the node whose
+    k-th chosen GPU is best by the same order (least busy, then most free memory; ties: smaller node id).
+    With every busy share equal this is exactly `place_least_loaded`. None when no node fits.
+    """
+    need = memory_gb_per_gpu - EPS_GB
+    best: tuple[Fraction, float, str, tuple[str, ...]] | None = None
+    for node, ids in zip(layout.nodes, layout.gpus_by_node, strict=True):
+        cand = [g for g in ids if free_gb[g] >= need]
+        if len(cand) < k:
+            continue
+        chosen = sorted(cand, key=lambda g: (busy.get(g, _ZERO), -free_gb[g]))[:k]  # stable: smaller id first
+        kth = chosen[-1]
+        key = (busy.get(kth, _ZERO), free_gb[kth])
+        if best is None or key[0] < best[0] or (key[0] == best[0] and key[1] > best[1]):
+            best = (key[0], key[1], node, tuple(chosen))
+    if best is None:
+        return None
+    return best[2], best[3]

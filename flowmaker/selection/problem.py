@@ -13,8 +13,10 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from flowmaker.domain import (
+    GpuSharing,
     Infeasibility,
     Instance,
     NewInstance,
@@ -25,7 +27,8 @@ from flowmaker.domain import (
     Variant,
     Workflow,
 )
-from flowmaker.selection.placement import NodeGpus, free_memory, place_least_loaded
+from flowmaker.selection.placement import NodeGpus, free_memory, place_least_busy, place_least_loaded
+from flowmaker.sharing import busy_share, gpu_totals
 
 # Relative tolerance for comparing costs and latencies (spec: answers equal within 1e-9).
 REL_TOL = 1e-12
@@ -94,6 +97,16 @@ class Problem:
         self.r_load0 = tuple(i.load_output_tokens_per_s for i in self.reusable)
         self.layout = NodeGpus.of(req.cluster.gpus)
         self.free0 = free_memory(req.cluster.gpus)
+        # GPU sharing (docs/selection-spec.md, "Extension: GPU sharing"): busy share = load / capacity unit
+        # (max_output_tokens_per_s, restated under BUSY_TIME), per GPU summed exactly (Fractions).
+        self.sharing = req.options.gpu_sharing is GpuSharing.INTERFERENCE
+        self.kappa = Fraction(req.options.interference)
+        self.u_frac = Fraction(self.u)
+        unit = {p.key: p.max_output_tokens_per_s for p in req.profiles}
+        self.run_share0 = {i.id: busy_share(i.load_output_tokens_per_s, unit[i.key]) if i.key in unit else 0.0
+                           for i in req.cluster.instances}
+        self.occ0 = gpu_totals((i.gpu_ids, self.run_share0[i.id]) for i in req.cluster.instances)
+        self.r_unit = tuple(self.profiles[rp].max_output_tokens_per_s for rp in self.r_prof)
         self.workflows = tuple(self._compile(i, w) for i, w in enumerate(req.workflows))
 
     def _compile(self, index: int, wf: Workflow) -> PWorkflow:
@@ -117,11 +130,85 @@ class Problem:
 
     # ---- evaluation of one complete choice (the reference used by exhaustive and to build answers) ----
 
-    def stage_latencies(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int]) -> list[float]:
+    def stage_latencies(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
+                        factors: Sequence[float] | None = None) -> list[float]:
+        """Stage latencies; `factors` (GPU sharing) multiplies each LLM stage's, in `pw.llm` order."""
         lat = list(pw.tool_lat)
-        for s, (kind, ref) in zip(pw.llm, choice, strict=True):
+        for j, (s, (kind, ref)) in enumerate(zip(pw.llm, choice, strict=True)):
             lat[s] = pw.lat_reuse[s][ref] if kind == REUSE else pw.lat_new[s][slot_prof[ref]]
+            if factors is not None:
+                lat[s] *= factors[j]
         return lat
+
+    def place_new(self, free: dict[str, float], occ: dict[str, Fraction], pi: int
+                  ) -> tuple[str, tuple[str, ...]] | None:
+        """Place ONE instance of profile pi on the state (free memory, busy occupancy) and update both; the
+        base contract's LeastLoaded, or the load-aware one under GPU sharing (a new instance of the variant
+        occupies u of each of its GPUs: its final share is not known when it is placed)."""
+        mpg = self.profiles[pi].memory_gb_per_gpu
+        if self.sharing:
+            pl = place_least_busy(self.layout, free, occ, self.p_k[pi], mpg)
+        else:
+            pl = place_least_loaded(self.layout, free, self.p_k[pi], mpg)
+        if pl is None:
+            return None
+        for g in pl[1]:
+            free[g] -= mpg
+            if self.sharing:
+                occ[g] = occ.get(g, _ZERO) + self.u_frac
+        return pl
+
+    def sharing_factors(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
+                        places: Sequence[tuple[str, tuple[str, ...]]]) -> list[float] | None:
+        """GPU sharing (Feasibility 5): per LLM stage (in `pw.llm` order) its latency multiplier, or None when
+        a GPU an instance of the variant uses would exceed its compute budget u. Identity without sharing."""
+        if not self.sharing:
+            return [1.0] * len(choice)
+        first = self.slot_offsets(slot_prof)
+        slot_load = [0.0] * len(slot_prof)
+        r_add: dict[int, float] = {}
+        for s, (kind, ref) in zip(pw.llm, choice, strict=True):
+            if kind == REUSE:
+                r_add[ref] = r_add.get(ref, 0.0) + pw.load[s]
+            else:
+                slot_load[ref] += pw.load[s]
+        totals = dict(self.occ0)
+        r_share: dict[int, float] = {}
+        for ref, add in r_add.items():
+            inst = self.reusable[ref]
+            sh = busy_share(self.r_load0[ref] + add, self.r_unit[ref])
+            r_share[ref] = sh
+            delta = _frac(sh) - _frac(self.run_share0[inst.id])
+            for g in inst.gpu_ids:
+                totals[g] = totals.get(g, _ZERO) + delta
+        rep_share: list[float] = []
+        for j, pi in enumerate(slot_prof):
+            reps = self.p_reps[pi]
+            sh = busy_share(slot_load[j] / reps, self.profiles[pi].max_output_tokens_per_s)
+            rep_share.append(sh)
+            f = _frac(sh)
+            for i in range(reps):
+                for g in places[first[j] + i][1]:
+                    totals[g] = totals.get(g, _ZERO) + f
+        touched = {g for ref in r_add for g in self.reusable[ref].gpu_ids}
+        touched.update(g for _, gids in places for g in gids)
+        budget = self.u_frac * (1 + Fraction(EPS))  # the capacity checks' tolerance
+        if any(totals.get(g, _ZERO) > budget for g in touched):
+            return None
+
+        def factor(gids: Sequence[str], own: float) -> Fraction:
+            o = _frac(own)
+            return 1 + self.kappa * max((max(totals.get(g, _ZERO) - o, _ZERO) for g in gids), default=_ZERO)
+
+        out: list[float] = []
+        for kind, ref in choice:
+            if kind == REUSE:
+                f = factor(self.reusable[ref].gpu_ids, r_share[ref])
+            else:
+                f = max(factor(places[first[ref] + i][1], rep_share[ref])
+                        for i in range(self.p_reps[slot_prof[ref]]))
+            out.append(float(f))
+        return out
 
     @staticmethod
     def longest_path(pw: PWorkflow, lat: Sequence[float]) -> float:
@@ -134,7 +221,7 @@ class Problem:
                       placements: Sequence[tuple[str, tuple[str, ...]]]) -> Variant:
         """Assemble the response object for a feasible choice. `placements` holds one entry per new
         instance in placement order: a slot (group) of r replicas takes r consecutive entries."""
-        lat = self.stage_latencies(pw, choice, slot_prof)
+        lat = self.stage_latencies(pw, choice, slot_prof, self.sharing_factors(pw, choice, slot_prof, placements))
         L = self.longest_path(pw, lat)
         first = self.slot_offsets(slot_prof)
         slot_load = [0.0] * len(slot_prof)
@@ -210,20 +297,29 @@ class Problem:
             if not leq(ld, self.p_cap[self.r_prof[i]]):
                 return 3, []
         free = dict(self.free0)
+        occ = dict(self.occ0)
         places: list[tuple[str, tuple[str, ...]]] = []
         for pi in slot_prof:
             for _ in range(self.p_reps[pi]):  # a group places its replicas one after another
-                pl = place_least_loaded(self.layout, free, self.p_k[pi], self.profiles[pi].memory_gb_per_gpu)
+                pl = self.place_new(free, occ, pi)
                 if pl is None:
                     return 4, []
-                for g in pl[1]:
-                    free[g] -= self.profiles[pi].memory_gb_per_gpu
                 places.append(pl)
+        if self.sharing:  # 5. GPU sharing: compute budget, then latency with co-residents' slowdown
+            factors = self.sharing_factors(pw, choice, slot_prof, places)
+            if factors is None or not leq(self.longest_path(pw, self.stage_latencies(pw, choice, slot_prof,
+                                                                                      factors)), self.lam):
+                return 4, []
         return 5, places
 
-    def score(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int]) -> tuple[float, float, int]:
-        """(cost, latency, new GPUs) of a complete choice: the key the spec's tie-breaks order by."""
-        lat = self.longest_path(pw, self.stage_latencies(pw, choice, slot_prof))
+    def score(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
+              places: Sequence[tuple[str, tuple[str, ...]]] = ()) -> tuple[float, float, int]:
+        """(cost, latency, new GPUs) of a complete choice: the key the spec's tie-breaks order by. Under GPU
+        sharing the latency depends on the placement: pass the `places` that `check` returned."""
+        factors = self.sharing_factors(pw, choice, slot_prof, places) if self.sharing else None
+        if factors is None and self.sharing:
+            return INF, INF, sum(self.p_gpus[p] for p in slot_prof)
+        lat = self.longest_path(pw, self.stage_latencies(pw, choice, slot_prof, factors))
         return sum(self.p_mem[p] for p in slot_prof) * lat, lat, sum(self.p_gpus[p] for p in slot_prof)
 
     def result(self, strategy: str, best_at: tuple[PWorkflow, Sequence[Choice], Sequence[int],
@@ -270,6 +366,8 @@ _DETAIL = {
        "(utilization cap {u})",
     4: "every variant meeting accuracy, latency and capacity needs more GPU memory than is free",
 }
+_DETAIL_SHARING = ("every variant meeting accuracy, latency and capacity needs more GPU memory than is free, or "
+                   "overloads a shared GPU (busy share above {u}) or misses {lam} s once co-residents slow it")
 
 
 def infeasible_result(problem: Problem, strategy: str, level: int, started: float, evaluated: int,
@@ -277,7 +375,8 @@ def infeasible_result(problem: Problem, strategy: str, level: int, started: floa
     """The answer when no feasible variant was found; `level` is the tightest failed constraint;
     `optimal` when the strategy proved that no feasible variant exists."""
     level = max(1, min(level, 4))
-    detail = _DETAIL[level].format(alpha=problem.alpha, lam=problem.lam, rho=problem.rho, u=problem.u)
+    text = _DETAIL_SHARING if level == 4 and problem.sharing else _DETAIL[level]
+    detail = text.format(alpha=problem.alpha, lam=problem.lam, rho=problem.rho, u=problem.u)
     return SelectionResult(strategy=strategy, variant=None, reason=_REASON[level], reason_detail=detail,
                            variants_evaluated=evaluated, search_space_size=problem.total_space(),
                            elapsed_s=time.perf_counter() - started, timed_out=timed_out, optimal=optimal)
@@ -302,3 +401,8 @@ def better(cost: float, lat: float, gpus: int, best: tuple[float, float, int] | 
 
 
 INF = math.inf
+_ZERO = Fraction(0)
+
+
+def _frac(x: float) -> Fraction:
+    return Fraction(x) if math.isfinite(x) else Fraction(10**9)

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GpuSharing(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GPU_SHARING_UNSPECIFIED: _ClassVar[GpuSharing]
+    GPU_SHARING_IGNORE: _ClassVar[GpuSharing]
+    GPU_SHARING_INTERFERENCE: _ClassVar[GpuSharing]
+
 class CapacityModel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CAPACITY_MODEL_UNSPECIFIED: _ClassVar[CapacityModel]
@@ -20,6 +26,9 @@ class Infeasibility(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INFEASIBILITY_NO_LATENCY: _ClassVar[Infeasibility]
     INFEASIBILITY_NO_CAPACITY: _ClassVar[Infeasibility]
     INFEASIBILITY_NO_GPU_MEMORY: _ClassVar[Infeasibility]
+GPU_SHARING_UNSPECIFIED: GpuSharing
+GPU_SHARING_IGNORE: GpuSharing
+GPU_SHARING_INTERFERENCE: GpuSharing
 CAPACITY_MODEL_UNSPECIFIED: CapacityModel
 CAPACITY_MODEL_OUTPUT_TOKENS: CapacityModel
 CAPACITY_MODEL_BUSY_TIME: CapacityModel
@@ -30,7 +39,7 @@ INFEASIBILITY_NO_CAPACITY: Infeasibility
 INFEASIBILITY_NO_GPU_MEMORY: Infeasibility
 
 class SelectionOptions(_message.Message):
-    __slots__ = ("utilization_cap", "allow_reuse", "time_budget_s", "max_trials", "seed", "max_replicas", "capacity_model")
+    __slots__ = ("utilization_cap", "allow_reuse", "time_budget_s", "max_trials", "seed", "max_replicas", "capacity_model", "gpu_sharing", "interference")
     UTILIZATION_CAP_FIELD_NUMBER: _ClassVar[int]
     ALLOW_REUSE_FIELD_NUMBER: _ClassVar[int]
     TIME_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +47,8 @@ class SelectionOptions(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    GPU_SHARING_FIELD_NUMBER: _ClassVar[int]
+    INTERFERENCE_FIELD_NUMBER: _ClassVar[int]
     utilization_cap: float
     allow_reuse: bool
     time_budget_s: float
@@ -45,7 +56,9 @@ class SelectionOptions(_message.Message):
     seed: int
     max_replicas: int
     capacity_model: CapacityModel
-    def __init__(self, utilization_cap: _Optional[float] = ..., allow_reuse: _Optional[bool] = ..., time_budget_s: _Optional[float] = ..., max_trials: _Optional[int] = ..., seed: _Optional[int] = ..., max_replicas: _Optional[int] = ..., capacity_model: _Optional[_Union[CapacityModel, str]] = ...) -> None: ...
+    gpu_sharing: GpuSharing
+    interference: float
+    def __init__(self, utilization_cap: _Optional[float] = ..., allow_reuse: _Optional[bool] = ..., time_budget_s: _Optional[float] = ..., max_trials: _Optional[int] = ..., seed: _Optional[int] = ..., max_replicas: _Optional[int] = ..., capacity_model: _Optional[_Union[CapacityModel, str]] = ..., gpu_sharing: _Optional[_Union[GpuSharing, str]] = ..., interference: _Optional[float] = ...) -> None: ...
 
 class NewInstance(_message.Message):
     __slots__ = ("key", "model_id", "tp", "pp", "node", "gpu_ids", "memory_gb_per_gpu", "load_output_tokens_per_s")
