@@ -260,12 +260,14 @@ def gpu_from_proto(m: cluster_pb2.Gpu) -> Gpu:
 def instance_to_proto(i: Instance) -> cluster_pb2.Instance:
     """The domain Instance carries no lifecycle; the deployer fills state/node/engine itself."""
     return cluster_pb2.Instance(id=i.id, model_id=i.model_id, tp=i.tp, pp=i.pp, gpu_ids=list(i.gpu_ids),
-                                load_output_tokens_per_s=i.load_output_tokens_per_s, endpoint=i.endpoint)
+                                load_output_tokens_per_s=i.load_output_tokens_per_s, endpoint=i.endpoint,
+                                max_slowdown=i.max_slowdown, busy_share=i.busy_share)
 
 
 def instance_from_proto(m: cluster_pb2.Instance) -> Instance:
     return Instance(id=m.id, model_id=m.model_id, tp=m.tp, pp=m.pp, gpu_ids=tuple(m.gpu_ids),
-                    load_output_tokens_per_s=m.load_output_tokens_per_s, endpoint=m.endpoint)
+                    load_output_tokens_per_s=m.load_output_tokens_per_s, endpoint=m.endpoint,
+                    max_slowdown=m.max_slowdown, busy_share=m.busy_share)
 
 
 def cluster_to_proto(c: Cluster) -> cluster_pb2.Cluster:

@@ -166,6 +166,10 @@ class Instance:
     gpu_ids: tuple[str, ...]
     load_output_tokens_per_s: float = 0.0
     endpoint: str = ""
+    # GPU sharing: the slowdown its tasks tolerate (>= 1; 0 = unbounded); see docs/selection-spec.md.
+    max_slowdown: float = 0.0
+    # GPU sharing: fraction of the time it has a call in flight (measured); 0 = unknown.
+    busy_share: float = 0.0
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -204,4 +208,10 @@ class Cluster:
             if not inst.load_output_tokens_per_s >= 0:
                 raise InvalidSpec(f"instance {inst.id!r}: must be >= 0",
                                   field=f"{path}.instances[{i}].load_output_tokens_per_s")
+            if not 0.0 <= inst.busy_share <= 1.0:
+                raise InvalidSpec(f"instance {inst.id!r}: must be within [0, 1], got {inst.busy_share}",
+                                  field=f"{path}.instances[{i}].busy_share")
+            if not (inst.max_slowdown == 0 or inst.max_slowdown >= 1) or not math.isfinite(inst.max_slowdown):
+                raise InvalidSpec(f"instance {inst.id!r}: must be 0 (unbounded) or >= 1, got {inst.max_slowdown}",
+                                  field=f"{path}.instances[{i}].max_slowdown")
         return self

@@ -28,7 +28,7 @@ from flowmaker.domain import (
     Workflow,
 )
 from flowmaker.selection.placement import NodeGpus, free_memory, place_least_busy, place_least_loaded
-from flowmaker.sharing import busy_share, gpu_totals
+from flowmaker.sharing import add_offered, busy_share, gpu_totals, multiplier, occupancy, speed_factor
 
 # Relative tolerance for comparing costs and latencies (spec: answers equal within 1e-9).
 REL_TOL = 1e-12
@@ -97,15 +97,24 @@ class Problem:
         self.r_load0 = tuple(i.load_output_tokens_per_s for i in self.reusable)
         self.layout = NodeGpus.of(req.cluster.gpus)
         self.free0 = free_memory(req.cluster.gpus)
-        # GPU sharing (docs/selection-spec.md, "Extension: GPU sharing"): busy share = load / capacity unit
-        # (max_output_tokens_per_s, restated under BUSY_TIME), per GPU summed exactly (Fractions).
+        # GPU sharing (docs/selection-spec.md, "Extension: GPU sharing"; model in flowmaker.sharing): per running
+        # instance its compute share rho0 (load / capacity; capacity restated under BUSY_TIME) and busy share
+        # (measured, else rho0), per GPU their exact sums.
         self.sharing = req.options.gpu_sharing is GpuSharing.INTERFERENCE
         self.kappa = Fraction(req.options.interference)
         self.u_frac = Fraction(self.u)
+        self.budget = self.u_frac * (1 + Fraction(EPS))  # the capacity checks' tolerance
         unit = {p.key: p.max_output_tokens_per_s for p in req.profiles}
-        self.run_share0 = {i.id: busy_share(i.load_output_tokens_per_s, unit[i.key]) if i.key in unit else 0.0
-                           for i in req.cluster.instances}
-        self.occ0 = gpu_totals((i.gpu_ids, self.run_share0[i.id]) for i in req.cluster.instances)
+        self.run_rho0 = {i.id: busy_share(i.load_output_tokens_per_s, unit[i.key]) if i.key in unit else 0.0
+                         for i in req.cluster.instances}
+        self.run_busy0 = {i.id: i.busy_share if i.busy_share > 0 else min(1.0, self.run_rho0[i.id])
+                          for i in req.cluster.instances}
+        self.rho0 = gpu_totals((i.gpu_ids, self.run_rho0[i.id]) for i in req.cluster.instances)
+        self.occ0 = gpu_totals((i.gpu_ids, self.run_busy0[i.id]) for i in req.cluster.instances)
+        self.on_gpu: dict[str, list[Instance]] = {}
+        for i in req.cluster.instances:
+            for g in i.gpu_ids:
+                self.on_gpu.setdefault(g, []).append(i)
         self.r_unit = tuple(self.profiles[rp].max_output_tokens_per_s for rp in self.r_prof)
         self.workflows = tuple(self._compile(i, w) for i, w in enumerate(req.workflows))
 
@@ -160,54 +169,91 @@ class Problem:
 
     def sharing_factors(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
                         places: Sequence[tuple[str, tuple[str, ...]]]) -> list[float] | None:
-        """GPU sharing (Feasibility 5): per LLM stage (in `pw.llm` order) its latency multiplier, or None when
-        a GPU an instance of the variant uses would exceed its compute budget u. Identity without sharing."""
+        """GPU sharing (Feasibility 5): per LLM stage (in `pw.llm` order) its latency multiplier, or None when the
+        variant breaks a GPU's compute budget, leaves an instance unable to keep up once slowed, or slows a
+        running co-resident past what it tolerates. Identity without sharing."""
         if not self.sharing:
             return [1.0] * len(choice)
         first = self.slot_offsets(slot_prof)
         slot_load = [0.0] * len(slot_prof)
+        slot_n = [0.0] * len(slot_prof)  # offered call-seconds per second (latency alone x arrival rate)
         r_add: dict[int, float] = {}
+        r_n: dict[int, float] = {}
         for s, (kind, ref) in zip(pw.llm, choice, strict=True):
             if kind == REUSE:
                 r_add[ref] = r_add.get(ref, 0.0) + pw.load[s]
+                r_n[ref] = r_n.get(ref, 0.0) + self.rho * pw.lat_reuse[s][ref]
             else:
                 slot_load[ref] += pw.load[s]
-        totals = dict(self.occ0)
-        r_share: dict[int, float] = {}
+                slot_n[ref] += self.rho * pw.lat_new[s][slot_prof[ref]]
+        comp = dict(self.rho0)  # compute shares per GPU
+        busy = dict(self.occ0)  # busy shares per GPU
+        r_rho: dict[str, Fraction] = {}
+        r_busy: dict[str, Fraction] = {}
         for ref, add in r_add.items():
             inst = self.reusable[ref]
-            sh = busy_share(self.r_load0[ref] + add, self.r_unit[ref])
-            r_share[ref] = sh
-            delta = _frac(sh) - _frac(self.run_share0[inst.id])
+            r_rho[inst.id] = rf = _frac(busy_share(self.r_load0[ref] + add, self.r_unit[ref]))
+            r_busy[inst.id] = bf = _frac(add_offered(self.run_busy0[inst.id], r_n[ref]))
+            d_rho, d_busy = rf - _frac(self.run_rho0[inst.id]), bf - _frac(self.run_busy0[inst.id])
             for g in inst.gpu_ids:
-                totals[g] = totals.get(g, _ZERO) + delta
-        rep_share: list[float] = []
+                comp[g] = comp.get(g, _ZERO) + d_rho
+                busy[g] = busy.get(g, _ZERO) + d_busy
+        rep: list[tuple[Fraction, Fraction]] = []  # per slot: (compute, busy) share of each replica
         for j, pi in enumerate(slot_prof):
             reps = self.p_reps[pi]
-            sh = busy_share(slot_load[j] / reps, self.profiles[pi].max_output_tokens_per_s)
-            rep_share.append(sh)
-            f = _frac(sh)
+            rf = _frac(busy_share(slot_load[j] / reps, self.profiles[pi].max_output_tokens_per_s))
+            bf = _frac(occupancy(slot_n[j] / reps))
+            rep.append((rf, bf))
             for i in range(reps):
                 for g in places[first[j] + i][1]:
-                    totals[g] = totals.get(g, _ZERO) + f
+                    comp[g] = comp.get(g, _ZERO) + rf
+                    busy[g] = busy.get(g, _ZERO) + bf
         touched = {g for ref in r_add for g in self.reusable[ref].gpu_ids}
         touched.update(g for _, gids in places for g in gids)
-        budget = self.u_frac * (1 + Fraction(EPS))  # the capacity checks' tolerance
-        if any(totals.get(g, _ZERO) > budget for g in touched):
+        if any(comp.get(g, _ZERO) > self.budget for g in touched):  # 5.1 compute budget
             return None
 
-        def factor(gids: Sequence[str], own: float) -> Fraction:
-            o = _frac(own)
-            return 1 + self.kappa * max((max(totals.get(g, _ZERO) - o, _ZERO) for g in gids), default=_ZERO)
+        def mult(gids: Sequence[str], rho: Fraction, own_busy: Fraction) -> Fraction | None:
+            """5.2: the latency multiplier of an instance, None when slowed it cannot stay within the cap."""
+            f = speed_factor(gids, own_busy, busy, self.kappa)
+            if rho * f > self.budget:
+                return None
+            return multiplier(f, rho)
+
+        # 5.4: running co-residents on the GPUs the variant uses (reused ones too): none slowed into overload
+        # or past what its tasks tolerate, unless it is not made slower.
+        seen: set[str] = set()
+        for g in touched:
+            for inst in self.on_gpu.get(g, ()):
+                if inst.id in seen:
+                    continue
+                seen.add(inst.id)
+                rho0, b0 = _frac(self.run_rho0[inst.id]), _frac(self.run_busy0[inst.id])
+                rho1, b1 = r_rho.get(inst.id, rho0), r_busy.get(inst.id, b0)
+                f0 = speed_factor(inst.gpu_ids, b0, self.occ0, self.kappa)
+                f1 = speed_factor(inst.gpu_ids, b1, busy, self.kappa)
+                m0 = None if rho0 * f0 >= 1 else f0 * (1 - rho0) / (1 - rho0 * f0)
+                m1 = None if rho1 * f1 >= 1 else f1 * (1 - rho0) / (1 - rho1 * f1)
+                if m1 is not None and (m0 is None or m1 <= m0):
+                    continue  # not made slower
+                if m1 is None or rho1 * f1 > self.budget:
+                    return None
+                if inst.max_slowdown > 0 and m1 > Fraction(inst.max_slowdown) * (1 + Fraction(EPS)):
+                    return None
 
         out: list[float] = []
         for kind, ref in choice:
             if kind == REUSE:
-                f = factor(self.reusable[ref].gpu_ids, r_share[ref])
+                inst = self.reusable[ref]
+                m = mult(inst.gpu_ids, r_rho[inst.id], r_busy[inst.id])
+                if m is None:
+                    return None
             else:
-                f = max(factor(places[first[ref] + i][1], rep_share[ref])
-                        for i in range(self.p_reps[slot_prof[ref]]))
-            out.append(float(f))
+                ms = [mult(places[first[ref] + i][1], *rep[ref]) for i in range(self.p_reps[slot_prof[ref]])]
+                if any(x is None for x in ms):
+                    return None
+                m = max(x for x in ms if x is not None)
+            out.append(float(m))
         return out
 
     @staticmethod
