@@ -22,12 +22,24 @@ Conventions (documented because clients and tests rely on them):
 * `--crash-after N`: the process exits abruptly (os._exit, code 17) right after the N-th
   completion response has been sent.
 * Metrics use vLLM's names (`vllm:num_requests_running`, ...), so one scraper reads both.
+  FlowMaker's own: `flowmaker_engine_busy_seconds_total` (model seconds with a non-empty batch),
+  `flowmaker_engine_gpu_speed` (the GPU share it runs at: 1 alone) and
+  `flowmaker_engine_gpu_busy_neighbours` (the most other busy engines on any of its GPUs).
+* GPU sharing (`--gpu-ids g0,g1 --gpu-share-dir DIR`, both or neither; the deployer passes them to
+  every emulated engine of its node): engines started with the same DIR share the GPUs they name,
+  as the simulator's `colocation="dynamic"` does. While it has a call in flight an engine is busy
+  and marks itself so on each of its GPUs (`flowmaker.engine.gpu_share`); every few ms of wall time
+  (`--gpu-share-poll-ms`) while busy, and at each arrival, it counts the busy engines on its GPUs
+  and runs at speed 1/k (`EngineModel.set_speed`), k = the most busy engines on any of its GPUs,
+  itself included. Marks of dead engines (killed with SIGKILL) are ignored. Without the flags an
+  engine runs alone (speed 1), as before.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import itertools
 import json
@@ -45,12 +57,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from flowmaker.domain import Profile, ProfileSource
+from flowmaker.engine.gpu_share import GpuShare
 from flowmaker.engine.model import Completion, EngineModel
 from flowmaker.limits import json_depth
 
 API_KEY_ENV = "FLOWMAKER_ENGINE_API_KEY"  # vLLM reads VLLM_API_KEY the same way
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_MAX_MODEL_LEN = 131_072  # prompt + completion tokens of one request (vLLM's --max-model-len)
+DEFAULT_GPU_SHARE_POLL_S = 0.002  # wall seconds between re-reads of the GPUs' busy marks while busy
 MAX_JSON_DEPTH = 64  # of a request body; deeper nesting is refused before parsing
 CRASH_EXIT_CODE = 17
 _FILLER = ("the quick brown fox jumps over a lazy dog while seven engines emulate "
@@ -183,6 +197,12 @@ class _ModelCollector(Collector):
         yield counter("vllm:request_success", "Requests finished.", self.engine.requests_finished)
         yield counter("flowmaker:request_cancelled", "Requests dropped because their client went away.",
                       self.engine.requests_cancelled)
+        yield counter("flowmaker_engine_busy_seconds", "Model seconds with a non-empty batch (at any speed).",
+                      m.busy_s)
+        yield gauge("flowmaker_engine_gpu_speed", "GPU share this engine runs at (while busy) or would start at: "
+                    "1 / (1 + the most other busy engines on any of its GPUs); 1 when not sharing.", m.speed)
+        yield gauge("flowmaker_engine_gpu_busy_neighbours", "The most other busy engines on any one of this "
+                    "engine's GPUs (0 when not sharing).", self.engine.gpu_neighbours)
 
 
 class EmulatedEngine:
@@ -191,11 +211,14 @@ class EmulatedEngine:
     def __init__(self, model_name: str, profile: Profile, *, time_scale: float = 1.0, max_batch: int = 256,
                  kv_capacity_tokens: int | None = None, script: list[ScriptEntry] | None = None,
                  crash_after: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, api_key: str = "") -> None:
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, api_key: str = "",
+                 gpu_share: GpuShare | None = None, gpu_share_poll_s: float = DEFAULT_GPU_SHARE_POLL_S) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale: must be > 0, got {time_scale}")
         if max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {max_model_len}")
+        if not gpu_share_poll_s > 0:
+            raise ValueError(f"gpu_share_poll_s: must be > 0, got {gpu_share_poll_s}")
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.api_key = api_key
@@ -205,6 +228,10 @@ class EmulatedEngine:
         self.script = script
         self._script_pos = 0
         self.crash_after = crash_after
+        self.gpu_share = gpu_share  # None: alone on its GPUs (speed 1)
+        self.gpu_share_poll_s = gpu_share_poll_s
+        self.gpu_neighbours = 0  # the most other busy engines on one of its GPUs, at the last look
+        self._share_error = ""
         self.requests_finished = 0
         self.requests_cancelled = 0
         self._clock = clock
@@ -228,25 +255,50 @@ class EmulatedEngine:
     def model_now(self) -> float:
         return (self._clock() - self._t0) * self.time_scale
 
+    def _tick(self) -> None:
+        """Bring the model up to now (and, when sharing, its busy marks and speed); wake the waiting handlers."""
+        now = max(self.model.now, self.model_now())
+        done = self.model.advance(now)
+        if self.gpu_share is not None:
+            done += self._share_sync(now)
+        for c in done:
+            p = self._pending.pop(c.req_id, None)
+            if p is not None:
+                p.completion = c
+                p.emitted = p.out_tokens
+                p.changed.set()
+            sub = self._submit_times.pop(c.req_id, c.finish_time)
+            self.e2e.labels(self.model_name).observe(c.finish_time - sub)
+            self.ttft.labels(self.model_name).observe(c.first_token_time - sub)
+        for rid, p in self._pending.items():
+            n = self.model.emitted(rid)
+            if n > p.emitted:
+                p.emitted = n
+                p.changed.set()
+
+    def _share_sync(self, now: float) -> list[Completion]:
+        """Publish whether this engine is busy (a call in flight) and run at 1 / (1 + the most other busy
+        engines on any of its GPUs) from `now` on: the simulator's dynamic co-location rule."""
+        share = self.gpu_share
+        assert share is not None
+        try:
+            share.set_busy(self.model.in_flight > 0)
+            self.gpu_neighbours = share.busy_others()
+        except OSError as e:  # the share directory is broken: keep the last speed, say so once
+            if str(e) != self._share_error:
+                self._share_error = str(e)
+                print(f"gpu sharing: {e}; keeping speed {self.model.speed:g}", file=sys.stderr, flush=True)
+            return []
+        return self.model.set_speed(1.0 / (1 + self.gpu_neighbours), now)
+
     async def _scheduler(self) -> None:
         while True:
-            for c in self.model.advance(max(self.model.now, self.model_now())):
-                p = self._pending.pop(c.req_id, None)
-                if p is not None:
-                    p.completion = c
-                    p.emitted = p.out_tokens
-                    p.changed.set()
-                sub = self._submit_times.pop(c.req_id, c.finish_time)
-                self.e2e.labels(self.model_name).observe(c.finish_time - sub)
-                self.ttft.labels(self.model_name).observe(c.first_token_time - sub)
-            for rid, p in self._pending.items():
-                n = self.model.emitted(rid)
-                if n > p.emitted:
-                    p.emitted = n
-                    p.changed.set()
+            self._tick()
             nxt = self.model.next_step_time()
             self._wake.clear()
             timeout = None if nxt is None else max(0.0, (nxt - self.model_now()) / self.time_scale)
+            if self.gpu_share is not None and self.model.in_flight > 0:  # neighbours come and go: look again
+                timeout = self.gpu_share_poll_s if timeout is None else min(timeout, self.gpu_share_poll_s)
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
@@ -263,6 +315,9 @@ class EmulatedEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self.gpu_share is not None:
+            with contextlib.suppress(OSError):
+                self.gpu_share.close()  # no longer busy, whatever was in flight
 
     def _submit(self, in_tokens: int, out_tokens: int) -> tuple[str, _Pending]:
         rid = f"req-{next(self._ids)}"
@@ -274,6 +329,8 @@ class EmulatedEngine:
         p = _Pending(out_tokens)
         self._pending[rid] = p
         self._submit_times[rid] = now
+        if self.gpu_share is not None:
+            self._tick()  # mark busy and take the GPU share before the request's first step is planned
         self._wake.set()
         return rid, p
 
@@ -401,6 +458,8 @@ class EmulatedEngine:
         self._submit_times.pop(rid, None)
         if self.model.cancel(rid, max(self.model.now, self.model_now())):
             self.requests_cancelled += 1
+            if self.gpu_share is not None:
+                self._tick()  # idle now? then the neighbours may speed up at once
             self._wake.set()
 
     async def _respond(self, request: web.Request, chat: bool, rid: str, p: _Pending, in_tokens: int,
@@ -544,6 +603,8 @@ class EmulatedEngine:
 
     async def metrics(self, request: web.Request) -> web.Response:
         # Bring the model up to date so gauges reflect "now", not the last wake-up.
+        if self.gpu_share is not None:
+            self._tick()  # an idle engine does not poll its neighbours: look now
         self._wake.set()
         return web.Response(body=generate_latest(self.registry), content_type="text/plain",
                             charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
@@ -606,6 +667,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--crash-after", type=int, default=None, help="exit abruptly after N completion responses")
     ap.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
                     help="most prompt + completion tokens of one request")
+    ap.add_argument("--gpu-ids", default="", help="comma-separated ids of the emulated GPUs this engine runs on "
+                                                "(with --gpu-share-dir: shares them with the node's other engines)")
+    ap.add_argument("--gpu-share-dir", default="", help="the node's GPU-sharing directory (one per node); "
+                                                      "empty = alone on its GPUs")
+    ap.add_argument("--gpu-share-poll-ms", type=float, default=DEFAULT_GPU_SHARE_POLL_S * 1000,
+                    help="wall milliseconds between looks at the neighbours' busy marks while busy")
     return ap
 
 
@@ -620,11 +687,25 @@ def engine_from_args(args: argparse.Namespace) -> EmulatedEngine:
         raise ValueError("--profile-json: required unless --script is given")
     if args.crash_after is not None and args.crash_after < 1:
         raise ValueError("--crash-after: must be >= 1")
+    gpu_ids = [g.strip() for g in args.gpu_ids.split(",") if g.strip()] if args.gpu_ids else []
+    if bool(gpu_ids) != bool(args.gpu_share_dir):
+        raise ValueError("--gpu-ids and --gpu-share-dir: give both (to share GPUs) or neither")
+    if not args.gpu_share_poll_ms > 0:
+        raise ValueError(f"--gpu-share-poll-ms: must be > 0, got {args.gpu_share_poll_ms}")
+    share = None
+    if gpu_ids:
+        try:
+            share = GpuShare(args.gpu_share_dir, gpu_ids)
+        except ValueError as e:
+            raise ValueError(f"--gpu-ids: {e}") from None
+        except OSError as e:
+            raise ValueError(f"--gpu-share-dir: cannot use {args.gpu_share_dir!r}: {e.strerror or e}") from None
     # The key comes in the environment (set by the deployer for this instance only), never on the
     # command line, where any local user could read it.
     return EmulatedEngine(args.model, profile, time_scale=args.time_scale, max_batch=args.max_batch,
                           kv_capacity_tokens=args.kv_capacity_tokens, script=script, crash_after=args.crash_after,
-                          max_model_len=args.max_model_len, api_key=os.environ.get(API_KEY_ENV, ""))
+                          max_model_len=args.max_model_len, api_key=os.environ.get(API_KEY_ENV, ""),
+                          gpu_share=share, gpu_share_poll_s=args.gpu_share_poll_ms / 1000)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import secrets
+import shutil
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine
@@ -35,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from flowmaker.domain import Profile, ProfileSource
+from flowmaker.engine.gpu_share import make_share_dir
 from flowmaker.errors import (
     AlreadyExists,
     Conflict,
@@ -235,6 +237,7 @@ class NodeAgent:
         self._closing = False
         self._meters: dict[str, tuple[EngineProcess, LoadMeter]] = {}  # by instance id, for the READY engines
         self._saturation: dict[str, SaturationMeter] = {}
+        self._share_dir = ""  # the emulated engines' GPU-sharing directory (`_gpu_share_dir`), made on first use
 
     # ---- registration -------------------------------------------------------------------
 
@@ -388,6 +391,9 @@ class NodeAgent:
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        if self._share_dir:  # its engines are stopped: their busy marks mean nothing any more
+            shutil.rmtree(self._share_dir, ignore_errors=True)
+            self._share_dir = ""
         if self.keeper is not None:
             await self.keeper.stop(revoke=True)
 
@@ -547,8 +553,13 @@ class NodeAgent:
         extra: tuple[str, ...] = ()
         if backend.name == "emulated":
             # The model's context, as vLLM reads it from the config: prompt + max_tokens beyond it is a 400.
+            # Its GPUs are shared with this node's other emulated engines: while both are busy, two engines
+            # on one GPU each run at half speed (flowmaker.engine.gpu_share, the simulator's dynamic rule).
             extra = ("--time-scale", f"{self.settings.engine_time_scale:g}",
-                     *(("--max-model-len", str(ctx)) if ctx > 0 else ()))
+                     *(("--max-model-len", str(ctx)) if ctx > 0 else ()),
+                     # GPUs by their CUDA index: unique on the node, and a safe name whatever the node is called.
+                     "--gpu-ids", ",".join(f"gpu{self.gpus[g].index}" for g in rec.gpu_ids),
+                     "--gpu-share-dir", self._gpu_share_dir())
         port = 0 if backend.announces_port else _free_port(self.settings.engine_host)
         spec = EngineSpec(rec.id, rec.model_id, hf_id, rec.tp, rec.pp,
                           tuple(self.gpus[g].index for g in rec.gpu_ids), self.settings.engine_host, port,
@@ -559,6 +570,14 @@ class NodeAgent:
             log_path = engine_log_path(self.settings.engine_log_dir, rec.id)  # never outside the dir
         api_key = secrets.token_urlsafe(24) if self.settings.engine_api_keys else ""  # per instance
         return EngineProcess(backend, spec, on_exit=self._on_engine_exit, log_path=log_path, api_key=api_key)
+
+    def _gpu_share_dir(self) -> str:
+        """This agent's GPU-sharing directory for its emulated engines: private (0700), one per agent life (the
+        engines of a previous life are gone), removed at shutdown (or by the next agent when this one is killed);
+        made again if something removed it."""
+        if not self._share_dir or not os.path.isdir(self._share_dir):
+            self._share_dir = make_share_dir(self.node)
+        return self._share_dir
 
     async def _start_engine(self, rec: InstanceRecord, backend: EngineBackend, profile: Profile) -> InstanceRecord:
         # Everything from building the command on is inside the try: whatever fails, the instance ends

@@ -12,7 +12,8 @@ from services.deployer.backends.base import EngineBackend, EngineSpec
 class EmulatedBackend(EngineBackend):
     """Needs no GPU. CUDA_VISIBLE_DEVICES is still set from the placement (ignored), so that the
     process environment looks the same for every backend. `spec.extra_args` go to the server
-    (e.g. `("--time-scale", "10")`)."""
+    (e.g. `("--time-scale", "10")`; the node agent adds `--gpu-ids` and `--gpu-share-dir`, so that the
+    emulated engines on one GPU share it: `flowmaker.engine.gpu_share`)."""
 
     name: ClassVar[str] = "emulated"
     announces_port: ClassVar[bool] = True  # prints `LISTENING <port>`, so port 0 works
