@@ -279,8 +279,8 @@ class _Controller:
         """As the `flowmaker` policy deploys a task (same monitor, same rate, same selector)."""
         loads: dict[str, float] = {}
         if self.live:
-            loads = {k: float(v) for k, v in self.monitor(tuple(self.instances.values()), self.deployments(),
-                                                          at).items()}
+            loads = {k: float(v.load) for k, v in self.monitor(tuple(self.instances.values()), self.deployments(),
+                                                               at).items()}
         rate = max(self.wl.rate_in(task.name, max(0.0, at - self.wl.window_s), at), 1e-6)
         v = self._select(task, rate, self.cluster(at, loads))
         if v is None:

@@ -12,7 +12,12 @@ none was tuned against the results.
   the earlier tasks left and their CURRENT load -- measured by `ctx.monitor` just before the
   deploy (in the bench: the simulator serving the deployed tasks' real arrivals over the trace
   minute before the deploy) -- and plans the task at its arrival rate measured over that same
-  minute (what the front end saw). It may reuse running instances.
+  minute (what the front end saw), never below the rate the task declared. It may reuse running instances.
+  It selects under the GPU-sharing contract (docs/selection-spec.md, "Extension: GPU sharing": busy
+  shares per GPU, slowdown from co-residents, load-aware placement) with busy-time capacity (prefill
+  counted), as the orchestrator does.
+* `flowmaker-paper`: `flowmaker` under the paper-literal contract (output-token capacity, memory-only
+  placement, GPUs shared as if free), for comparison.
 * `flowmaker-noreuse`: the same with `allow_reuse=False`.
 * `flowmaker-heuristic`: the paper's three-step heuristic instead of the exact selector.
 * `flowmaker-plannedload`: `flowmaker`, but an instance's load is the sum of what the selections
@@ -34,7 +39,8 @@ none was tuned against the results.
 * `murakkab[-maxload]`: each task's fixed workflow; model and config chosen per stage by the same
   exact optimiser, with reuse, planned offline: each task at its mean rate over the segment or, for
   `-maxload`, at its peak rate over any trace minute of the segment; the loads it reuses by are its
-  own planned estimates (no monitor).
+  own planned estimates (no monitor). Busy-time capacity like every optimiser-based policy; GPU sharing
+  as the published system treats it (ignored).
 """
 
 from __future__ import annotations
@@ -44,10 +50,13 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from flowmaker.domain import (
+    CapacityModel,
     Cluster,
     Gpu,
+    GpuSharing,
     GpuType,
     Instance,
     Model,
@@ -61,11 +70,20 @@ from flowmaker.eval.tasks import EvalTask
 from flowmaker.eval.traces import Arrival, SegmentWorkload
 from flowmaker.selection import select
 from flowmaker.selection.placement import NodeGpus, place_least_loaded
+from flowmaker.sharing import add_offered, occupancy
 from flowmaker.sim.cluster import DEFAULT_COLOCATION, Route, SimInstance, TaskDeployment, simulate
+
 
 # What a policy that decides reuse from the CURRENT load reads before a deployment at time `at`: the load
 # each running instance carries now (output tokens/s, busy-time equivalent), given what is deployed so far.
-LoadMonitor = Callable[[Sequence[SimInstance], Sequence[TaskDeployment], float], Mapping[str, float]]
+class MeasuredLoad(NamedTuple):
+    """What a monitor reads of one running instance over its window."""
+
+    load: float  # busy-time-equivalent output tokens/s (InstanceMetrics.busy_equiv_tokens_per_s)
+    busy_share: float  # fraction of the time a call is in flight, from the calls offered (flowmaker.sharing)
+
+
+LoadMonitor = Callable[[Sequence[SimInstance], Sequence[TaskDeployment], float], Mapping[str, MeasuredLoad]]
 
 DEFAULT_UTILIZATION_CAP = 0.8  # every policy that sizes for load keeps 20% headroom for bursts
 
@@ -100,6 +118,10 @@ class PolicyContext:
     # planned at load x nominal rate.
     workload: SegmentWorkload | None = None
     langchain_model: str = "smallest"
+    # Capacity model of every optimiser-based policy (busy time: prefill counted) and kappa of the GPU-sharing
+    # contract FlowMaker's policies select under (1: processor sharing, what the simulator does).
+    capacity_model: CapacityModel = CapacityModel.BUSY_TIME
+    interference: float = 1.0
 
     def deploy_time(self, task: EvalTask) -> float:
         return self.workload.deploy_time(task.name) if self.workload is not None else 0.0
@@ -114,6 +136,11 @@ class PolicyContext:
             return self.nominal_rate(task)
         d = w.deploy_time(task.name)
         return w.rate_in(task.name, max(0.0, d - w.window_s), d)
+
+    def planning_rate(self, task: EvalTask) -> float:
+        """What FlowMaker plans a task at: the rate measured over the window before its deploy, never below the
+        rate the task declared (a task whose first requests have not arrived yet is not sized for nothing)."""
+        return max(self.current_rate(task), self.nominal_rate(task))
 
     def mean_rate(self, task: EvalTask) -> float:
         return self.workload.mean_rate(task.name) if self.workload is not None else self.nominal_rate(task)
@@ -192,13 +219,21 @@ class _ClusterState:
         self.free = {g.id: g.memory_total_gb - g.memory_used_gb for g in self.gpus}
         self.instances: list[SimInstance] = []
         self.load: dict[str, float] = {}
+        # GPU sharing: the slowdown the tasks using an instance tolerate (min over them of SLO / latency alone).
+        self.tolerance: dict[str, float] = {}
+        # GPU sharing: call-seconds per second offered to an instance (planned), or its measured busy share.
+        self.offered: dict[str, float] = {}
+        self.plan_load: dict[str, float] = {}
+        self.busy: dict[str, float] = {}
         self.prof = {p.key: p for p in ctx.profiles}
         self._n = 0
 
     def as_cluster(self) -> Cluster:
         gpus = tuple(Gpu(g.id, g.node, g.memory_total_gb, g.memory_total_gb - self.free[g.id], g.gpu_type)
                      for g in self.gpus)
-        inst = tuple(Instance(i.id, i.profile.model_id, i.profile.tp, i.profile.pp, i.gpu_ids, self.load[i.id])
+        inst = tuple(Instance(i.id, i.profile.model_id, i.profile.tp, i.profile.pp, i.gpu_ids, self.load[i.id],
+                              max_slowdown=self.tolerance.get(i.id, 0.0),
+                              busy_share=min(1.0, self.busy.get(i.id, occupancy(self.offered.get(i.id, 0.0)))))
                      for i in self.instances)
         return Cluster(gpus, inst)
 
@@ -211,6 +246,7 @@ class _ClusterState:
         inst = SimInstance(iid, profile, gpu_ids, deployed_by=task, start_s=start_s)
         self.instances.append(inst)
         self.load[iid] = load
+        self.plan_load[iid] = load
         return inst
 
     def remove(self, inst: SimInstance) -> None:
@@ -244,7 +280,8 @@ def _stage_load(wf: Workflow, rate: float) -> dict[str, float]:
 
 
 def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
-                        rate: Callable[[EvalTask], float], fixed_workflow: bool, measured: bool) -> Plan:
+                        rate: Callable[[EvalTask], float], fixed_workflow: bool, measured: bool,
+                        sharing: bool = True, capacity_model: CapacityModel | None = None) -> Plan:
     """Deploy tasks one after another with the selector; each sees what the earlier ones deployed.
 
     `measured`: before each deployment the running instances' loads are replaced by what
@@ -260,7 +297,11 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
         if measured and ctx.monitor is not None and st.instances and allow_reuse:
             seen = ctx.monitor(tuple(st.instances), tuple(deployments), at)
             for iid in st.load:
-                st.load[iid] = max(0.0, float(seen.get(iid, 0.0)))
+                # As the orchestrator does: the larger of the planned and the measured figure (a quiet window
+                # does not make a loaded instance look free).
+                m = seen.get(iid)
+                st.load[iid] = max(st.plan_load.get(iid, 0.0), m.load if m is not None else 0.0)
+                st.busy[iid] = max(occupancy(st.offered.get(iid, 0.0)), m.busy_share if m is not None else 0.0)
         wfs = (task.fixed_nominal(ctx.trace_kind, ctx.plan_tokens),) if fixed_workflow else \
             task.nominal_workflows(ctx.trace_kind, ctx.plan_tokens)
         r = max(rate(task), 1e-6)  # a quiet minute still deploys the task, sized for almost nothing
@@ -268,25 +309,43 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
         slo = replace(task.slo(), arrival_rate_rps=r)
         req = SelectionRequest(slo=slo, workflows=wfs, models=ctx.models, profiles=ctx.profiles,
                                cluster=st.as_cluster(),
-                               options=SelectionOptions(utilization_cap=ctx.utilization_cap, allow_reuse=allow_reuse,
-                                                        seed=ctx.seed))
+                               options=SelectionOptions(
+                                   utilization_cap=ctx.utilization_cap, allow_reuse=allow_reuse, seed=ctx.seed,
+                                   capacity_model=capacity_model or ctx.capacity_model,
+                                   gpu_sharing=GpuSharing.INTERFERENCE if sharing else GpuSharing.IGNORE,
+                                   interference=ctx.interference))
         res = select(req, strategy)
         if res.variant is None:
             why = res.reason.value if res.reason is not None else "INFEASIBLE"
             unplaced.append((task.name, f"{why}: {res.reason_detail}" if res.reason_detail else why))
             continue
         v = res.variant
+        busy = req.options.capacity_model is CapacityModel.BUSY_TIME
+        vwf = next(w for w in wfs if w.id == v.workflow_id)
         new_ids: dict[str, str] = {}
         for ni in v.new_instances:
-            inst = st.add(st.prof[(ni.model_id, ni.tp, ni.pp)], ni.gpu_ids, task.name, ni.load_output_tokens_per_s,
-                          at)
+            p = st.prof[(ni.model_id, ni.tp, ni.pp)]
+            inst = st.add(p, ni.gpu_ids, task.name, _planned(p, vwf, ni.load_output_tokens_per_s, busy), at)
             new_ids[ni.key] = inst.id
         for iid, added in v.reuse:
-            st.load[iid] += added
+            p = next(i.profile for i in st.instances if i.id == iid)
+            st.load[iid] += _planned(p, vwf, added, busy)
+            st.plan_load[iid] = st.plan_load.get(iid, 0.0) + _planned(p, vwf, added, busy)
         stage_map = []
+        alone = _alone_latency(vwf, {a.stage_id: st.prof[(a.model_id, a.tp, a.pp)] for a in v.assignments})
+        tol = max(1.0, slo.max_latency_s / alone) if alone > 0 else 0.0
+        stage_of = {s.id: s for s in vwf.stages}
         for a in v.assignments:
             iid = a.instance_id if a.reused else new_ids[a.new_key]
             stage_map.append((a.stage_id, iid))
+            s = stage_of[a.stage_id]
+            p = st.prof[(a.model_id, a.tp, a.pp)]
+            n = r * s.calls_per_request * p.call_latency_s(s.input_tokens, s.output_tokens)
+            if iid in st.busy:  # measured before: the new calls join what was measured
+                st.busy[iid] = add_offered(st.busy[iid], n)
+            st.offered[iid] = st.offered.get(iid, 0.0) + n
+            if tol > 0:
+                st.tolerance[iid] = min(st.tolerance.get(iid, math.inf), tol)
             decisions.append(StageDecision(task.name, v.workflow_id, a.stage_id, iid, a.model_id, a.tp, a.pp,
                                            a.reused))
         deployments.append(TaskDeployment(task, (Route(v.workflow_id, tuple(stage_map)),)))
@@ -294,21 +353,44 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                 planned_loads=tuple(st.load.items()), planned_rates=tuple(rates))
 
 
+def _alone_latency(wf: Workflow, prof: Mapping[str, Profile]) -> float:
+    """The workflow's latency with each LLM stage on its profile, alone on its GPUs."""
+    fin: dict[str, float] = {}
+    for k in wf.topo_order():
+        s = wf.stages[k]
+        lat = s.calls_per_request * prof[s.id].call_latency_s(s.input_tokens, s.output_tokens) if s.is_llm \
+            else s.latency_s
+        fin[s.id] = max((fin[d] for d in s.depends_on), default=0.0) + lat
+    return max(fin.values(), default=0.0)
+
+
+def _planned(p: Profile, wf: Workflow, load: float, busy: bool) -> float:
+    """The load a selection planned for an instance, as the next selection reads running loads: under busy-time
+    capacity its busy-time equivalent (the busy fraction at wf's mean request x max_output_tokens_per_s, what
+    the monitor measures), else the output tokens/s themselves."""
+    if not busy:
+        return load
+    from flowmaker.selection.busytime import busy_capacity, mean_request
+
+    return load * p.max_output_tokens_per_s / busy_capacity(p, *mean_request(wf))
+
+
 def simulated_monitor(workload: SegmentWorkload, gpus: Sequence[Gpu], models: Mapping[str, Model],
                       gpu_type: GpuType, colocation: str = DEFAULT_COLOCATION) -> LoadMonitor:
     """A load monitor backed by the simulator: before a deploy at `at` it serves the deployed tasks' real
     arrivals of the two monitor windows before `at` (the first warms the instances up) with what is
     deployed so far, and reports each instance's busy-time-equivalent load over the last window
-    (`InstanceMetrics`). Only the past is seen: nothing after `at`."""
+    (`InstanceMetrics`) and its busy share (from the call-seconds offered in that window, at each call's
+    latency alone). Only the past is seen: nothing after `at`."""
     w = workload.window_s
 
     def monitor(instances: Sequence[SimInstance], deployments: Sequence[TaskDeployment],
-                at: float) -> Mapping[str, float]:
+                at: float) -> Mapping[str, MeasuredLoad]:
         live = {d.task.name for d in deployments}
         arr = [a for a in workload.arrivals if a.task in live and at - 2 * w <= a.time_s < at]
         res = simulate(instances, deployments, arr, gpus, models, gpu_type, duration_s=at,
                        measure_from_s=max(0.0, at - w), colocation=colocation)
-        return {m.id: m.busy_equiv_tokens_per_s for m in res.per_instance}
+        return {m.id: MeasuredLoad(m.busy_equiv_tokens_per_s, occupancy(m.offered)) for m in res.per_instance}
     return monitor
 
 
@@ -317,13 +399,20 @@ def simulated_monitor(workload: SegmentWorkload, gpus: Sequence[Gpu], models: Ma
 
 @register("flowmaker")
 def flowmaker(ctx: PolicyContext) -> Plan:
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.current_rate, fixed_workflow=False,
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rate, fixed_workflow=False,
                                measured=True)
+
+
+@register("flowmaker-paper")
+def flowmaker_paper(ctx: PolicyContext) -> Plan:
+    """`flowmaker` under the paper-literal contract: output-token capacity, GPUs shared as if free."""
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rate, fixed_workflow=False,
+                               measured=True, sharing=False, capacity_model=CapacityModel.OUTPUT_TOKENS)
 
 
 @register("flowmaker-noreuse")
 def flowmaker_noreuse(ctx: PolicyContext) -> Plan:
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, rate=ctx.current_rate, fixed_workflow=False,
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, rate=ctx.planning_rate, fixed_workflow=False,
                                measured=True)
 
 
@@ -331,13 +420,13 @@ def flowmaker_noreuse(ctx: PolicyContext) -> Plan:
 def flowmaker_plannedload(ctx: PolicyContext) -> Plan:
     """FlowMaker as the orchestrator records load today: an instance's load is the sum of the loads its tasks'
     selections planned (rho x output tokens at the median request), not a measurement."""
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.current_rate, fixed_workflow=False,
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rate, fixed_workflow=False,
                                measured=False)
 
 
 @register("flowmaker-heuristic")
 def flowmaker_heuristic(ctx: PolicyContext) -> Plan:
-    return _select_in_sequence(ctx, strategy="heuristic", allow_reuse=True, rate=ctx.current_rate,
+    return _select_in_sequence(ctx, strategy="heuristic", allow_reuse=True, rate=ctx.planning_rate,
                                fixed_workflow=False, measured=True)
 
 
@@ -348,14 +437,14 @@ def flowmaker_heuristic(ctx: PolicyContext) -> Plan:
 def murakkab(ctx: PolicyContext) -> Plan:
     """Fixed workflow, per-stage model/config by the optimiser, reuse planned offline at the segment's mean rate."""
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.mean_rate, fixed_workflow=True,
-                               measured=False)
+                               measured=False, sharing=False)
 
 
 @register("murakkab-maxload")
 def murakkab_maxload(ctx: PolicyContext) -> Plan:
     """Murakkab planned offline at each task's peak trace-minute rate of the segment."""
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.peak_rate, fixed_workflow=True,
-                               measured=False)
+                               measured=False, sharing=False)
 
 
 # ---- LangChain -----------------------------------------------------------------------------------
@@ -539,7 +628,7 @@ def routellm_max_quality(ctx: PolicyContext) -> Plan:
     return _routellm(ctx, "max-quality")
 
 
-ALL_POLICIES: tuple[str, ...] = ("flowmaker", "flowmaker-noreuse", "flowmaker-heuristic", "flowmaker-plannedload",
+ALL_POLICIES: tuple[str, ...] = ("flowmaker", "flowmaker-paper", "flowmaker-noreuse", "flowmaker-heuristic", "flowmaker-plannedload",
                                  "langchain",
                                  "routellm-min-cost", "routellm-balanced", "routellm-max-quality", "murakkab",
                                  "murakkab-maxload")

@@ -165,6 +165,9 @@ class InstanceMetrics:
     # End-to-end time of the window's finished calls over their time alone on the profile (0: none finished);
     # calls still running at the end are not counted, so an instance that has stopped finishing reads low.
     slowdown: float = 0.0
+    # Call-seconds per second offered over the window at each call's latency alone (what a GPU-sharing planner
+    # reads: busy share = 1 - exp(-offered), flowmaker.sharing.occupancy).
+    offered: float = 0.0
     residence_s: float = 0.0
     cost_usd: float = 0.0
 
@@ -522,6 +525,7 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
                                         win_out[iid] / window, busy / window * prof.max_output_tokens_per_s,
                                         busy / window, busy_fraction=eng.busy_s / resid[iid] if resid[iid] > 0 else 0.0,
                                         slowdown=win_lat[iid] / win_lone[iid] if win_lone[iid] > 0 else 0.0,
+                                        offered=win_lone[iid] / window,
                                         residence_s=resid[iid],
                                         cost_usd=inst_by_id[iid].memory_gb * resid[iid] * price))
     return SimResult(
