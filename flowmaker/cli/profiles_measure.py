@@ -288,11 +288,16 @@ def _table(r: dict[str, Any]) -> Table:
 
 
 def register(app: typer.Typer) -> None:
-    """Add `measure` to the `profiles` group (created when the catalog commands are not loaded)."""
+    """Add `measure` and `measure-interference` to the `profiles` group (created when the catalog commands are not
+    loaded)."""
+    from flowmaker.cli import profiles_interference
+
     for group in app.registered_groups:
         if group.name == "profiles" and group.typer_instance is not None:
             group.typer_instance.command("measure")(measure)
+            profiles_interference.register(app)
             return
     profiles = typer.Typer(help="Profiles of a model on a GPU type.", no_args_is_help=True)
     profiles.command("measure")(measure)
     app.add_typer(profiles, name="profiles")
+    profiles_interference.register(app)

@@ -76,9 +76,9 @@ from flowmaker.profiling.fit import SATURATION_RATIO, LatencySample, ThroughputS
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "PLATEAU_GROWTH", "BackendLauncher", "EngineHandle", "EngineLauncher", "MeasuredConfig", "Progress", "SweepPlan",
-    "TimeScaleMismatch", "calibrate_emulator_overhead", "check_time_scale", "measure_config", "measure_model",
-    "percent_diff",
+    "PLATEAU_GROWTH", "BackendLauncher", "EngineClient", "EngineHandle", "EngineLauncher", "MeasuredConfig",
+    "ProcessHandle", "Progress", "SweepPlan", "TimeScaleMismatch", "calibrate_emulator_overhead", "check_time_scale",
+    "measure_config", "measure_model", "metric_value", "percent_diff",
 ]
 
 # A saturated level whose achieved rate is within this fraction of the previous one is on the plateau.
@@ -244,6 +244,10 @@ class _Client:
         return (wall, int(usage.get("prompt_tokens", input_tokens)),
                 int(usage.get("completion_tokens", output_tokens)))
 
+    async def metrics_text(self) -> str | None:
+        """The engine's /metrics exposition text, or None when it has none (or cannot be read)."""
+        return await self._metrics()
+
     async def _metrics(self) -> str | None:
         try:
             async with self.http.get(self.handle.base_url.rstrip("/") + "/metrics", timeout=self.timeout) as r:
@@ -276,6 +280,12 @@ def _counter(text: str, name: str) -> float | None:
     except ValueError:
         return None
     return total if seen else None
+
+
+def metric_value(text: str, name: str) -> float | None:
+    """A Prometheus sample's value in exposition text (a counter with its `_total` suffix, or a gauge), added
+    over label sets; None when absent or the text does not parse."""
+    return _counter(text, name)
 
 
 def _histogram_sum_count(text: str, name: str) -> tuple[float, float] | None:
@@ -605,3 +615,8 @@ def _free_port(host: str) -> int:
 
 # calibrate_emulator_overhead's engine ignores the GPU type; any catalogue-shaped value will do.
 _GPU_UNUSED = GpuType("none", 1.0, 1.0, 1.0, 1.0, "PCIe", 0.0)
+
+
+# Reused by flowmaker.profiling.interference (timed OpenAI calls, engine processes started here).
+EngineClient = _Client
+ProcessHandle = _ProcessHandle

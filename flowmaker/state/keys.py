@@ -22,6 +22,7 @@ PROFILES = ROOT + "profiles/"
 MODELS = ROOT + "models/"
 PROFILING_JOBS = ROOT + "profiling-jobs/"
 OWNERS = ROOT + "owners/"
+INTERFERENCE = ROOT + "interference/"
 
 
 def _c(value: str, what: str) -> str:
@@ -95,6 +96,11 @@ def profiling_job(job_id: str) -> str:
     return PROFILING_JOBS + _c(job_id, "job_id")
 
 
+def interference(gpu_type: str) -> str:
+    """The measured GPU-sharing constant kappa of one GPU type (`flowmaker.state.interference`)."""
+    return INTERFERENCE + _c(gpu_type, "gpu_type")
+
+
 def _tail(key: str, prefix: str, parts: int) -> list[str]:
     if not key.startswith(prefix):
         raise InvalidSpec(f"key {key!r} is not under {prefix!r}", field="key")
@@ -135,3 +141,8 @@ def parse_profile(key: str) -> tuple[str, str, int, int, str]:
     gpu_type, model_id, shape, source = _tail(key, PROFILES, 4)
     tp, _, pp = shape.partition("x")
     return gpu_type, model_id, int(tp), int(pp), source
+
+
+def parse_interference(key: str) -> str:
+    (g,) = _tail(key, INTERFERENCE, 1)
+    return g
