@@ -47,6 +47,7 @@ from flowmaker.domain import (
     CapacityModel,
     Cluster,
     Gpu,
+    GpuSharing,
     GpuType,
     Instance,
     Model,
@@ -56,7 +57,7 @@ from flowmaker.domain import (
     Variant,
 )
 from flowmaker.errors import InvalidSpec
-from flowmaker.eval.policies import DEFAULT_UTILIZATION_CAP, PolicyContext, plan, simulated_monitor
+from flowmaker.eval.policies import DEFAULT_UTILIZATION_CAP, alone_latency, planned_load, simulated_monitor
 from flowmaker.eval.slo import with_rule_slos
 from flowmaker.eval.tasks import EVAL_TASKS, NOMINAL_STATS, EvalTask
 from flowmaker.eval.trace_stats import TRACE_KINDS
@@ -74,6 +75,7 @@ from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad, dr
 from flowmaker.orchestration.cluster import SATURATED_LOAD_TOK_S
 from flowmaker.orchestration.task import Reselection, TaskRecord, TaskState
 from flowmaker.selection import select
+from flowmaker.sharing import occupancy
 from flowmaker.sim import DEFAULT_COLOCATION, Route, SimInstance, SimResult, TaskDeployment, simulate
 
 POLICIES = ("deploy-once", "adaptive")
@@ -96,6 +98,8 @@ class AdaptConfig:
     segment_s: float = DEFAULT_SEGMENT_S
     max_replicas: int = 4  # a re-selection may scale a stage out to this many replicas (as the orchestrator)
     capacity_model: str = "busy_time"  # of every selection (both policies): busy_time or output_tokens
+    # GPU sharing of every selection (both policies): interference (docs/selection-spec.md) or ignore (the paper).
+    gpu_sharing: str = "interference"
     saturation_slowdown: float = 4.0  # re-selections see an instance this much slower than alone as full (0: off)
 
     def validate(self) -> AdaptConfig:
@@ -115,6 +119,9 @@ class AdaptConfig:
         if self.capacity_model.upper() not in CapacityModel.__members__:
             raise InvalidSpec(f"unknown capacity model {self.capacity_model!r}; known: busy_time, output_tokens",
                               field="capacity_model")
+        if self.gpu_sharing.upper() not in GpuSharing.__members__:
+            raise InvalidSpec(f"unknown GPU sharing {self.gpu_sharing!r}; known: interference, ignore",
+                              field="gpu_sharing")
         if self.plan_tokens not in NOMINAL_STATS:
             raise InvalidSpec(f"unknown statistic {self.plan_tokens!r}; known: {list(NOMINAL_STATS)}",
                               field="plan_tokens")
@@ -143,9 +150,14 @@ class _TaskState:
     pending: Variant | None = None  # a switch under way (its route starts at switch_at[-1])
     pending_rate: float = 0.0
     last: Reselection | None = None
+    # GPU sharing: instance id -> call-seconds/s the current (or pending) variant offers it; and the slowdown the
+    # task tolerates on its instances (latency SLO / the variant's latency alone; 0: unknown).
+    offered: dict[str, float] = field(default_factory=dict)
+    tolerance: float = 0.0
+    declared_rate: float = 0.0  # the task's own rate at this load level (what the user declared)
 
     def record(self) -> TaskRecord:
-        slo = replace(self.task.slo(), arrival_rate_rps=self.planned_rate)
+        slo = replace(self.task.slo(), arrival_rate_rps=self.declared_rate)
         return TaskRecord(id=self.task.name, description="", slo=slo, state=TaskState.ACTIVE,
                           planned_rate_rps=self.planned_rate, last_reselection=self.last, next_variant=self.pending)
 
@@ -166,6 +178,7 @@ class _Controller:
     gpu_type: GpuType
     cfg: AdaptConfig
     adaptive: bool = True
+    load: float = 1.0  # the cell's load level: a task is planned at no less than its declared rate x load
     instances: dict[str, SimInstance] = field(default_factory=dict)
     live: dict[str, _TaskState] = field(default_factory=dict)
     released: dict[str, float] = field(default_factory=dict)  # retired instance -> when its memory came free
@@ -225,9 +238,25 @@ class _Controller:
                     self.released[i.id] = until[i.id]
         return [i for i in self.instances.values() if i.id not in self.released]
 
-    def cluster(self, t: float, loads: dict[str, float], hide: frozenset[str] | set[str] = frozenset()) -> Cluster:
+    def cluster(self, t: float, loads: dict[str, float], hide: frozenset[str] | set[str] = frozenset(),
+                busy: dict[str, float] | None = None, exclude: str = "") -> Cluster:
         """The selector's view at t: GPU memory of every instance holding it; offered for reuse, the instances a
-        task uses (their load: measured + what pending switches will put there), less `hide`."""
+        task uses (their load: the larger of measured and planned, plus what pending switches will put there;
+        their busy share, the larger of measured and planned; the least slowdown their tasks tolerate), less
+        `hide`. `exclude`: a task re-selecting (its own plan is not counted)."""
+        busy = busy or {}
+        planned: dict[str, float] = {}
+        offered: dict[str, float] = {}
+        tol: dict[str, float] = {}
+        for name, s in self.live.items():
+            if name == exclude:
+                continue
+            for iid, x in s.shares.items():
+                planned[iid] = planned.get(iid, 0.0) + x
+            for iid, n in s.offered.items():
+                offered[iid] = offered.get(iid, 0.0) + n
+                if s.tolerance > 0:
+                    tol[iid] = min(tol.get(iid, math.inf), s.tolerance)
         hold = self.holding(t)
         used = {g.id: 0.0 for g in self.gpus}
         for i in hold:
@@ -241,53 +270,84 @@ class _Controller:
                 for iid, x in s.shares.items():
                     pend[iid] = pend.get(iid, 0.0) + x
         inst = tuple(Instance(i.id, i.profile.model_id, i.profile.tp, i.profile.pp, i.gpu_ids,
-                              max(0.0, loads.get(i.id, 0.0)) + pend.get(i.id, 0.0))
+                              max(max(0.0, loads.get(i.id, 0.0)) + pend.get(i.id, 0.0), planned.get(i.id, 0.0)),
+                              max_slowdown=tol.get(i.id, 0.0),
+                              busy_share=min(1.0, max(busy.get(i.id, 0.0), occupancy(offered.get(i.id, 0.0)))))
                      for i in hold if i.id in refs and i.id not in hide and i.end_s > t)
         return Cluster(gpus, inst)
 
-    def _select(self, task: EvalTask, rate: float, cluster: Cluster) -> Variant | None:
+    def _select(self, task: EvalTask, rate: float, cluster: Cluster, *, scale_out: bool = False) -> Variant | None:
+        """The selector's answer; deploys (both policies alike) as the `flowmaker` policy of bench serving,
+        re-selections (`scale_out`) may also scale a stage out to replicas."""
         slo = replace(task.slo(), arrival_rate_rps=max(rate, 1e-6))
         req = SelectionRequest(slo=slo, workflows=task.nominal_workflows(self.kind, self.cfg.plan_tokens),
                                models=self.models, profiles=self.profiles, cluster=cluster,
                                options=SelectionOptions(utilization_cap=self.cfg.utilization_cap, allow_reuse=True,
                                                         seed=self.cfg.seed,
-                                                        max_replicas=self.cfg.max_replicas if self.adaptive else 1,
-                                                        capacity_model=CapacityModel[self.cfg.capacity_model.upper()]))
+                                                        max_replicas=self.cfg.max_replicas if scale_out else 1,
+                                                        capacity_model=CapacityModel[self.cfg.capacity_model.upper()],
+                                                        gpu_sharing=GpuSharing[self.cfg.gpu_sharing.upper()]))
         return select(req, "exact").variant
 
-    def _materialise(self, task: str, v: Variant, t: float) -> tuple[Route, dict[str, float]]:
+    def _materialise(self, task: EvalTask, v: Variant, t: float, rate: float
+                     ) -> tuple[Route, dict[str, float], dict[str, float], float]:
+        """Create the variant's new instances; its route, and what it plans on each instance (`_planned_on`)."""
         new_ids: dict[str, str] = {}
-        shares: dict[str, float] = {}
         for ni in v.new_instances:
             p = self.prof[(ni.model_id, ni.tp, ni.pp)]
             iid = f"i{self._n}-{p.model_id}-tp{p.tp}pp{p.pp}"
             self._n += 1
-            self.instances[iid] = SimInstance(iid, p, ni.gpu_ids, deployed_by=task, start_s=t)
+            self.instances[iid] = SimInstance(iid, p, ni.gpu_ids, deployed_by=task.name, start_s=t)
             new_ids[ni.key] = iid
-            shares[iid] = ni.load_output_tokens_per_s
-        for iid, added in v.reuse:
-            shares[iid] = shares.get(iid, 0.0) + added
         stage_map: list[tuple[str, str]] = []
         for a in v.assignments:  # a stage on a replica group: one entry per replica
             keys = (a.instance_id,) if a.reused else tuple(new_ids[k] for k in a.replica_keys or (a.new_key,))
             stage_map.extend((a.stage_id, iid) for iid in keys)
-        return Route(v.workflow_id, tuple(stage_map)), shares
+        route = Route(v.workflow_id, tuple(stage_map))
+        return (route, *self._planned_on(task, v, rate, route))
+
+    def _planned_on(self, task: EvalTask, v: Variant, rate: float, route: Route
+                    ) -> tuple[dict[str, float], dict[str, float], float]:
+        """Per instance of the route: the load the variant plans on it (busy-time equivalent under BUSY_TIME, as
+        the monitor measures it) and the call-seconds/s it offers; and the slowdown the task tolerates."""
+        wf = next(w for w in task.nominal_workflows(self.kind, self.cfg.plan_tokens) if w.id == v.workflow_id)
+        busy = self.cfg.capacity_model.upper() == CapacityModel.BUSY_TIME.name
+        stage = {s.id: s for s in wf.stages}
+        shares: dict[str, float] = {}
+        offered: dict[str, float] = {}
+        profs: dict[str, Profile] = {}
+        for a in v.assignments:
+            p = profs[a.stage_id] = self.prof[(a.model_id, a.tp, a.pp)]
+            s = stage[a.stage_id]
+            ids = route.replicas_for(a.stage_id)
+            n = rate * s.calls_per_request * p.call_latency_s(s.input_tokens, s.output_tokens) / len(ids)
+            ld = planned_load(p, wf, a.load_output_tokens_per_s / len(ids), busy)
+            for iid in ids:
+                shares[iid] = shares.get(iid, 0.0) + ld
+                offered[iid] = offered.get(iid, 0.0) + n
+        alone = alone_latency(wf, profs)
+        return shares, offered, (max(1.0, task.slo().max_latency_s / alone) if alone > 0 else 0.0)
 
     # ---- events ----------------------------------------------------------------------------------
 
     def deploy(self, task: EvalTask, at: float) -> None:
         """As the `flowmaker` policy deploys a task (same monitor, same rate, same selector)."""
         loads: dict[str, float] = {}
+        busy: dict[str, float] = {}
         if self.live:
-            loads = {k: float(v.load) for k, v in self.monitor(tuple(self.instances.values()), self.deployments(),
-                                                               at).items()}
-        rate = max(self.wl.rate_in(task.name, max(0.0, at - self.wl.window_s), at), 1e-6)
-        v = self._select(task, rate, self.cluster(at, loads))
+            seen = self.monitor(tuple(self.instances.values()), self.deployments(), at)
+            loads = {k: float(m.load) for k, m in seen.items()}
+            busy = {k: float(m.busy_share) for k, m in seen.items()}
+        # As PolicyContext.planning_rate: the rate measured before the deploy, never below the declared one.
+        rate = max(self.wl.rate_in(task.name, max(0.0, at - self.wl.window_s), at),
+                   task.nominal_rate_rps * self.load, 1e-6)
+        v = self._select(task, rate, self.cluster(at, loads, busy=busy))
         if v is None:
             self.events.append({"t": at, "task": task.name, "kind": "deploy", "outcome": "UNPLACED", "rate": rate})
             return
-        route, shares = self._materialise(task.name, v, at)
-        self.live[task.name] = _TaskState(task, at, [route], [at], rate, shares, v)
+        route, shares, offered, tol = self._materialise(task, v, at, rate)
+        self.live[task.name] = _TaskState(task, at, [route], [at], rate, shares, v, offered=offered, tolerance=tol,
+                                          declared_rate=task.nominal_rate_rps * self.load)
         self.events.append({"t": at, "task": task.name, "kind": "deploy", "outcome": "DONE", "rate": rate,
                             "workflow": v.workflow_id, "instances": sorted(set(i for _, i in route.stage_instances))})
 
@@ -321,6 +381,7 @@ class _Controller:
         st = self.live[name]
         others = self.observe(t, exclude=name)  # the measured load without this task's own share
         loads = {m.id: m.busy_equiv_tokens_per_s for m in others.per_instance}
+        busy = {m.id: occupancy(m.offered) for m in others.per_instance}
         if self.cfg.saturation_slowdown > 0:
             # As the deployer's saturation meter: an instance whose recent calls took saturation_slowdown x
             # their time alone (all tasks' traffic) is full, whatever its token load says: no headroom.
@@ -329,9 +390,10 @@ class _Controller:
                     loads[m.id] = SATURATED_LOAD_TOK_S
         mine = {i for _, i in st.routes[-1].stage_instances}
         exclusive = mine - self.referenced(exclude=name)
-        seen = self.cluster(t, loads)
-        a = self._select(st.task, rate, seen)
-        b = self._select(st.task, rate, self.cluster(t, loads, hide=exclusive)) if exclusive else None
+        seen = self.cluster(t, loads, busy=busy, exclude=name)
+        a = self._select(st.task, rate, seen, scale_out=True)
+        b = self._select(st.task, rate, self.cluster(t, loads, hide=exclusive, busy=busy, exclude=name),
+                         scale_out=True) if exclusive else None
         cur = dict(st.routes[-1].stage_instances)
         fits = a is not None and a.workflow_id == st.routes[-1].workflow_id and not a.new_instances and \
             {x.stage_id: x.instance_id for x in a.assignments if x.reused} == cur and \
@@ -349,15 +411,16 @@ class _Controller:
             return
         if same:
             st.planned_rate, st.variant = rate, chosen
-            st.shares = {iid: x for iid, x in chosen.reuse}
+            st.shares, st.offered, st.tolerance = self._planned_on(st.task, chosen, rate, st.routes[-1])
             st.last = Reselection(t, why, rate, "KEPT")
             self.events.append({**ev, "outcome": "KEPT"})
             return
         ready = t + self.cfg.ready_trace_s * self.scale
-        route, shares = self._materialise(name, chosen, t)
+        route, shares, offered, tol = self._materialise(st.task, chosen, t, rate)
         st.routes.append(route)
         st.switch_at.append(ready)
         st.shares, st.pending, st.pending_rate = shares, chosen, rate
+        st.offered, st.tolerance = offered, tol
         st.last = Reselection(t, why, rate, "IN_PROGRESS")
         self.events.append({**ev, "outcome": "SWITCH", "ready_s": ready, "to_workflow": chosen.workflow_id,
                             "to_instances": sorted(set(i for _, i in route.stage_instances)),
@@ -479,18 +542,16 @@ def run_cell(tasks: Sequence[EvalTask], kind: str, trace: Trace, load: float, mo
     for pol in policies:
         t0 = time.perf_counter()
         if pol == "deploy-once":
-            cl = Cluster(tuple(gpus), ())
-            mon = simulated_monitor(wl, gpus, by_id, gpu_type, cfg.colocation)
-            ctx = PolicyContext(tuple(tasks), kind, load, models, profiles, cl, gpu_type, seed=cfg.seed,
-                                monitor=mon, plan_tokens=cfg.plan_tokens, workload=wl,
-                                utilization_cap=cfg.utilization_cap)
-            pl = plan("flowmaker", ctx)
-            inst, deps = pl.instances, pl.deployments
-            events: list[dict[str, Any]] = [{"t": wl.deploy_time(n), "task": n, "kind": "deploy", "outcome": "DONE",
-                                             "rate": r} for n, r in pl.planned_rates]
-            obs = 0
+            # The same deploys as adaptive (same controller, selector, capacity model and GPU sharing), no
+            # re-selection afterwards.
+            c0 = _Controller(tuple(tasks), kind, wl, models, profiles, tuple(gpus), gpu_type, cfg, adaptive=False,
+                             load=load)
+            c0.run()
+            inst, deps = c0.result()
+            events: list[dict[str, Any]] = list(c0.events)
+            obs = c0.observations
         elif pol == "adaptive":
-            c = _Controller(tuple(tasks), kind, wl, models, profiles, tuple(gpus), gpu_type, cfg)
+            c = _Controller(tuple(tasks), kind, wl, models, profiles, tuple(gpus), gpu_type, cfg, load=load)
             c.run()
             inst, deps = c.result()
             events, obs = c.events, c.observations

@@ -156,6 +156,8 @@ def adapt(out: Path = typer.Option(Path("out/bench-adapt"), help="Output folder 
           ready: float = typer.Option(15.0, help="Re-selection to new variant serving, trace seconds."),
           colocation: str = typer.Option("dynamic", help="GPU sharing in the simulator: dynamic or ignore."),
           max_replicas: int = typer.Option(4, help="Replicas per stage a re-selection may scale out to."),
+          gpu_sharing: str = typer.Option("interference", help="GPU sharing of the selections: interference "
+                                                               "(docs/selection-spec.md) or ignore (the paper)."),
           capacity_model: str = typer.Option("busy_time", help="Capacity model of the selections: busy_time or "
                                                                "output_tokens (docs/selection-spec.md)."),
           json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
@@ -168,7 +170,7 @@ def adapt(out: Path = typer.Option(Path("out/bench-adapt"), help="Output folder 
         traces = guess if guess.is_dir() else None
     cfg = AdaptConfig(band=band, hold_down_trace_s=hold_down, period_trace_s=period, window_trace_s=window,
                       ready_trace_s=ready, colocation=colocation, seed=seed, segment_s=segment_s,
-                      max_replicas=max_replicas, capacity_model=capacity_model)
+                      max_replicas=max_replicas, capacity_model=capacity_model, gpu_sharing=gpu_sharing)
     result = run_adapt_bench(out, traces_dir=traces, cfg=cfg,
                              loads=[float(x) for x in loads.split(",") if x.strip()] or None,
                              traces=[x.strip() for x in trace_kinds.split(",") if x.strip()],

@@ -325,14 +325,14 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
         new_ids: dict[str, str] = {}
         for ni in v.new_instances:
             p = st.prof[(ni.model_id, ni.tp, ni.pp)]
-            inst = st.add(p, ni.gpu_ids, task.name, _planned(p, vwf, ni.load_output_tokens_per_s, busy), at)
+            inst = st.add(p, ni.gpu_ids, task.name, planned_load(p, vwf, ni.load_output_tokens_per_s, busy), at)
             new_ids[ni.key] = inst.id
         for iid, added in v.reuse:
             p = next(i.profile for i in st.instances if i.id == iid)
-            st.load[iid] += _planned(p, vwf, added, busy)
-            st.plan_load[iid] = st.plan_load.get(iid, 0.0) + _planned(p, vwf, added, busy)
+            st.load[iid] += planned_load(p, vwf, added, busy)
+            st.plan_load[iid] = st.plan_load.get(iid, 0.0) + planned_load(p, vwf, added, busy)
         stage_map = []
-        alone = _alone_latency(vwf, {a.stage_id: st.prof[(a.model_id, a.tp, a.pp)] for a in v.assignments})
+        alone = alone_latency(vwf, {a.stage_id: st.prof[(a.model_id, a.tp, a.pp)] for a in v.assignments})
         tol = max(1.0, slo.max_latency_s / alone) if alone > 0 else 0.0
         stage_of = {s.id: s for s in vwf.stages}
         for a in v.assignments:
@@ -353,7 +353,7 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                 planned_loads=tuple(st.load.items()), planned_rates=tuple(rates))
 
 
-def _alone_latency(wf: Workflow, prof: Mapping[str, Profile]) -> float:
+def alone_latency(wf: Workflow, prof: Mapping[str, Profile]) -> float:
     """The workflow's latency with each LLM stage on its profile, alone on its GPUs."""
     fin: dict[str, float] = {}
     for k in wf.topo_order():
@@ -364,7 +364,7 @@ def _alone_latency(wf: Workflow, prof: Mapping[str, Profile]) -> float:
     return max(fin.values(), default=0.0)
 
 
-def _planned(p: Profile, wf: Workflow, load: float, busy: bool) -> float:
+def planned_load(p: Profile, wf: Workflow, load: float, busy: bool) -> float:
     """The load a selection planned for an instance, as the next selection reads running loads: under busy-time
     capacity its busy-time equivalent (the busy fraction at wf's mean request x max_output_tokens_per_s, what
     the monitor measures), else the output tokens/s themselves."""

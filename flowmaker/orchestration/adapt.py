@@ -25,10 +25,12 @@ class LoadPolicy:
     band: float = 2.0  # re-select when observed > band x planned or < planned / band
     hold_down_s: float = 30.0  # ... for this long (wall), and at most once per this long
     # Scaling in keeps headroom (a burst after a lull must not find the capacity gone): the rate planned for is
-    # `scale_in_headroom` x what is observed; and it may wait longer than scaling out, `scale_in_factor` x the
-    # hold-down (1: extra capacity is released within the hold-down, as the orchestrator promises).
-    scale_in_factor: float = 1.0
+    # `scale_in_headroom` x what is observed, never below the rate the task declared (`floor_at_declared`: what
+    # scaling in gives back is what a burst's scale-out added); and it waits longer than scaling out,
+    # `scale_in_factor` x the hold-down (hysteresis: a quiet minute does not undo a burst's scale-out).
+    scale_in_factor: float = 2.0
     scale_in_headroom: float = 1.5
+    floor_at_declared: bool = True
     min_rate_rps: float = 0.01  # the smallest rate a task is planned for (model req/s)
     min_samples: int = 10  # latency quantiles need this many requests in the window
     latency_quantile: float = 0.95
@@ -98,8 +100,9 @@ def drifted(tasks: dict[str, TaskRecord], loads: dict[str, TaskLoad], since: dic
         # The rate first: planning for what arrives is the fix for most latency trouble too.
         if ld.rate_rps > planned * p.band:
             target, why = ld.rate_rps, f"observed {ld.rate_rps:.3g} req/s > {p.band:g} x planned {planned:.3g}"
-        elif ld.rate_rps < planned / p.band and planned > p.min_rate_rps:
-            target = max(ld.rate_rps * p.scale_in_headroom, p.min_rate_rps)
+        elif ld.rate_rps < planned / p.band and planned > (floor := max(
+                p.min_rate_rps, t.slo.arrival_rate_rps if p.floor_at_declared else 0.0)):
+            target = max(ld.rate_rps * p.scale_in_headroom, floor)
             why = f"observed {ld.rate_rps:.3g} req/s < planned {planned:.3g} / {p.band:g}"
             hold = p.hold_down_s * p.scale_in_factor
         elif ld.samples >= p.min_samples and ld.latency_q_s > t.slo.max_latency_s:

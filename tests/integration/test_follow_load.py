@@ -63,21 +63,30 @@ def test_arrival_meter_and_drift_rule() -> None:
     # Within the band: nothing, and the timer resets.
     assert drifted({"t": t}, {"t": TaskLoad(1.5, 1.0, 50)}, since, 106.0, p) == [] and since == {}
     # Falling below planned / band scales back in, to at least the policy's floor, after scale_in_factor x the
-    # hold-down, and with headroom over what is observed.
+    # hold-down (hysteresis: twice the hold-down by default), and with headroom over what is observed.
     low = {"t": TaskLoad(0.0, 0.0, 0)}
-    drifted({"t": t}, low, since, 200.0, p)
-    assert drifted({"t": t}, low, since, 205.0, p)[0][1] == p.min_rate_rps
-    slow_in = replace(p, scale_in_factor=2.0)
-    drifted({"t": t}, low, since, 220.0, slow_in)
-    assert drifted({"t": t}, low, since, 225.0, slow_in) == []  # a slower scale-in waits longer
-    assert drifted({"t": t}, low, since, 230.0, slow_in)[0][1] == p.min_rate_rps
+    fast_in = replace(p, scale_in_factor=1.0, floor_at_declared=False)
+    drifted({"t": t}, low, since, 200.0, fast_in)
+    assert drifted({"t": t}, low, since, 205.0, fast_in)[0][1] == p.min_rate_rps
+    drifted({"t": t}, low, since, 220.0, replace(p, floor_at_declared=False))
+    assert drifted({"t": t}, low, since, 225.0, replace(p, floor_at_declared=False)) == []  # waits longer
+    assert drifted({"t": t}, low, since, 230.0, replace(p, floor_at_declared=False))[0][1] == p.min_rate_rps
     lull = {"t": TaskLoad(0.4, 0.0, 0)}
-    drifted({"t": t}, lull, since, 250.0, p)
-    assert drifted({"t": t}, lull, since, 260.0, p)[0][1] == pytest.approx(0.4 * p.scale_in_headroom)
+    drifted({"t": t}, lull, since, 250.0, fast_in)
+    assert drifted({"t": t}, lull, since, 260.0, fast_in)[0][1] == pytest.approx(0.4 * p.scale_in_headroom)
+    # By default a task planned at its declared rate is not scaled in below it; one scaled out for a burst
+    # comes back to its declared rate, not below.
+    since.clear()
+    assert drifted({"t": t}, low, since, 270.0, p) == [] and drifted({"t": t}, low, since, 290.0, p) == []
+    burst = replace(t, planned_rate_rps=3.0)
+    drifted({"t": burst}, low, since, 300.0, p)
+    assert drifted({"t": burst}, low, since, 305.0, p) == []  # the hysteresis: one hold-down is not enough
+    assert drifted({"t": burst}, low, since, 310.0, p)[0][1] == 1.0
+    since.clear()
     # The rate as planned but the latency breaks the SLO: ask for band x more.
     slow = {"t": TaskLoad(1.0, 4.0, 50)}
-    drifted({"t": t}, slow, since, 300.0, p)
-    assert drifted({"t": t}, slow, since, 305.0, p)[0][1] == 2.0
+    drifted({"t": t}, slow, since, 320.0, p)
+    assert drifted({"t": t}, slow, since, 325.0, p)[0][1] == 2.0
     # At most one re-selection per hold-down; none while switching or healing.
     recent = TaskRecord("t", "d", Slo(0.1, 3.0, 1.0), state=TaskState.ACTIVE,
                         last_reselection=Reselection(398.0, "x", 1.0, "DONE"))

@@ -32,7 +32,7 @@ TASKS = tuple(with_rule_slos([t for t in EVAL_TASKS if t.name in ("chat", "summa
                              GPU))
 
 
-def step_trace(low: float = 0.5, high: float = 5.0, step_s: float = 200.0, end_s: float = 420.0) -> Trace:
+def step_trace(low: float = 0.5, high: float = 12.0, step_s: float = 200.0, end_s: float = 420.0) -> Trace:
     """Evenly spaced arrivals at `low` req/s, then `high` from `step_s` on; tokens of the synthetic conv trace."""
     syn = synthesize("conv", 4000, seed=0)
     times, t = [], 0.0
@@ -102,7 +102,8 @@ def test_adaptive_reselects_on_a_step_and_deploy_once_never_does() -> None:
 def test_infinite_band_is_deploy_once() -> None:
     _, rows = cell(band=1e9)
     once, ad = rows["deploy-once"], rows["adaptive"]
-    assert ad["reselections"] == ad["reselections_kept"] == ad["reselections_failed"] == 0
+    # No switch and nothing kept: only the latency rule may still ask (and find no room at band x the rate).
+    assert ad["reselections"] == ad["reselections_kept"] == 0
     for k in ("goodput", "good", "cost_usd", "gb_seconds", "instances_ever", "mean_latency_s"):
         assert ad[k] == once[k], k
 

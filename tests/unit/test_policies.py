@@ -17,6 +17,7 @@ from flowmaker.eval.policies import (
     ROUTELLM_STRONG,
     ROUTELLM_STRONG_SHARE,
     ROUTELLM_WEAK,
+    MeasuredLoad,
     PolicyContext,
     get_policy,
     langchain_model,
@@ -152,15 +153,17 @@ def test_routellm_dispatches_to_the_least_loaded_replica() -> None:
 
 
 def test_rates_each_policy_plans_with() -> None:
-    """FlowMaker: the trace minute before its deploy; Murakkab: the segment mean; -maxload: the peak minute."""
+    """FlowMaker: the trace minute before its deploy, never below the declared rate; Murakkab: the segment mean;
+    -maxload: the peak minute."""
     wl = _wl()
+    ctx = _ctx(workload=wl)
     by = {t.name: t for t in TASKS}
     fm = dict(plan("flowmaker-plannedload", _ctx(workload=wl)).planned_rates)
     mk = dict(plan("murakkab", _ctx(workload=wl)).planned_rates)
     mx = dict(plan("murakkab-maxload", _ctx(workload=wl)).planned_rates)
     for name in by:
         d = wl.deploy_time(name)
-        assert fm[name] == pytest.approx(max(wl.rate_in(name, d - wl.window_s, d), 1e-6))
+        assert fm[name] == pytest.approx(max(wl.rate_in(name, d - wl.window_s, d), by[name].nominal_rate_rps * ctx.load))
         assert mk[name] == pytest.approx(wl.mean_rate(name))
         assert mx[name] == pytest.approx(wl.peak_rate(name)) and mx[name] >= mk[name]
     # Murakkab plans offline: the same rates whatever happens before a deploy; no workload -> load x nominal
@@ -200,16 +203,16 @@ def test_current_load_comes_from_the_monitor_for_flowmaker_only() -> None:
     wl = _wl()
 
     def saturated(instances: Sequence[SimInstance], deployments: Sequence[TaskDeployment],
-                  at: float) -> dict[str, float]:
+                  at: float) -> dict[str, MeasuredLoad]:
         calls.append((len(deployments), at))
         # every running instance reports a load above the cap: nothing can be reused
-        return {i.id: 2.0 * i.profile.max_output_tokens_per_s for i in instances}
+        return {i.id: MeasuredLoad(2.0 * i.profile.max_output_tokens_per_s, 1.0) for i in instances}
 
     ctx = _ctx(monitor=saturated, workload=wl)
     fm = plan("flowmaker", ctx)
     assert calls and [c[0] for c in calls] == sorted(c[0] for c in calls)
-    for n, at in calls:  # asked just before the deploy of the task after the n deployed ones
-        assert at == pytest.approx(wl.deploy_s[n][1])
+    # asked just before each deploy after the first (a task with no feasible variant deploys nothing)
+    assert [at for _, at in calls] == pytest.approx([at for _, at in wl.deploy_s[1:]])
     assert not any(d.reused for d in fm.decisions)
     n_calls = len(calls)
     for name in ("flowmaker-plannedload", "murakkab", "murakkab-maxload", "flowmaker-noreuse"):
@@ -227,9 +230,11 @@ def test_simulated_monitor_sees_only_the_past_and_what_is_deployed() -> None:
     at = wl.deploy_s[1][1]
     seen = mon(p.instances, first, at)
     assert set(seen) == {i.id for i in p.instances}
-    assert all(seen[i] > 0 for i in used) and all(seen[i] == 0 for i in seen if i not in used)
+    assert all(seen[i].load > 0 for i in used) and all(seen[i].load == 0 for i in seen if i not in used)
+    # the busy share (from the call-seconds offered) is a fraction, non-zero exactly where calls were served
+    assert all(0 < seen[i].busy_share < 1 for i in used) and all(seen[i].busy_share == 0 for i in seen if i not in used)
     # by hand: the busy-time equivalent of the first task's calls submitted in the window before `at`
-    assert mon(p.instances, first, wl.deploy_s[0][1]) == {i.id: 0.0 for i in p.instances}  # nothing before deploy
+    assert mon(p.instances, first, wl.deploy_s[0][1]) == {i.id: (0.0, 0.0) for i in p.instances}  # nothing before
 
 
 def test_planned_loads_are_reported_and_capped() -> None:

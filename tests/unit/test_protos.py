@@ -124,7 +124,8 @@ def test_select_variant_request_has_the_spec_field_names() -> None:
     assert {"id", "model_id", "tp", "pp", "gpu_ids", "load_output_tokens_per_s"} <= _names(
         cluster["instances"].message_type)
     opts = f["options"].message_type
-    assert {"utilization_cap", "allow_reuse", "time_budget_s", "max_trials", "seed", "max_replicas", "capacity_model"} == _names(opts)
+    assert {"utilization_cap", "allow_reuse", "time_budget_s", "max_trials", "seed", "max_replicas", "capacity_model",
+            "gpu_sharing", "interference"} == _names(opts)
     # "default true" needs presence: absence must be distinguishable from false.
     assert opts.fields_by_name["allow_reuse"].has_presence
 
