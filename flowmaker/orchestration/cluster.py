@@ -10,19 +10,26 @@ Two readers used by both the selector and the orchestrator:
   records from the store win over ANALYTIC ones, and models with no stored profile at all get the
   analytic roofline profiles (`flowmaker.profiling.analytic.profiles_for`).
 
+And what GPU sharing needs besides (docs/selection-spec.md, "Extension: GPU sharing"): each instance's measured
+busy share (`fresh_busy_share`, put into the view by `with_loads`) and the slowdown the tasks using it tolerate
+(`read_tolerated_slowdowns` -> `with_tolerances`: SLO / the task's latency alone, the least over its tasks).
+
 They take the `StateStore` protocol, so they run unchanged against etcd or the in-memory store.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields, replace
 
-from flowmaker.domain import Cluster, Model, Profile, ProfileSource
+from flowmaker.domain import Cluster, Model, Profile, ProfileSource, Variant, Workflow
+from flowmaker.errors import InvalidSpec, NotFound
+from flowmaker.orchestration.task import TaskRecord, TaskState
 from flowmaker.state import keys
 from flowmaker.state.records import ClusterView, InstanceRecord, read_cluster, reuse_load
 from flowmaker.state.store import KeyValue, StateStore
@@ -62,6 +69,16 @@ def fresh_observed_load(rec: InstanceRecord, now: float, max_age_s: float = OBSE
     return max(0.0, rec.observed_load_output_tokens_per_s)
 
 
+def fresh_busy_share(rec: InstanceRecord, now: float, max_age_s: float = OBSERVED_LOAD_MAX_AGE_S) -> float:
+    """The record's measured busy share (in [0, 1]) when it is fresh by the same rule as the observed load (the
+    deployer writes both in one scrape, under `observed_load_at`), else 0: unknown, which the selector's
+    GPU-sharing model replaces by its own estimate (docs/selection-spec.md, "Extension: GPU sharing")."""
+    if fresh_observed_load(rec, now, max_age_s) is None:
+        return 0.0
+    b = rec.observed_busy_share
+    return min(1.0, max(0.0, b)) if math.isfinite(b) else 0.0
+
+
 # The load a saturated instance is given in the selector's view: far above any instance's capacity, so it
 # offers no headroom (finite: the request's validation wants finite numbers).
 SATURATED_LOAD_TOK_S = 1e9
@@ -83,9 +100,9 @@ def with_loads(view: ClusterView, loads: dict[str, float], *, now: float | None 
                observed_max_age_s: float = OBSERVED_LOAD_MAX_AGE_S) -> ClusterView:
     """The view with each instance's load set by the load rule. `loads` are the planned loads (the sum of
     the reuse mappings; 0 when an instance has none). The domain `cluster` carries the effective load
-    (what the selector checks capacity against); the `instances` records carry the planned one, which
-    is what a commit adds the new task's planned load to (`commit_ops`), so the stored plan never
-    absorbs a transient measurement."""
+    (what the selector checks capacity against) and the measured busy share when fresh (`fresh_busy_share`;
+    0 = unknown); the `instances` records carry the planned load, which is what a commit adds the new
+    task's planned load to (`commit_ops`), so the stored plan never absorbs a transient measurement."""
     now = time.time() if now is None else now
     planned = {iid: loads.get(iid, 0.0) for iid in view.instances}
     observed = {iid: o for iid, rec in view.instances.items()
@@ -96,7 +113,8 @@ def with_loads(view: ClusterView, loads: dict[str, float], *, now: float | None 
             observed[iid] = SATURATED_LOAD_TOK_S
     insts = {iid: replace(rec, load_output_tokens_per_s=planned[iid]) for iid, rec in view.instances.items()}
     cluster = Cluster(view.cluster.gpus, tuple(
-        replace(insts[i.id].to_domain(), load_output_tokens_per_s=effective_load(planned[i.id], observed.get(i.id)))
+        replace(insts[i.id].to_domain(), load_output_tokens_per_s=effective_load(planned[i.id], observed.get(i.id)),
+                busy_share=fresh_busy_share(insts[i.id], now, observed_max_age_s))
         for i in view.cluster.instances))
     return replace(view, cluster=cluster, instances=insts, planned_loads=planned, observed_loads=observed)
 
@@ -122,6 +140,95 @@ async def read_live_cluster(store: StateStore, *, observed_max_age_s: float = OB
     view = await read_cluster(store)
     reuse = await store.get_prefix(keys.REUSE)
     return with_loads(view, loads_from_reuse(reuse.items), now=now, observed_max_age_s=observed_max_age_s)
+
+
+# Tasks whose SLO protects the instances they use: they hold a committed variant (DEPLOYING: its instances
+# starting or reused; ACTIVE: serving, DEGRADED included, as that state is derived on read).
+TOLERATING_STATES = (TaskState.DEPLOYING, TaskState.ACTIVE)
+
+
+def alone_latency_s(workflow: Workflow, variant: Variant, profiles: Mapping[tuple[str, int, int], Profile]
+                    ) -> float | None:
+    """The variant's latency without GPU sharing: Feasibility 2 of docs/selection-spec.md (an LLM stage takes
+    calls_per_request x its profile's call latency, a TOOL stage its latency_s; the longest path through the
+    DAG). Under `INTERFERENCE` the variant's own `latency_s` is the slowed one, so this is recomputed from its
+    assignments and `profiles` (by (model, tp, pp)). None when a stage's assignment or profile is unknown."""
+    if variant.workflow_id != workflow.id:
+        return None
+    by_stage = {a.stage_id: a for a in variant.assignments}
+    done: dict[str, float] = {}
+    for i in workflow.topo_order():
+        s = workflow.stages[i]
+        if s.is_llm:
+            a = by_stage.get(s.id)
+            p = profiles.get((a.model_id, a.tp, a.pp)) if a is not None else None
+            if p is None:
+                return None
+            own = s.calls_per_request * p.call_latency_s(s.input_tokens, s.output_tokens)
+        else:
+            own = s.latency_s
+        done[s.id] = max((done.get(d, 0.0) for d in s.depends_on), default=0.0) + own
+    return max(done.values(), default=0.0)
+
+
+def tolerated_slowdowns(tasks: Iterable[TaskRecord], profiles: Mapping[tuple[str, int, int], Profile], *,
+                        exclude: str = "") -> dict[str, float]:
+    """`Instance.max_slowdown` by instance id: the least, over the tasks holding a committed variant
+    (`TOLERATING_STATES`; `exclude` left out: the task being re-selected answers for itself through the
+    selector's latency check) that use the instance, of the task's latency SLO / its variant's latency alone
+    (`alone_latency_s`; at least 1). During a make-before-break switch both the current and the next variant
+    count. A task whose alone latency is unknown (a profile gone, an unreadable variant) bounds nothing; an
+    instance no task bounds is absent (0 = unbounded)."""
+    out: dict[str, float] = {}
+    for t in tasks:
+        if t.id == exclude or t.state not in TOLERATING_STATES:
+            continue
+        for v, stage_instances in ((t.variant, t.stage_instances), (t.next_variant, t.next_stage_instances)):
+            if v is None or not stage_instances:
+                continue
+            wf = next((w for w in t.candidates if w.id == v.workflow_id), None)
+            alone = alone_latency_s(wf, v, profiles) if wf is not None else None
+            if alone is None or not (alone > 0 and math.isfinite(alone)):
+                continue
+            tol = max(1.0, t.slo.max_latency_s / alone)
+            if not math.isfinite(tol):
+                continue
+            for iid in set(stage_instances.values()):
+                out[iid] = min(out.get(iid, tol), tol)
+    return out
+
+
+def with_tolerances(cluster: Cluster, tolerated: Mapping[str, float]) -> Cluster:
+    """The cluster with each running instance's `max_slowdown` set from `tolerated` (others: 0, unbounded)."""
+    return replace(cluster, instances=tuple(replace(i, max_slowdown=tolerated.get(i.id, 0.0))
+                                            for i in cluster.instances))
+
+
+async def read_tolerated_slowdowns(store: StateStore, gpu_type: str, models: Sequence[Model], *,
+                                   exclude: str = "") -> dict[str, float]:
+    """`tolerated_slowdowns` over the stored task records, with the profiles the selector sees for `models` on
+    `gpu_type` (`read_profiles`: stored MEASURED first, else analytic). A model outside `models`, or a GPU type
+    the catalog does not know (no analytic profiles) leaves the tasks using it unbounded."""
+    tasks: list[TaskRecord] = []
+    for kv in (await store.get_prefix(keys.TASKS)).items:
+        try:
+            t = TaskRecord.from_json(kv.value)
+        except Exception as e:  # one unreadable record must not break selections
+            log.warning("ignoring unreadable task record %s: %s", kv.key, e)
+            continue
+        if t.state in TOLERATING_STATES and t.id != exclude:
+            tasks.append(t)
+    used = {(a.model_id, a.tp * a.pp) for t in tasks for v in (t.variant, t.next_variant) if v is not None
+            for a in v.assignments}
+    if not used:
+        return {}
+    wanted = [m for m in models if m.id in {u[0] for u in used}]
+    try:
+        profiles = await read_profiles(store, gpu_type, wanted, max_gpus=max(8, max(u[1] for u in used)))
+    except (NotFound, InvalidSpec) as e:
+        log.warning("no profiles on GPU type %r to bound co-residents' slowdown: %s", gpu_type, e)
+        return {}
+    return tolerated_slowdowns(tasks, {p.key: p for p in profiles})
 
 
 def cluster_gpu_type(cluster: Cluster, default: str) -> str:

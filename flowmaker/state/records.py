@@ -161,6 +161,11 @@ class InstanceRecord:
     observed_latency_s: float = 0.0
     observed_slowdown: float = 0.0
     saturated: bool = False
+    # MEASURED busy share from the same scrape (BusyMeter in services/deployer/node.py): the smoothed fraction of
+    # the time the engine had a call in flight, in [0, 1] (0 = unknown: a backend that exports neither a busy-time
+    # counter nor a running gauge). Written with the observed load, so `observed_load_at` is its freshness too;
+    # readers put a fresh one into the selector's view (`Instance.busy_share`, flowmaker.sharing).
+    observed_busy_share: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

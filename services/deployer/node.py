@@ -8,8 +8,9 @@ Every state change is an etcd transaction guarded by the mod_revisions it read:
 - Release drops a task's reference (`keys.reuse`) and, when none is left, DRAINING -> stop the
   engine -> give the memory back and delete the instance;
 - every `load_scrape_interval_s` each READY engine's /metrics is scraped and its output-token rate
-  (model seconds, EWMA-smoothed, plus the recent peak: `LoadMeter`) written into its record by a CAS
-  that only touches the observed-load fields of a record still READY (docs/state.md "Load").
+  (model seconds, EWMA-smoothed, plus the recent peak: `LoadMeter`), its saturation (`SaturationMeter`) and
+  its busy share (`BusyMeter`) written into its record by a CAS that only touches the observed fields of a
+  record still READY (docs/state.md "Load").
 The node key is bound to the lease, so when this agent dies its node (and with it its GPUs and
 instances, for every reader using `read_cluster`) drops out of the live cluster after the TTL. Engines get
 PR_SET_PDEATHSIG=SIGKILL, so they never outlive this agent; a restarted agent stops whatever a previous
@@ -35,6 +36,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
+import aiohttp
+
 from flowmaker.domain import Profile, ProfileSource
 from flowmaker.engine.gpu_share import make_share_dir
 from flowmaker.errors import (
@@ -49,6 +52,7 @@ from flowmaker.errors import (
 )
 from flowmaker.launcher import procs
 from flowmaker.orchestration.cluster import profile_from_record
+from flowmaker.profiling.measure import metric_value
 from flowmaker.selection.placement import NodeGpus, place_least_loaded
 from flowmaker.state import keys
 from flowmaker.state.records import (
@@ -184,6 +188,94 @@ class SaturationMeter:
         return self.queue >= self.max_queue or self.slowdown >= self.max_slowdown
 
 
+# The emulated engine's busy-time counter (model seconds with a non-empty batch, at whatever speed its GPU share
+# lets it run): the sample name in its /metrics, and the key `_scrape` adds it under.
+BUSY_SECONDS_SAMPLE = "flowmaker_engine_busy_seconds_total"
+BUSY_SECONDS_KEY = "busy_seconds_total"
+# A busy-share change smaller than this (absolute) is not worth a write on its own.
+_MIN_REPORT_CHANGE_BUSY = 0.1
+
+
+class BusyMeter:
+    """An engine's busy share (`flowmaker.sharing`): the fraction of the time it has a call in flight, from
+    successive /metrics readings.
+
+    Best source first:
+    - the emulated engine's busy-time counter (`BUSY_SECONDS_SAMPLE`, model seconds with a non-empty batch): each
+      interval's share is its increase over the interval's MODEL seconds (wall seconds x `time_scale`), clamped
+      to [0, 1]; a counter that went back (a restarted engine) starts over;
+    - else the running-requests gauge (vLLM's `vllm:num_requests_running`): each scrape is one sample, 1 when
+      it found calls running, else 0, so the share is the fraction of scrapes that found it busy;
+    - else unknown: `share` stays None (recorded as 0, which readers take as unknown).
+    Either is smoothed like the load (`LoadMeter`): an EWMA whose weight follows the interval's length,
+    alpha = 1 - 2^(-dt / half_life). Pure: time is passed in."""
+
+    def __init__(self, time_scale: float = 1.0, half_life_s: float = 5.0) -> None:
+        if not time_scale > 0:
+            raise InvalidSpec(f"must be > 0, got {time_scale}", field="time_scale")
+        self.time_scale = time_scale
+        self.half_life_s = half_life_s
+        self.share: float | None = None
+        self._counter: tuple[float, float] | None = None  # (wall time, busy seconds) of the last counter reading
+        self._sampled_at: float | None = None  # wall time of the last gauge sample
+        self.reported: tuple[float, float] | None = None  # (value, wall time) last written; None = nothing yet
+
+    def add(self, t: float, busy_seconds_total: float | None, running: float | None) -> float | None:
+        """Record the readings of one scrape at wall time `t`; return the smoothed share (None: unknown)."""
+        if busy_seconds_total is not None:
+            last, self._counter = self._counter, (t, busy_seconds_total)
+            if last is None or t <= last[0] or busy_seconds_total < last[1]:
+                return self.share
+            dt = t - last[0]
+            x = min(1.0, max(0.0, (busy_seconds_total - last[1]) / (dt * self.time_scale)))
+        elif running is not None:
+            last_t, self._sampled_at = self._sampled_at, t
+            x = 1.0 if running > 0 else 0.0
+            if last_t is None or self.share is None:
+                self.share = x
+                return self.share
+            if t <= last_t:
+                return self.share
+            dt = t - last_t
+        else:
+            return self.share
+        alpha = 1.0 - math.pow(2.0, -dt / self.half_life_s)
+        self.share = x if self.share is None else self.share + alpha * (x - self.share)
+        return self.share
+
+    def should_report(self, now: float, min_change: float, max_interval_s: float) -> bool:
+        """Whether the record needs rewriting for the share alone: it moved by more than `min_change` (absolute)
+        since the last write, or a non-zero value is about to go stale (readers judge it by the observed-load
+        timestamp it is written with)."""
+        if self.share is None:
+            return False
+        if self.reported is None:
+            return True
+        value, at = self.reported
+        return abs(self.share - value) > min_change or (value > 0 and now - at >= max_interval_s)
+
+
+async def _scrape(proc: EngineProcess, timeout_s: float) -> dict[str, float]:
+    """One GET of the engine's /metrics: what its backend's parser makes of it (`EngineProcess.scrape_metrics`),
+    plus the busy-time counter under `BUSY_SECONDS_KEY` when the engine exports it (the emulated engine; the
+    backends' parsers do not map it)."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+            async with http.get(proc.base_url + proc.backend.metrics_path) as r:
+                body = await r.text()
+                if r.status != 200:
+                    raise Unavailable(f"{proc.backend.name} engine {proc.spec.instance_id}: /metrics answered "
+                                      f"{r.status}")
+                parsed = proc.backend.parse_metrics(r.content_type, body)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise Unavailable(f"{proc.backend.name} engine {proc.spec.instance_id}: /metrics failed: {e}") from None
+    if BUSY_SECONDS_KEY not in parsed and BUSY_SECONDS_SAMPLE in body:
+        busy = metric_value(body, BUSY_SECONDS_SAMPLE)
+        if busy is not None:
+            parsed[BUSY_SECONDS_KEY] = busy
+    return parsed
+
+
 @dataclass(frozen=True, slots=True)
 class DeployParams:
     """What a Deploy asks for (field names are the DeployRequest's)."""
@@ -237,6 +329,7 @@ class NodeAgent:
         self._closing = False
         self._meters: dict[str, tuple[EngineProcess, LoadMeter]] = {}  # by instance id, for the READY engines
         self._saturation: dict[str, SaturationMeter] = {}
+        self._busy: dict[str, BusyMeter] = {}
         self._share_dir = ""  # the emulated engines' GPU-sharing directory (`_gpu_share_dir`), made on first use
 
     # ---- registration -------------------------------------------------------------------
@@ -794,11 +887,13 @@ class NodeAgent:
         for iid in [i for i, (p, _) in self._meters.items() if ready.get(i) is not p]:
             del self._meters[iid]  # stopped, failed or replaced by a new engine: its readings are void
             self._saturation.pop(iid, None)
+            self._busy.pop(iid, None)
         for iid, p in ready.items():
             if iid not in self._meters:
                 self._saturation[iid] = SaturationMeter(p.spec.profile, max_queue=self.settings.saturation_queue,
                                                         max_slowdown=self.settings.saturation_slowdown,
                                                         half_life_s=self.settings.load_half_life_s)
+                self._busy[iid] = BusyMeter(self._time_scale(p), self.settings.load_half_life_s)
                 self._meters[iid] = (p, LoadMeter(self._time_scale(p), self.settings.load_half_life_s,
                                                   self.settings.load_peak_window_s))
         timeout = max(0.5, min(5.0, self.settings.load_scrape_interval_s))
@@ -806,7 +901,7 @@ class NodeAgent:
 
     async def _observe(self, iid: str, proc: EngineProcess, timeout_s: float) -> None:
         try:
-            metrics = await proc.scrape_metrics(timeout_s=timeout_s)
+            metrics = await _scrape(proc, timeout_s)
         except Exception as e:
             # Keep the last value (it ages out for readers); never FAILED from here: the crash watcher
             # owns that, and a slow /metrics under load is no reason to take an instance away.
@@ -814,7 +909,8 @@ class NodeAgent:
             return
         entry = self._meters.get(iid)
         sat = self._saturation.get(iid)
-        if entry is None or entry[0] is not proc or sat is None:
+        busy = self._busy.get(iid)
+        if entry is None or entry[0] is not proc or sat is None or busy is None:
             return  # the engine went (stopped, failed, replaced)
         meter = entry[1]
         wall = time.time()
@@ -822,12 +918,16 @@ class NodeAgent:
         tokens = metrics.get("generation_tokens_total")
         if tokens is not None:  # the backend may export no token counter (e.g. trtllm's JSON stats)
             meter.add(time.monotonic(), tokens)
+        busy.add(time.monotonic(), metrics.get(BUSY_SECONDS_KEY), metrics.get("running"))
         # A change of `saturated` is always worth a write: it decides whether the selector may reuse the
         # instance at all.
-        if sat.reported == saturated and (tokens is None or not meter.should_report(
-                wall, self.settings.load_report_min_change, self.settings.load_report_max_interval_s)):
+        if sat.reported == saturated and not busy.should_report(
+                wall, _MIN_REPORT_CHANGE_BUSY, self.settings.load_report_max_interval_s) and (
+                tokens is None or not meter.should_report(
+                    wall, self.settings.load_report_min_change, self.settings.load_report_max_interval_s)):
             return
         rate, peak = meter.rate or 0.0, meter.peak
+        share = busy.share or 0.0
         if saturated != sat.reported:
             log.warning("instance %s %s (queue %.1f, slowdown %.1fx, latency %.2fs)", iid,
                         "SATURATED" if saturated else "has headroom again", sat.queue, sat.slowdown, sat.latency_s)
@@ -839,7 +939,8 @@ class NodeAgent:
             return replace(r, observed_load_output_tokens_per_s=round(rate, 3),
                            observed_load_peak_output_tokens_per_s=round(peak, 3), observed_load_at=wall,
                            observed_queue=round(sat.queue, 3), observed_latency_s=round(sat.latency_s, 4),
-                           observed_slowdown=round(sat.slowdown, 3), saturated=saturated)
+                           observed_slowdown=round(sat.slowdown, 3), saturated=saturated,
+                           observed_busy_share=round(share, 4))
 
         try:
             new = await self._update(iid, observed)
@@ -849,6 +950,7 @@ class NodeAgent:
         if new is not None and new.observed_load_at == wall:
             meter.reported = (new.observed_load_output_tokens_per_s, wall)
             sat.reported = saturated
+            busy.reported = (new.observed_busy_share, wall)
 
     # ---- release ------------------------------------------------------------------------
 

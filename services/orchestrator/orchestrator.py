@@ -22,7 +22,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from opentelemetry import trace
 
@@ -44,7 +44,14 @@ from flowmaker.errors import (
 )
 from flowmaker.limits import LimitExceeded
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad
-from flowmaker.orchestration.cluster import OBSERVED_LOAD_MAX_AGE_S, excluding_task, read_live_cluster
+from flowmaker.orchestration.cluster import (
+    OBSERVED_LOAD_MAX_AGE_S,
+    cluster_gpu_type,
+    excluding_task,
+    read_live_cluster,
+    read_tolerated_slowdowns,
+    with_tolerances,
+)
 from flowmaker.orchestration.commit import CommitPlan, ReleaseAction, commit_ops, plan_commit, plan_release
 from flowmaker.orchestration.dag import Execution, StageResult, execute
 from flowmaker.orchestration.reconcile import Policy
@@ -62,7 +69,9 @@ from flowmaker.orchestration.task import (
 )
 from flowmaker.rpc.channels import deadline_s
 from flowmaker.rpc.errors import call, incoming_deadline
+from flowmaker.sharing import DEFAULT_INTERFERENCE
 from flowmaker.state import keys
+from flowmaker.state.interference import InterferenceStore
 from flowmaker.state.records import (
     ORPHAN_GC_TASK_ID,
     InstanceRecord,
@@ -92,6 +101,7 @@ ATTR_CONFLICT_KEYS = "flowmaker.commit.failed_keys"
 ATTR_GENERATOR = "flowmaker.generator"  # "generator-service" (gRPC) or "templates" (in process)
 ATTR_CANDIDATES = "flowmaker.candidates"  # the candidate workflow ids
 ATTR_STRATEGY = "flowmaker.strategy"
+ATTR_GPU_SHARING = "flowmaker.gpu_sharing"  # the selection's effective options.gpu_sharing (defaults applied)
 ATTR_FEASIBLE = "flowmaker.feasible"
 ATTR_REASON = "flowmaker.reason"
 ATTR_NEW_INSTANCES = "flowmaker.new_instances"
@@ -441,17 +451,11 @@ class Orchestrator:
             if t.state is not TaskState.SELECTING:
                 log.info("task %s left SELECTING (%s) during selection; stopping", task_id, t.state.value)
                 return None
-            options = convert.selection_options_from_json(t.options_json) if t.options_json else None
             with _tracer().start_as_current_span("task.select", attributes={
                     telemetry.FLOWMAKER_TASK: task_id, ATTR_ATTEMPT: attempt, ATTR_STRATEGY: t.strategy}) as span:
                 view = await read_live_cluster(self.store)
-                req = selector_pb2.SelectVariantRequest(
-                    slo=convert.slo_to_proto(t.slo),
-                    workflows=[convert.workflow_to_proto(w) for w in t.candidates if w.id in t.approved_workflow_ids],
-                    cluster=convert.cluster_to_proto(view.cluster), strategy=t.strategy,
-                    models=[convert.model_to_proto(m) for m in await self._models()])
-                if options is not None:
-                    req.options.CopyFrom(options)
+                req = await self._selection_request(t, view.cluster)
+                span.set_attribute(ATTR_GPU_SHARING, selection_pb2.GpuSharing.Name(req.options.gpu_sharing))
                 try:
                     resp = await call(self.clients.selector.SelectVariant(req, timeout=self.settings.select_timeout_s))
                 except (InvalidSpec, NotFound) as e:
@@ -774,17 +778,56 @@ class Orchestrator:
                          ) -> Variant | None:
         """The selector's variant for `t`'s approved workflows at `rate_rps` on `cluster` (None: infeasible),
         with at least `max_replicas` replicas per new instance allowed."""
-        req = selector_pb2.SelectVariantRequest(
-            slo=convert.slo_to_proto(replace(t.slo, arrival_rate_rps=rate_rps)),
-            workflows=[convert.workflow_to_proto(w) for w in t.candidates if w.id in t.approved_workflow_ids],
-            cluster=convert.cluster_to_proto(cluster), strategy=t.strategy,
-            models=[convert.model_to_proto(m) for m in await self._models()])
-        if t.options_json:
-            req.options.CopyFrom(convert.selection_options_from_json(t.options_json))
-        req.options.max_replicas = max(req.options.max_replicas, max_replicas)
+        req = await self._selection_request(t, cluster, rate_rps=rate_rps, max_replicas=max_replicas)
         result = convert.selection_result_from_proto(await call(self.clients.selector.SelectVariant(
             req, timeout=self.settings.select_timeout_s)))
         return result.variant
+
+    async def _selection_request(self, t: TaskRecord, cluster: Cluster, *, rate_rps: float | None = None,
+                                 max_replicas: int = 0) -> selector_pb2.SelectVariantRequest:
+        """The SelectVariant request for `t`'s approved workflows on `cluster`, at `rate_rps` (None: the SLO's
+        declared rate), with at least `max_replicas` replicas per new instance allowed (0: the options' own).
+        An approval's selection, a healing re-selection and the load follower's all build it here: the
+        approval's options with the orchestrator's defaults for what they leave unset (`_selection_options`),
+        and under INTERFERENCE each running instance's `max_slowdown`, the least SLO / latency alone of the
+        other tasks using it (flowmaker.orchestration.cluster.read_tolerated_slowdowns), so that no selection
+        slows co-residents past their SLOs."""
+        models = await self._models()
+        options = await self._selection_options(t, cluster)
+        if max_replicas:
+            options.max_replicas = max(options.max_replicas, max_replicas)
+        gpu_type = cluster_gpu_type(cluster, "")
+        if options.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE and cluster.instances and gpu_type:
+            cluster = with_tolerances(cluster, await read_tolerated_slowdowns(
+                self.store, gpu_type, models or default_models(), exclude=t.id))
+        slo = t.slo if rate_rps is None else replace(t.slo, arrival_rate_rps=rate_rps)
+        return selector_pb2.SelectVariantRequest(
+            slo=convert.slo_to_proto(slo),
+            workflows=[convert.workflow_to_proto(w) for w in t.candidates if w.id in t.approved_workflow_ids],
+            cluster=convert.cluster_to_proto(cluster), strategy=t.strategy,
+            models=[convert.model_to_proto(m) for m in models], options=options)
+
+    async def _selection_options(self, t: TaskRecord, cluster: Cluster) -> selection_pb2.SelectionOptions:
+        """The approval's options (`t.options_json`) with what they leave unset taken from the settings:
+        `capacity_model` (DEFAULT_CAPACITY_MODEL, BUSY_TIME), `gpu_sharing` (DEFAULT_GPU_SHARING, INTERFERENCE)
+        and, under INTERFERENCE, `interference` (DEFAULT_INTERFERENCE, or when that is negative the kappa the
+        profiler stored for the cluster's GPU type; 1 when none is). Explicit options always win."""
+        s = self.settings
+        o = convert.selection_options_from_json(t.options_json) if t.options_json else selection_pb2.SelectionOptions()
+        if o.capacity_model == selection_pb2.CAPACITY_MODEL_UNSPECIFIED:
+            o.capacity_model = cast(selection_pb2.CapacityModel, selection_pb2.CapacityModel.Value(
+                f"CAPACITY_MODEL_{s.default_capacity_model}"))
+        if o.gpu_sharing == selection_pb2.GPU_SHARING_UNSPECIFIED:
+            o.gpu_sharing = cast(selection_pb2.GpuSharing, selection_pb2.GpuSharing.Value(
+                f"GPU_SHARING_{s.default_gpu_sharing}"))
+        if o.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE and not o.HasField("interference"):
+            if s.default_interference >= 0:
+                o.interference = s.default_interference
+            else:
+                gpu_type = cluster_gpu_type(cluster, "")
+                o.interference = await InterferenceStore(self.store).kappa(gpu_type) if gpu_type \
+                    else DEFAULT_INTERFERENCE
+        return o
 
     async def switch_variant(self, task_id: str) -> None:
         """Deploy the task's next variant, route requests to it, drain and release what only the old one used.

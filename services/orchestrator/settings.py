@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from flowmaker.settings import DEFAULT_PORTS, ServiceSettings, settings_config
@@ -26,6 +28,18 @@ class OrchestratorSettings(ServiceSettings):
     max_workflows: int = Field(default=3, ge=1, le=20, description="Candidates asked of the generator when the request "
                                                            "says 0.")
     default_strategy: str = Field(default="exact", description="Selection strategy when ApproveWorkflows names none.")
+    # What a selection plans with when the approval's SelectionOptions leave it unset (docs/selection-spec.md);
+    # explicit options win (GPU_SHARING_IGNORE + CAPACITY_MODEL_OUTPUT_TOKENS is the paper's base contract).
+    default_capacity_model: Literal["OUTPUT_TOKENS", "BUSY_TIME"] = Field(
+        default="BUSY_TIME", description="options.capacity_model when unset: BUSY_TIME counts an instance's "
+        "capacity in busy time at each workflow's mean request; OUTPUT_TOKENS is the base contract.")
+    default_gpu_sharing: Literal["IGNORE", "INTERFERENCE"] = Field(
+        default="INTERFERENCE", description="options.gpu_sharing when unset: INTERFERENCE plans with co-residents "
+        "slowing each other (measured busy shares, co-residents' tolerated slowdown); IGNORE is the base contract.")
+    default_interference: float = Field(
+        default=-1.0, ge=-1.0, le=4.0, description="options.interference (kappa) when unset, under INTERFERENCE; "
+        "negative = the kappa the profiler stored for the cluster's GPU type (flowmaker profiles "
+        "measure-interference), 1 (full processor sharing) when none is stored.")
     commit_retries: int = Field(default=5, ge=1, le=100, description="Select-and-commit attempts when the cluster changed "
                                                              "between selection and commit.")
     select_timeout_s: float = Field(default=60.0, gt=0, description="Deadline of one SelectVariant call.")

@@ -1,0 +1,375 @@
+"""The live stack plans under GPU sharing by default (real etcd, a deployer with emulated engine processes, a selector
+and an orchestrator on gRPC): a task approved without options is selected under INTERFERENCE / BUSY_TIME with the
+kappa stored for the cluster's GPU type, explicit options win; an emulated engine under load gets a measured busy
+share in its record and in the selector's view; each running instance in the selector's view carries the slowdown
+its tasks tolerate (SLO / latency alone), the task being re-selected left out. The meter and the tolerance rule
+(pure) are tested here too."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+
+from flowmaker import convert
+from flowmaker.api.common.v1 import selection_pb2, task_pb2
+from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
+from flowmaker.api.selector.v1 import selector_pb2, selector_pb2_grpc
+from flowmaker.domain import Profile, ProfileSource, Slo, Stage, StageAssignment, StageKind, Variant, Workflow
+from flowmaker.orchestration.cluster import alone_latency_s, read_live_cluster, tolerated_slowdowns
+from flowmaker.orchestration.task import TaskRecord, TaskState
+from flowmaker.rpc.channels import insecure_channel
+from flowmaker.rpc.errors import call
+from flowmaker.state import keys
+from flowmaker.state.etcd import EtcdStore
+from flowmaker.state.interference import InterferenceRecord, InterferenceStore
+from flowmaker.state.records import InstanceRecord, InstanceState
+from services.deployer.node import BusyMeter, DeployParams, NodeAgent
+from services.deployer.servicer import service_hooks
+from services.deployer.settings import DeployerSettings
+from services.orchestrator.clients import Clients
+from services.orchestrator.orchestrator import Orchestrator
+from services.orchestrator.servicer import add_servicers as add_orchestrator
+from services.orchestrator.settings import OrchestratorSettings
+from services.selector.servicer import SelectorServicer
+from services.selector.settings import SelectorSettings
+
+pytestmark = pytest.mark.integration
+
+MODEL = "Llama-3.2-1B-Instruct"
+ACTIVE = task_pb2.Task.STATE_ACTIVE
+# A MEASURED profile cheaper (memory x latency) than any analytic one, so every selection below picks it, and
+# whose latency is easy to compute by hand: a call of 50 prompt / 10 output tokens takes 0.02 + 0.01 + 0.02 =
+# 0.05 s alone.
+PROFILE = Profile(MODEL, 1, 1, memory_gb_per_gpu=2.0, fixed_s=0.02, prefill_s_per_token=0.0002,
+                  decode_s_per_token=0.002, max_output_tokens_per_s=400.0, gpu_type="A6000",
+                  source=ProfileSource.MEASURED)
+ONE = Workflow("one", (Stage("answer", input_tokens=50, output_tokens=10, prompt_template="{input}"),))
+ALONE_S = 0.02 + 0.0002 * 50 + 0.002 * 10
+KAPPA = 0.6  # what the "profiler" stored for A6000
+
+
+async def _put_profile(store: Any, p: Profile) -> None:
+    await store.put(keys.profile("A6000", p.model_id, p.tp, p.pp, "MEASURED"),
+                    {"memory_gb_per_gpu": p.memory_gb_per_gpu, "fixed_s": p.fixed_s,
+                     "prefill_s_per_token": p.prefill_s_per_token, "decode_s_per_token": p.decode_s_per_token,
+                     "max_output_tokens_per_s": p.max_output_tokens_per_s, "source": "MEASURED"})
+
+
+# ---- the pure parts ----------------------------------------------------------------------------------
+
+
+def test_busy_meter_counter_gauge_and_unknown() -> None:
+    # The emulated engine's counter: model seconds busy over model seconds (wall x time scale), smoothed.
+    m = BusyMeter(time_scale=5.0, half_life_s=1.0)
+    assert m.add(0.0, 0.0, 3.0) is None and not m.should_report(0.0, 0.05, 5.0)  # one reading: no interval yet
+    assert m.add(1.0, 2.5, 3.0) == pytest.approx(0.5)  # 2.5 model s busy of 5
+    assert m.should_report(1.0, 0.05, 5.0)
+    m.reported = (0.5, 1.0)
+    assert m.add(2.0, 2.5 + 5.0, 3.0) == pytest.approx(0.75)  # fully busy for one half-life: halfway to 1
+    assert m.add(3.0, 7.5 + 50.0, 0.0) == pytest.approx(0.875)  # clamped to 1 (never above)
+    assert m.add(4.0, 1.0, 0.0) == pytest.approx(0.875)  # the counter went back (a restart): no interval
+    assert m.add(5.0, 1.0, 0.0) == pytest.approx(0.4375)  # idle from the reset on
+    assert not BusyMeter().should_report(0.0, 0.05, 5.0)
+    # A non-zero share is refreshed before readers find it stale; a small move alone is not worth a write.
+    m.reported = (0.44, 5.0)
+    assert not m.should_report(6.0, 0.05, 5.0) and m.should_report(10.0, 0.05, 5.0)
+    # vLLM: no counter, the running gauge sampled at each scrape (fraction of scrapes that found calls running).
+    g = BusyMeter(time_scale=1.0, half_life_s=1.0)
+    assert g.add(0.0, None, 2.0) == 1.0
+    assert g.add(1.0, None, 0.0) == pytest.approx(0.5)
+    assert g.add(2.0, None, 0.0) == pytest.approx(0.25)
+    # Neither: unknown.
+    u = BusyMeter()
+    assert u.add(0.0, None, None) is None and u.add(1.0, None, None) is None
+
+
+def test_tolerated_slowdown_is_slo_over_latency_alone() -> None:
+    dag = Workflow("dag", (
+        Stage("a", input_tokens=50, output_tokens=10, calls_per_request=2),
+        Stage("tool", kind=StageKind.TOOL, latency_s=1.0),
+        Stage("b", depends_on=("a", "tool"), input_tokens=50, output_tokens=10),
+    ))
+    # Slowed latencies in the variant (as under INTERFERENCE) must not matter: alone is recomputed.
+    v = Variant("dag", (StageAssignment("a", MODEL, 1, 1, True, "i1", latency_s=9.0),
+                        StageAssignment("b", MODEL, 1, 1, True, "i2", latency_s=9.0)),
+                (), (("i1", 1.0), ("i2", 1.0)), latency_s=18.0, accuracy=0.5, cost=0.0, new_memory_gb=0.0,
+                new_gpus=0)
+    profiles = {PROFILE.key: PROFILE}
+    assert alone_latency_s(dag, v, profiles) == pytest.approx(max(2 * ALONE_S, 1.0) + ALONE_S)
+    assert alone_latency_s(dag, v, {}) is None
+    t1 = TaskRecord("t1", "d", Slo(0.1, 3.0, 1.0), candidates=(dag,), state=TaskState.ACTIVE, variant=v,
+                    stage_instances={"a": "i1", "b": "i2"})
+    one = Variant("one", (StageAssignment("answer", MODEL, 1, 1, True, "i2"),), (), (("i2", 1.0),), 0.2, 0.5,
+                  0.0, 0.0, 0)
+    t2 = TaskRecord("t2", "d", Slo(0.1, 1.0, 1.0), candidates=(ONE,), state=TaskState.ACTIVE, variant=one,
+                    stage_instances={"answer": "i2"})
+    t3 = TaskRecord("t3", "d", Slo(0.1, 0.04, 1.0), candidates=(ONE,), state=TaskState.ACTIVE, variant=one,
+                    stage_instances={"answer": "i3"})  # misses its SLO even alone: nothing may slow it
+    waiting = TaskRecord("t4", "d", Slo(0.1, 0.2, 1.0), candidates=(ONE,), state=TaskState.AWAITING_APPROVAL,
+                         variant=one, stage_instances={"answer": "i4"})
+    got = tolerated_slowdowns([t1, t2, t3, waiting], profiles)
+    assert got == pytest.approx({"i1": 3.0 / (1.0 + ALONE_S), "i2": min(3.0 / (1.0 + ALONE_S), 1.0 / ALONE_S),
+                                 "i3": 1.0})
+    assert tolerated_slowdowns([t1, t2], profiles, exclude="t1") == pytest.approx({"i2": 1.0 / ALONE_S})
+
+
+# ---- the live stack ----------------------------------------------------------------------------------
+
+
+class RecordingSelector(SelectorServicer):
+    """The real selector, keeping every request it was sent (what the orchestrator plans with)."""
+
+    def __init__(self, settings: SelectorSettings, store: Any) -> None:
+        super().__init__(settings, store)
+        self.requests: list[selector_pb2.SelectVariantRequest] = []
+
+    async def SelectVariant(self, request: selector_pb2.SelectVariantRequest,
+                            context: grpc.aio.ServicerContext) -> selector_pb2.SelectVariantResponse:
+        self.requests.append(request)
+        return await super().SelectVariant(request, context)
+
+
+@dataclass
+class Stack:
+    store: Any
+    agent: NodeAgent
+    selector: RecordingSelector
+    core: Orchestrator
+    stub: orchestrator_pb2_grpc.OrchestratorServiceStub
+
+    async def deploy(self, name: str, slo: Slo, options: selection_pb2.SelectionOptions | None = None) -> Any:
+        t = (await call(self.stub.DeployTask(pb.DeployTaskRequest(
+            description=name, name=name, slo=convert.slo_to_proto(slo),
+            workflows=[convert.workflow_to_proto(ONE)])))).task
+        n = len(self.selector.requests)
+        req = pb.ApproveWorkflowsRequest(task_id=t.id, workflow_ids=["one"])
+        if options is not None:
+            req.options.CopyFrom(options)
+        got = (await call(self.stub.ApproveWorkflows(req, timeout=60))).task
+        assert got.state == ACTIVE, got.failure.message
+        assert len(self.selector.requests) == n + 1
+        return got
+
+    def last_request(self) -> selector_pb2.SelectVariantRequest:
+        return self.selector.requests[-1]
+
+
+@pytest.fixture
+async def stack(etcd_store: Any, start_service: Any) -> AsyncIterator[Stack]:
+    await _put_profile(etcd_store, PROFILE)
+    await InterferenceStore(etcd_store).put(InterferenceRecord.measured("A6000", KAPPA))
+    dset = DeployerSettings(host="127.0.0.1", port=0, grace_s=0.5, node="n0", gpu_type="A6000", gpu_count=2,
+                            use_nvml=False, engine_time_scale=20.0, engine_start_timeout_s=30, engine_stop_grace_s=2,
+                            lease_ttl_s=5)
+    agent = NodeAgent(etcd_store, dset)
+    add_deployer, deployer_ready = service_hooks(agent)
+    await start_service("deployer", add_deployer, dset, on_ready=deployer_ready, on_shutdown=[agent.shutdown])
+
+    sset = SelectorSettings(host="127.0.0.1", port=0, grace_s=0.5)
+    selector = RecordingSelector(sset, etcd_store)
+
+    def add_selector(server: grpc.aio.Server) -> list[str]:
+        selector_pb2_grpc.add_SelectorServiceServicer_to_server(selector, server)
+        return [selector_pb2.DESCRIPTOR.services_by_name["SelectorService"].full_name]
+
+    sel = await start_service("selector", add_selector, sset)
+    oset = OrchestratorSettings(host="127.0.0.1", port=0, grace_s=0.5, selector_address=sel.address,
+                                deploy_timeout_s=60, tool_time_scale=20.0, reconcile_interval_s=0.5,
+                                follow_load=False)
+    clients = Clients(oset.selector_address, timeout_s=30)
+    orch = Orchestrator(oset, etcd_store, clients)
+
+    async def close() -> None:
+        await orch.close()
+        await clients.close()
+
+    async def ready(_running: Any) -> None:
+        await orch.resume()
+
+    o = await start_service("orchestrator", lambda s: add_orchestrator(s, orch), oset, on_ready=ready,
+                            on_shutdown=[close])
+    channel = insecure_channel(o.address, default_timeout_s=60)
+    try:
+        yield Stack(etcd_store, agent, selector, orch, orchestrator_pb2_grpc.OrchestratorServiceStub(channel))
+    finally:
+        await channel.close(None)
+
+
+async def test_defaults_reach_the_selector_and_explicit_options_win(stack: Stack) -> None:
+    # No options at all: the orchestrator's defaults, with the kappa stored for the cluster's GPU type.
+    a = await stack.deploy("plain", Slo(0.1, 3.5, 0.5))
+    o = stack.last_request().options
+    assert o.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE
+    assert o.capacity_model == selection_pb2.CAPACITY_MODEL_BUSY_TIME
+    assert o.HasField("interference") and o.interference == pytest.approx(KAPPA)
+    assert a.variant.assignments[0].model_id == MODEL
+    # Options that leave these unset get them too (and keep what they set).
+    b = await stack.deploy("partial", Slo(0.1, 3.5, 0.5),
+                           selection_pb2.SelectionOptions(allow_reuse=True, utilization_cap=0.9, interference=0.25))
+    o = stack.last_request().options
+    assert (o.gpu_sharing, o.capacity_model) == (selection_pb2.GPU_SHARING_INTERFERENCE,
+                                                 selection_pb2.CAPACITY_MODEL_BUSY_TIME)
+    assert o.interference == pytest.approx(0.25) and o.utilization_cap == pytest.approx(0.9)
+    # The paper's contract on request: explicit IGNORE / OUTPUT_TOKENS win, and no co-resident bound is sent.
+    c = await stack.deploy("paper", Slo(0.1, 3.5, 0.5), selection_pb2.SelectionOptions(
+        gpu_sharing=selection_pb2.GPU_SHARING_IGNORE, capacity_model=selection_pb2.CAPACITY_MODEL_OUTPUT_TOKENS))
+    req = stack.last_request()
+    assert req.options.gpu_sharing == selection_pb2.GPU_SHARING_IGNORE
+    assert req.options.capacity_model == selection_pb2.CAPACITY_MODEL_OUTPUT_TOKENS
+    assert not req.options.HasField("interference")
+    assert req.cluster.instances and all(i.max_slowdown == 0.0 for i in req.cluster.instances)
+    # What was approved is stored as given: an operator switching the defaults changes later re-selections.
+    kv = await stack.store.get(keys.task(a.id))
+    assert TaskRecord.from_json(kv.value).options_json == ""
+    kv = await stack.store.get(keys.task(c.id))
+    assert "GPU_SHARING_IGNORE" in TaskRecord.from_json(kv.value).options_json
+    # The operator's switch: with IGNORE as the default, a task without options gets the paper's contract.
+    stack.core.settings = stack.core.settings.model_copy(update={"default_gpu_sharing": "IGNORE",
+                                                                 "default_capacity_model": "OUTPUT_TOKENS"})
+    await stack.deploy("switched", Slo(0.1, 3.5, 0.5))
+    o = stack.last_request().options
+    assert (o.gpu_sharing, o.capacity_model) == (selection_pb2.GPU_SHARING_IGNORE,
+                                                 selection_pb2.CAPACITY_MODEL_OUTPUT_TOKENS)
+    assert b.state == ACTIVE
+
+
+async def test_selector_view_carries_the_slowdown_tasks_tolerate(stack: Stack) -> None:
+    a = await stack.deploy("first", Slo(0.1, 3.5, 0.5))  # tolerates 3.5 / 0.05 = 70x
+    iid = a.stage_instances["answer"]
+    assert list(a.variant.new_instances) and a.variant.assignments[0].model_id == MODEL
+    # No task used the instance when `a` was selected: nothing bounds anything.
+    assert all(i.max_slowdown == 0.0 for i in stack.last_request().cluster.instances)
+
+    c = await stack.deploy("second", Slo(0.1, 7.0, 0.5))  # tolerates 140x; reuses a's instance
+    req = stack.last_request()
+    (inst,) = [i for i in req.cluster.instances if i.id == iid]
+    assert inst.max_slowdown == pytest.approx(3.5 / ALONE_S)
+    assert c.stage_instances["answer"] == iid  # reuse kept the first task within its tolerance
+    # The selector's view carries the measured busy share when fresh (the engine is idle: 0 or close to it).
+    rec = InstanceRecord.from_json((await stack.store.get(keys.instance(iid))).value)
+    assert 0.0 <= inst.busy_share <= 1.0 and inst.busy_share == pytest.approx(
+        rec.observed_busy_share if time.time() - rec.observed_load_at <= 15 else 0.0, abs=0.05)
+
+    # The load follower's re-selection of `a` goes through the same request builder: `a` answers for itself
+    # (the selector's latency check), so only the other task (`c`, 140x) bounds the instance.
+    _, ta = await stack.core._get(a.id)
+    view = await read_live_cluster(stack.store)
+    follow = await stack.core._selection_request(ta, view.cluster, rate_rps=2.0, max_replicas=4)
+    (inst,) = [i for i in follow.cluster.instances if i.id == iid]
+    assert inst.max_slowdown == pytest.approx(7.0 / ALONE_S)
+    assert follow.options.max_replicas == 4 and follow.slo.arrival_rate_rps == 2.0
+    assert follow.options.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE
+
+
+async def test_a_task_is_kept_off_an_instance_whose_task_would_miss_its_slo(stack: Stack) -> None:
+    """The bound at work: a task whose SLO leaves 5 % over its latency alone shares its instance with no task that
+    would slow it more; the same request without the bound (or a task asking for the paper's contract) reuses it."""
+    a = await stack.deploy("tight", Slo(0.1, 1.05 * ALONE_S, 0.5))
+    iid = a.stage_instances["answer"]
+    heavy = Slo(0.1, 7.0, 20.0)  # 200 tok/s: the shared instance's queueing would grow ~3x
+    c = await stack.deploy("heavy", heavy)
+    req = stack.last_request()
+    (inst,) = [i for i in req.cluster.instances if i.id == iid]
+    assert inst.max_slowdown == pytest.approx(1.05)
+    assert c.stage_instances["answer"] != iid and list(c.variant.new_instances)
+    # The same request with the bound taken off: reuse is free, so the selector would have put it there.
+    unbounded = selector_pb2.SelectVariantRequest()
+    unbounded.CopyFrom(req)
+    for i in unbounded.cluster.instances:
+        i.max_slowdown = 0.0
+    free = convert.selection_result_from_proto(await call(stack.core.clients.selector.SelectVariant(unbounded)))
+    assert free.variant is not None and [r for r, _ in free.variant.reuse] == [iid]
+    # The paper's contract ignores sharing altogether.
+    d = await stack.deploy("paper", heavy, selection_pb2.SelectionOptions(gpu_sharing=selection_pb2.GPU_SHARING_IGNORE))
+    assert d.stage_instances["answer"] == iid
+
+
+# ---- the busy share measured: etcd, the node agent and a real engine ----------------------------------
+
+
+TIME_SCALE = 5.0
+BUSY_PROFILE = Profile(MODEL, 1, 1, memory_gb_per_gpu=4.0, fixed_s=0.0, prefill_s_per_token=0.0,
+                       decode_s_per_token=0.02, max_output_tokens_per_s=200.0, gpu_type="A6000",
+                       source=ProfileSource.MEASURED)
+
+
+@pytest.fixture
+async def agent(etcd: Any, etcd_namespace: str, etcd_store: EtcdStore) -> AsyncIterator[NodeAgent]:
+    await _put_profile(etcd_store, BUSY_PROFILE)
+    settings = DeployerSettings(node="node0", host="127.0.0.1", port=0, etcd_endpoints=etcd.endpoint,
+                                etcd_namespace=etcd_namespace, etcd_timeout_s=3.0, use_nvml=False, gpu_type="A6000",
+                                gpu_count=1, lease_ttl_s=3, engine_time_scale=TIME_SCALE, engine_stop_grace_s=3.0,
+                                engine_start_timeout_s=60.0, load_scrape_interval_s=0.5, load_half_life_s=1.0,
+                                load_report_max_interval_s=1.0)
+    store = EtcdStore(etcd.endpoint, namespace=etcd_namespace, timeout_s=3.0)
+    a = NodeAgent(store, settings)
+    await a.start()
+    try:
+        yield a
+    finally:
+        await a.shutdown()
+        await store.close()
+
+
+async def _eventually(check: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = await check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.1)
+
+
+async def test_busy_share_is_measured_and_reaches_the_selectors_view(agent: NodeAgent, etcd_store: EtcdStore) -> None:
+    rec = await agent.deploy(DeployParams(MODEL, task_id="task-a", request_id="inst-busy"))
+    assert rec.state is InstanceState.READY
+
+    async def record() -> InstanceRecord:
+        kv = await etcd_store.get(keys.instance(rec.id))
+        assert kv is not None
+        return InstanceRecord.from_json(kv.value)
+
+    async def client(http: aiohttp.ClientSession, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        while True:  # closed loop: a call of 100 tokens takes 2 model s (0.4 wall s) alone
+            async with http.post(rec.endpoint + "/v1/completions",
+                                 json={"model": MODEL, "prompt": "go", "max_tokens": 100}) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        clients = [asyncio.create_task(client(http, i * 0.05)) for i in range(4)]
+        try:
+            async def busy() -> InstanceRecord | None:
+                r = await record()
+                return r if r.observed_busy_share >= 0.8 else None
+
+            got: InstanceRecord = await _eventually(busy, timeout_s=10.0)  # ~1 s half-life: 0.8 after ~3 s
+            view = await read_live_cluster(etcd_store)
+        finally:
+            for t in clients:
+                t.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+    assert got.observed_busy_share <= 1.0 and got.observed_load_output_tokens_per_s > 0
+    assert time.time() - got.observed_load_at <= 3.0  # written with the observed load's timestamp
+    (inst,) = view.cluster.instances
+    rec_now = view.instances[rec.id]
+    assert inst.busy_share == pytest.approx(rec_now.observed_busy_share) and inst.busy_share >= 0.7
+    # A stale observation is unknown (0) to readers, like the observed load.
+    stale = await read_live_cluster(etcd_store, observed_max_age_s=1e-9)
+    assert stale.cluster.instances[0].busy_share == 0.0
+
+    # Idle again: the share decays (half-life 1 s) and is written down.
+    async def calm() -> bool:
+        return (await record()).observed_busy_share < 0.2
+
+    await _eventually(calm, timeout_s=10.0)
