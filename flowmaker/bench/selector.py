@@ -22,6 +22,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from flowmaker.catalog import default_models, get_gpu_type, make_cluster, params
 from flowmaker.domain import (
     Cluster,
     Gpu,
+    GpuSharing,
     Instance,
     Model,
     Profile,
@@ -40,7 +42,7 @@ from flowmaker.domain import (
     Variant,
     Workflow,
 )
-from flowmaker.errors import DeadlineExceeded
+from flowmaker.errors import DeadlineExceeded, InvalidSpec
 from flowmaker.eval.tasks import EVAL_TASKS
 from flowmaker.eval.traces import quantile
 from flowmaker.profiling.analytic import profiles_for
@@ -66,6 +68,9 @@ class BenchConfig:
     adversarial_per_kind: int = 4  # seeded instances per adversarial kind (0: skip the section)
     adversarial_budget_s: float = 1.9  # exact's time budget on them (the answer must come within 2 s)
     sections: tuple[str, ...] = ("paper", "depth", "catalog", "adversarial")
+    # The selection contract of every request: "ignore" (the paper's, the base contract) or "interference"
+    # (docs/selection-spec.md, "Extension: GPU sharing").
+    gpu_sharing: str = "ignore"
 
 
 # ------------------------------------------------------------------ cluster states
@@ -82,7 +87,7 @@ def _running_cluster(models: Sequence[Model], profiles: Sequence[Profile], load_
         req = SelectionRequest(t.slo(), t.nominal_workflows(), tuple(models), tuple(profiles),
                                Cluster(tuple(dataclasses.replace(g, memory_used_gb=used[g.id]) for g in cluster.gpus),
                                        tuple(instances)))
-        res = select(req, "exact")
+        res = _select(req, "exact")
         if res.variant is None:
             continue
         for n in res.variant.new_instances:
@@ -105,12 +110,23 @@ def _signature(v: Variant | None) -> Any:
                                         for a in v.assignments)))
 
 
+_SHARING: ContextVar[GpuSharing] = ContextVar("flowmaker_bench_gpu_sharing", default=GpuSharing.IGNORE)
+
+
+def _select(req: SelectionRequest, strategy: str) -> SelectionResult:
+    """`select` under the bench's contract (BenchConfig.gpu_sharing)."""
+    sharing = _SHARING.get()
+    if req.options.gpu_sharing is not sharing:
+        req = dataclasses.replace(req, options=dataclasses.replace(req.options, gpu_sharing=sharing))
+    return select(req, strategy)
+
+
 def _run(req: SelectionRequest, strategy: str, repeats: int) -> tuple[SelectionResult, list[float]]:
     times = []
     res = None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        res = select(req, strategy)
+        res = _select(req, strategy)
         times.append(time.perf_counter() - t0)
     assert res is not None
     return res, times
@@ -439,7 +455,7 @@ def adversarial(cfg: BenchConfig, progress: Progress) -> dict[str, Any]:
                 "models": len(req.models), "utilization_cap": req.options.utilization_cap}
             t0 = time.perf_counter()
             try:
-                res = select(req, "exact")
+                res = _select(req, "exact")
             except DeadlineExceeded:
                 row.update(time_s=time.perf_counter() - t0, answer="DEADLINE_EXCEEDED", optimal=False, gap=None,
                            cost=None, lower_bound=None, evaluated=None)
@@ -514,6 +530,9 @@ def _plots(result: dict[str, Any], out_dir: Path) -> list[str]:
 def run_selector_bench(out_dir: str | Path = "out/bench-selector", cfg: BenchConfig | None = None,
                        progress: Progress | None = None) -> dict[str, Any]:
     cfg = cfg or BenchConfig()
+    if cfg.gpu_sharing.upper() not in GpuSharing.__members__:
+        raise InvalidSpec(f"unknown GPU sharing {cfg.gpu_sharing!r}; known: ignore, interference", field="gpu_sharing")
+    _SHARING.set(GpuSharing[cfg.gpu_sharing.upper()])
     progress = progress or (lambda _m: None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

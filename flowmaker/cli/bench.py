@@ -24,6 +24,8 @@ def selector(out: Path = typer.Option(Path("out/bench-selector"), help="Output f
              adversarial_per_kind: int = typer.Option(4, help="Seeded adversarial instances per kind."),
              adversarial_budget: float = typer.Option(1.9, help="exact's time budget (s) on adversarial instances."),
              seed: int = typer.Option(0, help="Seed of the synthetic catalog, BO and the adversarial generators."),
+             gpu_sharing: str = typer.Option("ignore", help="Contract of every request: ignore (the paper's base "
+                                                            "contract) or interference (GPU sharing extension)."),
              json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
     """Exact vs heuristic vs exhaustive vs Bayesian optimisation: paper scale, depth, catalog size; exact on
     seeded adversarial instances under its time budget (proven optimal or not, gap)."""
@@ -38,7 +40,7 @@ def selector(out: Path = typer.Option(Path("out/bench-selector"), help="Output f
                           depth_max=4, depth_budget_s=1.0, catalog_sizes=(11, 25), adversarial_per_kind=1)
     cfg = dataclasses.replace(cfg, sections=tuple(section), seed=seed,
                               adversarial_per_kind=1 if quick else adversarial_per_kind,
-                              adversarial_budget_s=adversarial_budget)
+                              adversarial_budget_s=adversarial_budget, gpu_sharing=gpu_sharing)
     console = Console(stderr=json_out, width=max(150, Console().width))
     with console.status("benchmarking selection strategies") as status:
         result = run_selector_bench(out, cfg, progress=lambda m: status.update(m))
