@@ -914,6 +914,9 @@ class _Search:
                 mpg = profiles[pi].memory_gb_per_gpu
                 k = p_k[pi]
                 reps = p_reps[pi]
+                # Free memory is restored from this snapshot, not by adding back: float sums drift after
+                # backtracking (28 - 7.1e-15 GB), and the spec's exact ties between GPUs and nodes then break.
+                snap = list(free.items()) if check_place else []
                 group: list[tuple[str, tuple[str, ...]]] = []
                 node: str = ""
                 gids: tuple[str, ...] = ()
@@ -925,13 +928,14 @@ class _Search:
                             break
                         placed_s.append(pl2)
                     if len(placed_s) < reps:
-                        _unplace(placed_s, free, occ, mpg, pb.u_frac)
+                        _unplace(placed_s, free, occ, snap, pb.u_frac)
                         assigned[s] = False
                         continue
                     group = placed_s
                 elif check_place and reps > 1:  # a replica group: placed replica by replica, not cached
                     placed = _place_group(layout, free, k, mpg, reps)
                     if placed is None:
+                        _restore(free, snap)
                         assigned[s] = False
                         continue
                     group = placed
@@ -965,13 +969,9 @@ class _Search:
                 slot_load.pop()
                 slots.pop()
                 if check_place and sharing:
-                    _unplace(group, free, occ, mpg, pb.u_frac)
+                    _unplace(group, free, occ, snap, pb.u_frac)
                 elif check_place:
-                    for g in gids:
-                        free[g] += mpg
-                    for _, gg in group:
-                        for g2 in gg:
-                            free[g2] += mpg
+                    _restore(free, snap)
                 assigned[s] = False
                 if search.done or halted(lb):
                     return
@@ -1135,12 +1135,19 @@ def _place_group(layout, free: dict[str, float], k: int, mpg: float, reps: int
     return out
 
 
-def _unplace(placed: list[tuple[str, tuple[str, ...]]], free: dict[str, float], occ: dict[str, Any], mpg: float,
-             u: Any) -> None:
-    """Undo `Problem.place_new` for these replicas (GPU sharing)."""
+def _restore(free: dict[str, float], snap: list[tuple[str, float]]) -> None:
+    """Free memory exactly as it was before a placement (no float drift from adding back)."""
+    for g, v in snap:
+        free[g] = v
+
+
+def _unplace(placed: list[tuple[str, tuple[str, ...]]], free: dict[str, float], occ: dict[str, Any],
+             snap: list[tuple[str, float]], u: Any) -> None:
+    """Undo `Problem.place_new` for these replicas (GPU sharing): free memory from the snapshot, occupancy
+    (exact rationals) by subtraction."""
+    _restore(free, snap)
     for _, gids in placed:
         for g in gids:
-            free[g] += mpg
             occ[g] -= u
 
 
