@@ -799,8 +799,35 @@ class _Search:
             for s in st.after[j]:
                 assigned[s] = False
 
+        topo = pw.topo
+
+        def sharing_prefix_ok() -> bool:
+            """GPU sharing: shares only grow as stages are added, so a prefix over a budget fails every completion,
+            and its slowed latency is a lower bound of every completion's (a bound on latency and cost)."""
+            factors = pb.sharing_factors(pw, choice, slots, places)
+            if factors is None:
+                return False
+            slowed = {s2: f for s2, f in zip(llm, factors, strict=False)}
+            fin2: dict[int, float] = {}
+            Lp = 0.0
+            for s2 in topo:
+                if not assigned[s2]:
+                    continue
+                base = (lat_reuse[s2][choice[llm.index(s2)][1]] if choice[llm.index(s2)][0] == REUSE
+                        else lat_new[s2][slots[choice[llm.index(s2)][1]]]) if s2 in slowed else tool_lat[s2]
+                f2 = max((fin2.get(p, 0.0) for p in preds[s2]), default=0.0) + base * slowed.get(s2, 1.0)
+                fin2[s2] = f2
+                if f2 > Lp:
+                    Lp = f2
+            if not leq(Lp, lam):
+                return False
+            best = search.best
+            return best is None or mem_now[0] * Lp <= best[0] * (1 + REL_TOL) + 1e-300
+
         def descend(j: int, lb: float) -> None:
             # Called with stage llm[j] and its following TOOL stages already set.
+            if sharing and check_place and j + 1 < nd and not sharing_prefix_ok():
+                return
             if not tools_after(j):
                 undo_tools(j)
                 return

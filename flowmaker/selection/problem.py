@@ -174,12 +174,15 @@ class Problem:
         running co-resident past what it tolerates. Identity without sharing."""
         if not self.sharing:
             return [1.0] * len(choice)
+        # `choice` may be a prefix (the first stages in topological order): every share only grows as stages
+        # are added, so a prefix that fails fails every completion (the branch and bound prunes with it).
+        llm = pw.llm[:len(choice)]
         first = self.slot_offsets(slot_prof)
         slot_load = [0.0] * len(slot_prof)
         slot_n = [0.0] * len(slot_prof)  # offered call-seconds per second (latency alone x arrival rate)
         r_add: dict[int, float] = {}
         r_n: dict[int, float] = {}
-        for s, (kind, ref) in zip(pw.llm, choice, strict=True):
+        for s, (kind, ref) in zip(llm, choice, strict=True):
             if kind == REUSE:
                 r_add[ref] = r_add.get(ref, 0.0) + pw.load[s]
                 r_n[ref] = r_n.get(ref, 0.0) + self.rho * pw.lat_reuse[s][ref]
