@@ -185,3 +185,54 @@ def adapt(out: Path = typer.Option(Path("out/bench-adapt"), help="Output folder 
 
 def register(app: typer.Typer) -> None:
     app.add_typer(bench, name="bench")
+
+
+@bench.command("live-sharing")
+def live_sharing(out: Path = typer.Option(Path("out/bench-live-sharing"), help="Output folder for the JSON report "
+                                                                            "(or a path ending in .json)."),
+                 tasks: str = typer.Option("", help="Comma-separated evaluation tasks (default: all 7)."),
+                 load: float = typer.Option(1.0, min=0.01, help="Fraction of each task's nominal rate, deployed "
+                                                                "and sent."),
+                 time_scale: float = typer.Option(2.0, min=0.1, help="Emulated engines' model seconds per wall "
+                                                                     "second."),
+                 duration: float = typer.Option(75.0, min=1.0, help="Wall seconds of load."),
+                 warmup: float = typer.Option(15.0, min=0.0, help="Wall seconds at the start of the load not "
+                                                                  "measured."),
+                 drain: float = typer.Option(20.0, min=0.0, help="Wall seconds to wait for requests in flight "
+                                                                 "after the load."),
+                 gpus: int = typer.Option(8, min=1, max=64, help="GPUs of the emulated node."),
+                 gpu_type: str = typer.Option("A6000", help="GPU type of the emulated node."),
+                 seed: int = typer.Option(0, help="Seed of the arrival times."),
+                 follow_load: bool = typer.Option(False, help="Let the orchestrator re-select for load during the "
+                                                              "run (off: the deployed variants are what is measured)."),
+                 work_dir: Path | None = typer.Option(None, help="Keep the stack's work dir (logs) here."),
+                 json_out: bool = typer.Option(False, "--json", help="Print the full JSON instead of the tables.")
+                 ) -> None:
+    """Live stack under GPU sharing: deploy tasks until instances share GPUs, send open-loop load at the declared
+    rates, report per task p95 vs SLO and per shared stage predicted vs measured latency. Exit 0 (figures only;
+    130 when interrupted)."""
+    import json
+
+    from flowmaker.bench.live_sharing import LiveSharingConfig, render, run_live_sharing, summary_json
+    from flowmaker.eval.tasks import EVAL_TASKS
+
+    names = tuple(x.strip() for x in tasks.split(",") if x.strip())
+    known = [t.name for t in EVAL_TASKS]
+    if any(n not in known for n in names):
+        raise typer.BadParameter(f"unknown task(s) {[n for n in names if n not in known]}; known: {known}",
+                                 param_hint="--tasks")
+    cfg = LiveSharingConfig(tasks=names, load=load,
+                            time_scale=time_scale, duration_s=duration, warmup_s=min(warmup, duration / 2),
+                            drain_s=drain, gpus=gpus, gpu_type=gpu_type, seed=seed, follow_load=follow_load,
+                            work_dir=work_dir)
+    console = Console(stderr=True, width=max(200, Console().width))
+    try:
+        res = run_live_sharing(cfg, out, progress=lambda m: console.print(f"  {m}", highlight=False, markup=False))
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        raise typer.Exit(130) from None
+    if json_out:
+        typer.echo(json.dumps(res, indent=1))
+        return
+    render(res, Console(width=max(200, Console().width)))
+    typer.echo(json.dumps(summary_json(res), indent=1))
