@@ -12,7 +12,10 @@ Two readers used by both the selector and the orchestrator:
 
 And what GPU sharing needs besides (docs/selection-spec.md, "Extension: GPU sharing"): each instance's measured
 busy share (`fresh_busy_share`, put into the view by `with_loads`) and the slowdown the tasks using it tolerate
-(`read_tolerated_slowdowns` -> `with_tolerances`: SLO / the task's latency alone, the least over its tasks).
+(`read_tolerated_slowdowns` -> `with_tolerances`: SLO / the task's latency alone, the least over its tasks), and
+its busy share at the planned rates (`planned_busy_shares` -> `with_planned_busy`: occupancy of the call-seconds
+per second its tasks offer it alone; what the selector assumes before traffic arrives, the measured share winning
+when higher). Both come from one pass over the committed variants (`task_uses` / `read_task_uses`).
 
 They take the `StateStore` protocol, so they run unchanged against etcd or the in-memory store.
 """
@@ -24,12 +27,13 @@ import math
 import re
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import fields, replace
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 
 from flowmaker.domain import Cluster, Model, Profile, ProfileSource, Variant, Workflow
 from flowmaker.errors import InvalidSpec, NotFound
-from flowmaker.orchestration.task import TaskRecord, TaskState
+from flowmaker.orchestration.task import REPLICA_SEP, TaskRecord, TaskState
+from flowmaker.sharing import occupancy
 from flowmaker.state import keys
 from flowmaker.state.records import ClusterView, InstanceRecord, read_cluster, reuse_load
 from flowmaker.state.store import KeyValue, StateStore
@@ -147,28 +151,94 @@ async def read_live_cluster(store: StateStore, *, observed_max_age_s: float = OB
 TOLERATING_STATES = (TaskState.DEPLOYING, TaskState.ACTIVE)
 
 
+def stage_latencies_alone(workflow: Workflow, variant: Variant, profiles: Mapping[tuple[str, int, int], Profile]
+                          ) -> dict[str, float | None] | None:
+    """Each stage's own latency without GPU sharing (Feasibility 2 of docs/selection-spec.md): an LLM stage takes
+    calls_per_request x its profile's call latency (from its assignment and `profiles`, by (model, tp, pp); None
+    when either is unknown), a TOOL stage its latency_s. None when the variant is not of `workflow`."""
+    if variant.workflow_id != workflow.id:
+        return None
+    by_stage = {a.stage_id: a for a in variant.assignments}
+    out: dict[str, float | None] = {}
+    for s in workflow.stages:
+        if s.is_llm:
+            a = by_stage.get(s.id)
+            p = profiles.get((a.model_id, a.tp, a.pp)) if a is not None else None
+            out[s.id] = None if p is None else s.calls_per_request * p.call_latency_s(s.input_tokens, s.output_tokens)
+        else:
+            out[s.id] = s.latency_s
+    return out
+
+
+def _longest_path(workflow: Workflow, own: Mapping[str, float | None]) -> float | None:
+    done: dict[str, float] = {}
+    for i in workflow.topo_order():
+        s = workflow.stages[i]
+        lat = own.get(s.id)
+        if lat is None:
+            return None
+        done[s.id] = max((done.get(d, 0.0) for d in s.depends_on), default=0.0) + lat
+    return max(done.values(), default=0.0)
+
+
 def alone_latency_s(workflow: Workflow, variant: Variant, profiles: Mapping[tuple[str, int, int], Profile]
                     ) -> float | None:
     """The variant's latency without GPU sharing: Feasibility 2 of docs/selection-spec.md (an LLM stage takes
     calls_per_request x its profile's call latency, a TOOL stage its latency_s; the longest path through the
     DAG). Under `INTERFERENCE` the variant's own `latency_s` is the slowed one, so this is recomputed from its
     assignments and `profiles` (by (model, tp, pp)). None when a stage's assignment or profile is unknown."""
-    if variant.workflow_id != workflow.id:
-        return None
-    by_stage = {a.stage_id: a for a in variant.assignments}
-    done: dict[str, float] = {}
-    for i in workflow.topo_order():
-        s = workflow.stages[i]
-        if s.is_llm:
-            a = by_stage.get(s.id)
-            p = profiles.get((a.model_id, a.tp, a.pp)) if a is not None else None
-            if p is None:
-                return None
-            own = s.calls_per_request * p.call_latency_s(s.input_tokens, s.output_tokens)
-        else:
-            own = s.latency_s
-        done[s.id] = max((done.get(d, 0.0) for d in s.depends_on), default=0.0) + own
-    return max(done.values(), default=0.0)
+    own = stage_latencies_alone(workflow, variant, profiles)
+    return None if own is None else _longest_path(workflow, own)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskUse:
+    """What one committed variant of a task (its current one, or its next one during a make-before-break switch)
+    asks of the instances it uses, without GPU sharing:
+
+    * `alone_s`: the variant's latency alone (`alone_latency_s`; None when unknown);
+    * `offered`: by instance id, the call-seconds per second it offers there: over the LLM stages mapped to the
+      instance, the rate the variant is planned for x the stage's latency alone, divided by the stage's
+      replica count (a stage whose profile is unknown offers nothing known and is left out);
+    * `instances`: every instance the variant uses."""
+
+    task_id: str
+    slo_latency_s: float
+    alone_s: float | None
+    offered: dict[str, float]
+    instances: frozenset[str]
+
+
+def task_uses(tasks: Iterable[TaskRecord], profiles: Mapping[tuple[str, int, int], Profile], *,
+              exclude: str = "") -> Iterator[TaskUse]:
+    """One `TaskUse` per committed variant of the tasks holding one (`TOLERATING_STATES`; `exclude` left out):
+    the current variant at the rate it was planned for (`TaskRecord.plan_rate_rps`) and, during a switch, the
+    next one at the rate of the re-selection that chose it (else the same)."""
+    for t in tasks:
+        if t.id == exclude or t.state not in TOLERATING_STATES:
+            continue
+        next_rate = t.last_reselection.rate_rps if t.last_reselection is not None and \
+            t.last_reselection.rate_rps > 0 else t.plan_rate_rps
+        for v, stage_instances, rate in ((t.variant, t.stage_instances, t.plan_rate_rps),
+                                         (t.next_variant, t.next_stage_instances, next_rate)):
+            if v is None or not stage_instances:
+                continue
+            wf = next((w for w in t.candidates if w.id == v.workflow_id), None)
+            own = stage_latencies_alone(wf, v, profiles) if wf is not None else None
+            alone = _longest_path(wf, own) if wf is not None and own is not None else None
+            offered: dict[str, float] = {}
+            if wf is not None and own is not None and rate > 0 and math.isfinite(rate):
+                by_stage: dict[str, list[str]] = {}
+                for slot, iid in stage_instances.items():
+                    by_stage.setdefault(slot.split(REPLICA_SEP, 1)[0], []).append(iid)
+                for s in wf.stages:
+                    lat = own.get(s.id)
+                    iids = by_stage.get(s.id, [])
+                    if not s.is_llm or lat is None or not iids or not math.isfinite(lat):
+                        continue
+                    for iid in iids:
+                        offered[iid] = offered.get(iid, 0.0) + rate * lat / len(iids)
+            yield TaskUse(t.id, t.slo.max_latency_s, alone, offered, frozenset(stage_instances.values()))
 
 
 def tolerated_slowdowns(tasks: Iterable[TaskRecord], profiles: Mapping[tuple[str, int, int], Profile], *,
@@ -179,23 +249,32 @@ def tolerated_slowdowns(tasks: Iterable[TaskRecord], profiles: Mapping[tuple[str
     (`alone_latency_s`; at least 1). During a make-before-break switch both the current and the next variant
     count. A task whose alone latency is unknown (a profile gone, an unreadable variant) bounds nothing; an
     instance no task bounds is absent (0 = unbounded)."""
+    return tolerances_of(task_uses(tasks, profiles, exclude=exclude))
+
+
+def tolerances_of(uses: Iterable[TaskUse]) -> dict[str, float]:
+    """`tolerated_slowdowns` from the tasks' uses."""
     out: dict[str, float] = {}
-    for t in tasks:
-        if t.id == exclude or t.state not in TOLERATING_STATES:
+    for u in uses:
+        if u.alone_s is None or not (u.alone_s > 0 and math.isfinite(u.alone_s)):
             continue
-        for v, stage_instances in ((t.variant, t.stage_instances), (t.next_variant, t.next_stage_instances)):
-            if v is None or not stage_instances:
-                continue
-            wf = next((w for w in t.candidates if w.id == v.workflow_id), None)
-            alone = alone_latency_s(wf, v, profiles) if wf is not None else None
-            if alone is None or not (alone > 0 and math.isfinite(alone)):
-                continue
-            tol = max(1.0, t.slo.max_latency_s / alone)
-            if not math.isfinite(tol):
-                continue
-            for iid in set(stage_instances.values()):
-                out[iid] = min(out.get(iid, tol), tol)
+        tol = max(1.0, u.slo_latency_s / u.alone_s)
+        if not math.isfinite(tol):
+            continue
+        for iid in u.instances:
+            out[iid] = min(out.get(iid, tol), tol)
     return out
+
+
+def planned_busy_shares(uses: Iterable[TaskUse]) -> dict[str, float]:
+    """By instance id, its busy share at the planned rates: `flowmaker.sharing.occupancy(N)`, N the call-seconds
+    per second the tasks' variants offer it (`TaskUse.offered`, summed). What the selector assumes of an
+    instance before (or beside) a measurement: a freshly deployed instance has none until traffic arrives."""
+    offered: dict[str, float] = {}
+    for u in uses:
+        for iid, n in u.offered.items():
+            offered[iid] = offered.get(iid, 0.0) + n
+    return {iid: occupancy(n) for iid, n in offered.items() if n > 0}
 
 
 def with_tolerances(cluster: Cluster, tolerated: Mapping[str, float]) -> Cluster:
@@ -204,11 +283,19 @@ def with_tolerances(cluster: Cluster, tolerated: Mapping[str, float]) -> Cluster
                                             for i in cluster.instances))
 
 
-async def read_tolerated_slowdowns(store: StateStore, gpu_type: str, models: Sequence[Model], *,
-                                   exclude: str = "") -> dict[str, float]:
-    """`tolerated_slowdowns` over the stored task records, with the profiles the selector sees for `models` on
-    `gpu_type` (`read_profiles`: stored MEASURED first, else analytic). A model outside `models`, or a GPU type
-    the catalog does not know (no analytic profiles) leaves the tasks using it unbounded."""
+def with_planned_busy(cluster: Cluster, planned: Mapping[str, float]) -> Cluster:
+    """The cluster with each running instance's `busy_share` = max(its planned busy share (`planned_busy_shares`;
+    0 when absent), the one it carries: the measured share when fresh, else 0)."""
+    return replace(cluster, instances=tuple(
+        replace(i, busy_share=min(1.0, max(i.busy_share, planned.get(i.id, 0.0)))) for i in cluster.instances))
+
+
+async def read_task_uses(store: StateStore, gpu_type: str, models: Sequence[Model], *,
+                         exclude: str = "") -> list[TaskUse]:
+    """`task_uses` over the stored task records, with the profiles the selector sees for `models` on `gpu_type`
+    (`read_profiles`: stored MEASURED first, else analytic). A model outside `models`, or a GPU type the catalog
+    does not know (no analytic profiles) leaves the tasks using it with an unknown latency alone and nothing
+    offered."""
     tasks: list[TaskRecord] = []
     for kv in (await store.get_prefix(keys.TASKS)).items:
         try:
@@ -218,17 +305,34 @@ async def read_tolerated_slowdowns(store: StateStore, gpu_type: str, models: Seq
             continue
         if t.state in TOLERATING_STATES and t.id != exclude:
             tasks.append(t)
-    used = {(a.model_id, a.tp * a.pp) for t in tasks for v in (t.variant, t.next_variant) if v is not None
+    used = {(a.model_id, a.tp, a.pp) for t in tasks for v in (t.variant, t.next_variant) if v is not None
             for a in v.assignments}
     if not used:
-        return {}
-    wanted = [m for m in models if m.id in {u[0] for u in used}]
+        return []
     try:
-        profiles = await read_profiles(store, gpu_type, wanted, max_gpus=max(8, max(u[1] for u in used)))
+        profiles = await read_used_profiles(store, gpu_type, models, used)
     except (NotFound, InvalidSpec) as e:
         log.warning("no profiles on GPU type %r to bound co-residents' slowdown: %s", gpu_type, e)
+        return []
+    return list(task_uses(tasks, profiles))
+
+
+async def read_tolerated_slowdowns(store: StateStore, gpu_type: str, models: Sequence[Model], *,
+                                   exclude: str = "") -> dict[str, float]:
+    """`tolerated_slowdowns` over the stored task records (`read_task_uses`)."""
+    return tolerances_of(await read_task_uses(store, gpu_type, models, exclude=exclude))
+
+
+async def read_used_profiles(store: StateStore, gpu_type: str, models: Sequence[Model],
+                             used: Iterable[tuple[str, int, int]]) -> dict[tuple[str, int, int], Profile]:
+    """The profiles the selector sees (`read_profiles`) of the (model, tp, pp) in `used`, by key; models outside
+    `models` have none. Raises NotFound / InvalidSpec as `read_profiles` does."""
+    used = set(used)
+    wanted = [m for m in models if m.id in {u[0] for u in used}]
+    if not wanted:
         return {}
-    return tolerated_slowdowns(tasks, {p.key: p for p in profiles})
+    profiles = await read_profiles(store, gpu_type, wanted, max_gpus=max(8, max(u[1] * u[2] for u in used)))
+    return {p.key: p for p in profiles if p.key in used}
 
 
 def cluster_gpu_type(cluster: Cluster, default: str) -> str:

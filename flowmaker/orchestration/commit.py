@@ -1,7 +1,8 @@
 """Commit and release planning: decisions as data, turned into ONE guarded state-store transaction.
 
 `plan_commit` turns a selected variant into a `CommitPlan` (deploy these new instances on these GPUs,
-reuse these running ones with this load); `commit_ops` turns the plan plus the cluster view the
+reuse these running ones with this load: under BUSY_TIME its busy-time equivalent, `busy_load_scale`);
+`commit_ops` turns the plan plus the cluster view the
 selector saw into the compares and puts of one transaction that
 - re-checks, at that view's mod_revisions, every GPU key a new instance lands on and every reused
   instance's key (whose record carries its load and is rewritten whenever a reuse mapping changes),
@@ -16,11 +17,12 @@ here too (NoCapacity), so even a wrong selection cannot push a GPU past its capa
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from flowmaker.domain import Variant
+from flowmaker.domain import Profile, Variant, Workflow
 from flowmaker.errors import InvalidSpec, NoCapacity
 from flowmaker.orchestration.task import DeployedInstance, TaskRecord, replica_slot
 from flowmaker.selection.placement import EPS_GB
@@ -63,17 +65,26 @@ class ReleaseAction:
     stop: bool
 
 
-def plan_commit(task_id: str, variant: Variant, new_ids: Sequence[str]) -> CommitPlan:
-    """The plan of a selected variant; `new_ids[i]` names the variant's i-th new instance."""
+def plan_commit(task_id: str, variant: Variant, new_ids: Sequence[str], *,
+                load_scale: Mapping[tuple[str, int, int], float] | None = None) -> CommitPlan:
+    """The plan of a selected variant; `new_ids[i]` names the variant's i-th new instance.
+
+    `load_scale` (by (model, tp, pp)) turns the variant's loads into the planned loads recorded per instance:
+    under BUSY_TIME, `busy_load_scale` of the variant's workflow, so that what is recorded is the busy-time
+    equivalent (output tokens/s at the profile's reference request keeping the same busy fraction), which is how
+    later selections read running loads; None (or a key it lacks): the loads as selected (output tokens/s)."""
     if len(new_ids) != len(variant.new_instances):
         raise InvalidSpec(f"need {len(variant.new_instances)} instance ids, got {len(new_ids)}", field="new_ids")
+    scale = load_scale or {}
     by_key = {n.key: iid for n, iid in zip(variant.new_instances, new_ids, strict=True)}
     deploy = tuple(DeployedInstance(iid, n.key, n.model_id, n.tp, n.pp, n.node, n.gpu_ids, n.memory_gb_per_gpu,
-                                    n.load_output_tokens_per_s)
+                                    n.load_output_tokens_per_s * scale.get((n.model_id, n.tp, n.pp), 1.0))
                    for n, iid in zip(variant.new_instances, new_ids, strict=True))
+    reused_key = {a.instance_id: (a.model_id, a.tp, a.pp) for a in variant.assignments if a.reused}
     loads: dict[str, float] = defaultdict(float)
     for iid, load in variant.reuse:
-        loads[iid] += load
+        k = reused_key.get(iid)
+        loads[iid] += load * (scale.get(k, 1.0) if k is not None else 1.0)
     stage_instances: dict[str, str] = {}
     for a in variant.assignments:
         if a.reused:
@@ -90,6 +101,21 @@ def plan_commit(task_id: str, variant: Variant, new_ids: Sequence[str]) -> Commi
                 stage_instances[replica_slot(a.stage_id, i)] = by_key[key]
     reuse = tuple(ReuseAction(iid, loads[iid]) for iid in sorted(loads))
     return CommitPlan(task_id, deploy, reuse, stage_instances)
+
+
+def busy_load_scale(workflow: Workflow, profiles: Iterable[Profile]) -> dict[tuple[str, int, int], float]:
+    """By (model, tp, pp): max_output_tokens_per_s / busy_capacity at `workflow`'s mean request
+    (flowmaker.selection.busytime), the factor that turns a BUSY_TIME selection's load (output tokens/s of this
+    workflow) into its busy-time equivalent, as `flowmaker.eval.policies.planned_load` does."""
+    from flowmaker.selection.busytime import busy_capacity, mean_request
+
+    prompt, output = mean_request(workflow)
+    out: dict[tuple[str, int, int], float] = {}
+    for p in profiles:
+        cap = busy_capacity(p, prompt, output)
+        if cap > 0 and math.isfinite(cap) and p.max_output_tokens_per_s > 0:
+            out[p.key] = p.max_output_tokens_per_s / cap
+    return out
 
 
 def commit_ops(plan: CommitPlan, view: ClusterView, task_kv: KeyValue, task: TaskRecord,

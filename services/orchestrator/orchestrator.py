@@ -48,11 +48,22 @@ from flowmaker.orchestration.cluster import (
     OBSERVED_LOAD_MAX_AGE_S,
     cluster_gpu_type,
     excluding_task,
+    planned_busy_shares,
     read_live_cluster,
-    read_tolerated_slowdowns,
+    read_task_uses,
+    read_used_profiles,
+    tolerances_of,
+    with_planned_busy,
     with_tolerances,
 )
-from flowmaker.orchestration.commit import CommitPlan, ReleaseAction, commit_ops, plan_commit, plan_release
+from flowmaker.orchestration.commit import (
+    CommitPlan,
+    ReleaseAction,
+    busy_load_scale,
+    commit_ops,
+    plan_commit,
+    plan_release,
+)
 from flowmaker.orchestration.dag import Execution, StageResult, execute
 from flowmaker.orchestration.reconcile import Policy
 from flowmaker.orchestration.task import (
@@ -477,7 +488,9 @@ class Orchestrator:
                                                   f"no feasible variant: {result.reason_detail or reason}"))
                 return None
             v = result.variant
-            plan = plan_commit(task_id, v, [new_instance_id(n.model_id) for n in v.new_instances])
+            scale = await self._load_scale(t, v, view.cluster, req.options.capacity_model,
+                                           [convert.model_from_proto(m) for m in req.models])
+            plan = plan_commit(task_id, v, [new_instance_id(n.model_id) for n in v.new_instances], load_scale=scale)
             with _tracer().start_as_current_span("task.commit", attributes={
                     telemetry.FLOWMAKER_TASK: task_id, ATTR_ATTEMPT: attempt, ATTR_CONFLICT: False}) as span:
                 tkv, t = await self._get(task_id)
@@ -723,8 +736,11 @@ class Orchestrator:
         shared = {keys.parse_reuse(kv.key)[0] for kv in listing if keys.parse_reuse(kv.key)[1] != task_id}
         exclusive = set(refs) - shared
         note = Reselection(time.time(), why, rate_rps, previous_shares=refs)
+        capacity_model: selection_pb2.CapacityModel | None = None
         for attempt in range(1, self.settings.commit_retries + 1):
             view = await read_live_cluster(self.store)
+            if capacity_model is None:
+                capacity_model = (await self._selection_options(t, view.cluster)).capacity_model
             seen = excluding_task(view, refs)
             reps = self.settings.load_max_replicas  # scaling a stage out is one of the answers
             a = await self._select_at(t, rate_rps, seen.cluster, max_replicas=reps)
@@ -748,7 +764,8 @@ class Orchestrator:
                     note, outcome="FAILED", reason=f"{why}; no feasible variant at {rate_rps:.3g} req/s"))
                 return
             v = chosen
-            plan = plan_commit(task_id, v, [new_instance_id(n.model_id) for n in v.new_instances])
+            scale = await self._load_scale(t, v, view.cluster, capacity_model, await self._models())
+            plan = plan_commit(task_id, v, [new_instance_id(n.model_id) for n in v.new_instances], load_scale=scale)
             now = time.time()
             if same:
                 # The current variant still fits the new rate and costs no more: only its shares move.
@@ -790,22 +807,48 @@ class Orchestrator:
         An approval's selection, a healing re-selection and the load follower's all build it here: the
         approval's options with the orchestrator's defaults for what they leave unset (`_selection_options`),
         and under INTERFERENCE each running instance's `max_slowdown`, the least SLO / latency alone of the
-        other tasks using it (flowmaker.orchestration.cluster.read_tolerated_slowdowns), so that no selection
-        slows co-residents past their SLOs."""
+        other tasks using it, so that no selection slows co-residents past their SLOs, and its `busy_share` =
+        max(the measured one when fresh, the planned one: occupancy of the call-seconds/s the other tasks' variants
+        offer it at their planned rates), so that an instance deployed before its traffic arrives is not taken for
+        idle (both from flowmaker.orchestration.cluster.read_task_uses)."""
         models = await self._models()
         options = await self._selection_options(t, cluster)
         if max_replicas:
             options.max_replicas = max(options.max_replicas, max_replicas)
         gpu_type = cluster_gpu_type(cluster, "")
         if options.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE and cluster.instances and gpu_type:
-            cluster = with_tolerances(cluster, await read_tolerated_slowdowns(
-                self.store, gpu_type, models or default_models(), exclude=t.id))
+            uses = await read_task_uses(self.store, gpu_type, models or default_models(), exclude=t.id)
+            cluster = with_planned_busy(with_tolerances(cluster, tolerances_of(uses)), planned_busy_shares(uses))
         slo = t.slo if rate_rps is None else replace(t.slo, arrival_rate_rps=rate_rps)
         return selector_pb2.SelectVariantRequest(
             slo=convert.slo_to_proto(slo),
             workflows=[convert.workflow_to_proto(w) for w in t.candidates if w.id in t.approved_workflow_ids],
             cluster=convert.cluster_to_proto(cluster), strategy=t.strategy,
             models=[convert.model_to_proto(m) for m in models], options=options)
+
+    async def _load_scale(self, t: TaskRecord, v: Variant, cluster: Cluster,
+                          capacity_model: selection_pb2.CapacityModel | None, models: Sequence[Model]
+                          ) -> dict[tuple[str, int, int], float] | None:
+        """What turns `v`'s loads into the planned loads a commit records (`plan_commit`'s `load_scale`): under
+        BUSY_TIME their busy-time equivalent at `v`'s workflow's mean request on the profiles the selector saw
+        (`busy_load_scale`), which is how later selections read running loads; None otherwise (output
+        tokens/s as selected), or when the profiles cannot be read (logged)."""
+        if capacity_model != selection_pb2.CAPACITY_MODEL_BUSY_TIME:
+            return None
+        wf = next((w for w in t.candidates if w.id == v.workflow_id), None)
+        if wf is None or not any(s.is_llm for s in wf.stages):
+            return None
+        used = {(a.model_id, a.tp, a.pp) for a in v.assignments if a.model_id}
+        used |= {(n.model_id, n.tp, n.pp) for n in v.new_instances}
+        gpu_type = cluster_gpu_type(cluster, "")
+        if not used or not gpu_type:
+            return None
+        try:
+            profiles = await read_used_profiles(self.store, gpu_type, models or default_models(), used)
+        except (NotFound, InvalidSpec) as e:
+            log.warning("task %s: no profiles on GPU type %r to record busy-time loads: %s", t.id, gpu_type, e)
+            return None
+        return busy_load_scale(wf, profiles.values())
 
     async def _selection_options(self, t: TaskRecord, cluster: Cluster) -> selection_pb2.SelectionOptions:
         """The approval's options (`t.options_json`) with what they leave unset taken from the settings:

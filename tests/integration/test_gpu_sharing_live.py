@@ -23,14 +23,22 @@ from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
 from flowmaker.api.selector.v1 import selector_pb2, selector_pb2_grpc
 from flowmaker.domain import Profile, ProfileSource, Slo, Stage, StageAssignment, StageKind, Variant, Workflow
-from flowmaker.orchestration.cluster import alone_latency_s, read_live_cluster, tolerated_slowdowns
-from flowmaker.orchestration.task import TaskRecord, TaskState
+from flowmaker.orchestration.cluster import (
+    alone_latency_s,
+    planned_busy_shares,
+    read_live_cluster,
+    task_uses,
+    tolerated_slowdowns,
+)
+from flowmaker.orchestration.task import Reselection, TaskRecord, TaskState
 from flowmaker.rpc.channels import insecure_channel
 from flowmaker.rpc.errors import call
+from flowmaker.selection.busytime import busy_capacity
+from flowmaker.sharing import occupancy
 from flowmaker.state import keys
 from flowmaker.state.etcd import EtcdStore
 from flowmaker.state.interference import InterferenceRecord, InterferenceStore
-from flowmaker.state.records import InstanceRecord, InstanceState
+from flowmaker.state.records import InstanceRecord, InstanceState, reuse_load
 from services.deployer.node import BusyMeter, DeployParams, NodeAgent
 from services.deployer.servicer import service_hooks
 from services.deployer.settings import DeployerSettings
@@ -53,6 +61,10 @@ PROFILE = Profile(MODEL, 1, 1, memory_gb_per_gpu=2.0, fixed_s=0.02, prefill_s_pe
                   source=ProfileSource.MEASURED)
 ONE = Workflow("one", (Stage("answer", input_tokens=50, output_tokens=10, prompt_template="{input}"),))
 ALONE_S = 0.02 + 0.0002 * 50 + 0.002 * 10
+# Long prompts, short answers: a call keeps the instance busy 1000 x 0.0002 + 10 / 400 = 0.225 s (busy-time capacity
+# 10 / 0.225 = 44 tok/s, a ninth of the profile's 400 at its reference request).
+LONG = Workflow("long", (Stage("answer", input_tokens=1000, output_tokens=10, prompt_template="{input}"),))
+LONG_ALONE_S = 0.02 + 0.0002 * 1000 + 0.002 * 10
 KAPPA = 0.6  # what the "profiler" stored for A6000
 
 
@@ -121,6 +133,31 @@ def test_tolerated_slowdown_is_slo_over_latency_alone() -> None:
     assert tolerated_slowdowns([t1, t2], profiles, exclude="t1") == pytest.approx({"i2": 1.0 / ALONE_S})
 
 
+def test_planned_busy_share_counts_replicas_and_a_switchs_next_variant() -> None:
+    profiles = {PROFILE.key: PROFILE}
+    two = Variant("one", (StageAssignment("answer", MODEL, 1, 1, False, "", new_key="n0", replica_keys=("n0", "n1")),),
+                  (), (), 0.05, 0.5, 0.0, 4.0, 2)
+    one = Variant("one", (StageAssignment("answer", MODEL, 1, 1, True, "i3"),), (), (("i3", 1.0),), 0.05, 0.5, 0.0,
+                  0.0, 0)
+    # On two replicas at 4 req/s (planned after a re-selection), switching to one instance at 6 req/s.
+    t = TaskRecord("t1", "d", Slo(0.1, 1.0, 1.0), candidates=(ONE,), state=TaskState.ACTIVE, variant=two,
+                   stage_instances={"answer": "i1", "answer#1": "i2"}, planned_rate_rps=4.0, next_variant=one,
+                   next_stage_instances={"answer": "i3"}, last_reselection=Reselection(0.0, "ramp", 6.0))
+    uses = list(task_uses([t], profiles))
+    assert [u.offered for u in uses] == [pytest.approx({"i1": 2 * ALONE_S, "i2": 2 * ALONE_S}),
+                                         pytest.approx({"i3": 6 * ALONE_S})]
+    assert all(u.alone_s == pytest.approx(ALONE_S) for u in uses)
+    # A second task on i1 at its SLO's rate adds its call-seconds: occupancy of the sum.
+    t2 = TaskRecord("t2", "d", Slo(0.1, 1.0, 0.5), candidates=(ONE,), state=TaskState.ACTIVE, variant=one,
+                    stage_instances={"answer": "i1"})
+    got = planned_busy_shares(task_uses([t, t2], profiles))
+    assert got == pytest.approx({"i1": occupancy(2.5 * ALONE_S), "i2": occupancy(2 * ALONE_S),
+                                 "i3": occupancy(6 * ALONE_S)})
+    assert planned_busy_shares(task_uses([t, t2], profiles, exclude="t1")) == pytest.approx(
+        {"i1": occupancy(0.5 * ALONE_S)})
+    assert planned_busy_shares(task_uses([t], {})) == {}  # no profile: nothing known
+
+
 # ---- the live stack ----------------------------------------------------------------------------------
 
 
@@ -145,12 +182,13 @@ class Stack:
     core: Orchestrator
     stub: orchestrator_pb2_grpc.OrchestratorServiceStub
 
-    async def deploy(self, name: str, slo: Slo, options: selection_pb2.SelectionOptions | None = None) -> Any:
+    async def deploy(self, name: str, slo: Slo, options: selection_pb2.SelectionOptions | None = None,
+                     workflow: Workflow = ONE) -> Any:
         t = (await call(self.stub.DeployTask(pb.DeployTaskRequest(
             description=name, name=name, slo=convert.slo_to_proto(slo),
-            workflows=[convert.workflow_to_proto(ONE)])))).task
+            workflows=[convert.workflow_to_proto(workflow)])))).task
         n = len(self.selector.requests)
-        req = pb.ApproveWorkflowsRequest(task_id=t.id, workflow_ids=["one"])
+        req = pb.ApproveWorkflowsRequest(task_id=t.id, workflow_ids=[workflow.id])
         if options is not None:
             req.options.CopyFrom(options)
         got = (await call(self.stub.ApproveWorkflows(req, timeout=60))).task
@@ -373,3 +411,43 @@ async def test_busy_share_is_measured_and_reaches_the_selectors_view(agent: Node
         return (await record()).observed_busy_share < 0.2
 
     await _eventually(calm, timeout_s=10.0)
+
+
+# ---- planned figures before traffic arrives ----------------------------------------------------------
+
+
+async def test_selector_sees_the_planned_busy_share_before_any_traffic(stack: Stack) -> None:
+    """A freshly deployed instance has no measured busy share: the selector's view carries the one its tasks plan
+    for (occupancy of rate x latency alone), not 0 (which the selector would replace by the compute share)."""
+    a = await stack.deploy("first", Slo(0.1, 3.5, 2.0), workflow=LONG)
+    iid = a.stage_instances["answer"]
+    view = await read_live_cluster(stack.store)
+    (raw,) = [i for i in view.cluster.instances if i.id == iid]
+    assert raw.busy_share == 0.0  # nothing measured yet
+    await stack.deploy("second", Slo(0.1, 3.5, 0.5))
+    (inst,) = [i for i in stack.last_request().cluster.instances if i.id == iid]
+    want = occupancy(2.0 * LONG_ALONE_S)
+    assert want > 0.3 and inst.busy_share == pytest.approx(want)
+    compute_share = inst.load_output_tokens_per_s / PROFILE.max_output_tokens_per_s
+    assert inst.busy_share != pytest.approx(min(1.0, compute_share))
+
+
+async def test_busy_time_commit_records_the_busy_time_equivalent_load(stack: Stack) -> None:
+    """Under BUSY_TIME the planned load a commit records is the busy-time equivalent at the task's own workflow
+    (what later selections read as load / max_output_tokens_per_s), not its output tokens/s; under OUTPUT_TOKENS
+    it is the output tokens/s."""
+    a = await stack.deploy("long", Slo(0.1, 3.5, 0.5), workflow=LONG)
+    assert stack.last_request().options.capacity_model == selection_pb2.CAPACITY_MODEL_BUSY_TIME
+    iid = a.stage_instances["answer"]
+    tok_s = 0.5 * 10
+    want = tok_s * PROFILE.max_output_tokens_per_s / busy_capacity(PROFILE, 1000.0, 10.0)
+    assert want == pytest.approx(tok_s * 9.0) and want > tok_s
+    assert reuse_load((await stack.store.get(keys.reuse(iid, a.id))).value) == pytest.approx(want)
+    view = await read_live_cluster(stack.store)
+    assert view.planned_loads[iid] == pytest.approx(want)
+    # The paper's unit on request: output tokens/s as selected.
+    b = await stack.deploy("tokens", Slo(0.1, 3.5, 0.5), selection_pb2.SelectionOptions(
+        capacity_model=selection_pb2.CAPACITY_MODEL_OUTPUT_TOKENS), workflow=LONG)
+    assert stack.last_request().options.capacity_model == selection_pb2.CAPACITY_MODEL_OUTPUT_TOKENS
+    jid = b.stage_instances["answer"]
+    assert reuse_load((await stack.store.get(keys.reuse(jid, b.id))).value) == pytest.approx(tok_s)
