@@ -36,8 +36,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
-import aiohttp
-
 from flowmaker.domain import Profile, ProfileSource
 from flowmaker.engine.gpu_share import make_share_dir
 from flowmaker.errors import (
@@ -259,16 +257,8 @@ async def _scrape(proc: EngineProcess, timeout_s: float) -> dict[str, float]:
     """One GET of the engine's /metrics: what its backend's parser makes of it (`EngineProcess.scrape_metrics`),
     plus the busy-time counter under `BUSY_SECONDS_KEY` when the engine exports it (the emulated engine; the
     backends' parsers do not map it)."""
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
-            async with http.get(proc.base_url + proc.backend.metrics_path) as r:
-                body = await r.text()
-                if r.status != 200:
-                    raise Unavailable(f"{proc.backend.name} engine {proc.spec.instance_id}: /metrics answered "
-                                      f"{r.status}")
-                parsed = proc.backend.parse_metrics(r.content_type, body)
-    except (aiohttp.ClientError, TimeoutError) as e:
-        raise Unavailable(f"{proc.backend.name} engine {proc.spec.instance_id}: /metrics failed: {e}") from None
+    ctype, body = await proc.fetch_metrics(timeout_s)
+    parsed = proc.backend.parse_metrics(ctype, body)
     if BUSY_SECONDS_KEY not in parsed and BUSY_SECONDS_SAMPLE in body:
         busy = metric_value(body, BUSY_SECONDS_SAMPLE)
         if busy is not None:

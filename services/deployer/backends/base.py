@@ -336,8 +336,8 @@ class EngineProcess:
 
     # ---- observation -------------------------------------------------------------------
 
-    async def scrape_metrics(self, timeout_s: float = 5.0) -> dict[str, float]:
-        """GET /metrics and parse it with the backend's parser."""
+    async def fetch_metrics(self, timeout_s: float = 5.0) -> tuple[str, str]:
+        """GET /metrics: (content type, body); Unavailable when it fails or answers other than 200."""
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
                 async with http.get(self.base_url + self.backend.metrics_path) as r:
@@ -345,9 +345,13 @@ class EngineProcess:
                     if r.status != 200:
                         raise Unavailable(f"{self.backend.name} engine {self.spec.instance_id}: /metrics "
                                           f"answered {r.status}")
-                    return self.backend.parse_metrics(r.content_type, body)
+                    return r.content_type, body
         except (aiohttp.ClientError, TimeoutError) as e:
             raise Unavailable(f"{self.backend.name} engine {self.spec.instance_id}: /metrics failed: {e}") from None
+
+    async def scrape_metrics(self, timeout_s: float = 5.0) -> dict[str, float]:
+        """GET /metrics and parse it with the backend's parser."""
+        return self.backend.parse_metrics(*await self.fetch_metrics(timeout_s))
 
 
 def parse_trtllm_iteration_stats(body: str) -> dict[str, float]:
