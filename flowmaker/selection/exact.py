@@ -800,6 +800,7 @@ class _Search:
                 assigned[s] = False
 
         topo = pw.topo
+        llm_pos = {s2: i for i, s2 in enumerate(llm)}
 
         def sharing_prefix_ok() -> bool:
             """GPU sharing: shares only grow as stages are added, so a prefix over a budget fails every completion,
@@ -813,8 +814,11 @@ class _Search:
             for s2 in topo:
                 if not assigned[s2]:
                     continue
-                base = (lat_reuse[s2][choice[llm.index(s2)][1]] if choice[llm.index(s2)][0] == REUSE
-                        else lat_new[s2][slots[choice[llm.index(s2)][1]]]) if s2 in slowed else tool_lat[s2]
+                if s2 in slowed:
+                    kind, ref = choice[llm_pos[s2]]
+                    base = lat_reuse[s2][ref] if kind == REUSE else lat_new[s2][slots[ref]]
+                else:
+                    base = tool_lat[s2]
                 f2 = max((fin2.get(p, 0.0) for p in preds[s2]), default=0.0) + base * slowed.get(s2, 1.0)
                 fin2[s2] = f2
                 if f2 > Lp:
