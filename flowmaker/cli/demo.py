@@ -32,6 +32,8 @@ from flowmaker.launcher.client import RpcFailure, Stubs, call
 from flowmaker.launcher.stack import LocalStack, StackConfig, StackError
 
 DEMO_TIME_SCALE = 10.0
+# The demo's load level: the seven tasks at half their nominal rates all fit on 8 A6000 with GPU sharing counted.
+DEMO_LOAD = 0.5
 _FILLER = ("the quarterly report notes that revenue grew while costs in the northern region rose and the team "
            "plans to revisit supplier contracts before the next review").split()
 _SAMPLES = {
@@ -95,14 +97,14 @@ async def _register_models(stubs: Stubs) -> int:
     return n
 
 
-async def _deploy(stubs: Stubs, reports: list[TaskReport]) -> None:
+async def _deploy(stubs: Stubs, reports: list[TaskReport], load: float) -> None:
     from flowmaker.api.common.v1 import workflow_pb2
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as opb
     from flowmaker.eval.tasks import EVAL_TASKS
 
     orch = stubs.orchestrator()
     for et, rep in zip(EVAL_TASKS, reports, strict=True):
-        slo = et.slo()
+        slo = et.slo(load)
         t0 = time.monotonic()
         with con.status(f"deploying {et.name}: generating candidates, selecting, starting engines…"):
             try:
@@ -245,7 +247,7 @@ def _report(reports: list[TaskReport], insts: Any, gpus: Any, scale: float, per_
     con.print(_gpu_table(gpus.gpus))
 
 
-async def _run_demo(stack: LocalStack, per_task: int, scale: float) -> list[TaskReport]:
+async def _run_demo(stack: LocalStack, per_task: int, scale: float, load: float) -> list[TaskReport]:
     from flowmaker.eval.tasks import EVAL_TASKS
 
     stubs = Stubs(orchestrator_addr=stack.addresses["orchestrator"], deployer_addr=stack.addresses["deployer"],
@@ -256,8 +258,9 @@ async def _run_demo(stack: LocalStack, per_task: int, scale: float) -> list[Task
         with con.status("registering models with the profiler…"):
             n = await _register_models(stubs)
         con.print(f"[bold]2. registered {n} models[/bold] ({time.monotonic() - t0:.1f}s)")
-        con.print(f"[bold]3. deploying the {len(EVAL_TASKS)} evaluation tasks[/bold] (all candidates approved)")
-        await _deploy(stubs, reports)
+        con.print(f"[bold]3. deploying the {len(EVAL_TASKS)} evaluation tasks[/bold] at {load:.0%} of their nominal "
+                  "rates (all candidates approved)")
+        await _deploy(stubs, reports, load)
         active = sum(r.state in ("ACTIVE", "DEGRADED") for r in reports)
         await _probe(stubs, reports, scale)
         burst_s = await _burst(stubs, reports, per_task)
@@ -282,6 +285,11 @@ def demo(
     gpus: Annotated[int, typer.Option("--gpus", min=1, max=64, help="GPUs of the emulated node.")] = 8,
     gpu_type: Annotated[str, typer.Option("--gpu-type", help="GPU type of the emulated node.")] = "A6000",
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Keep etcd data and logs here.")] = None,
+    load: Annotated[float, typer.Option("--load", min=0.01, max=4.0,
+                                        help="Declared rates as a fraction of the tasks' nominal rates. At 1.0 the "
+                                             "seven tasks do not all fit on 8 A6000 once GPU sharing is counted: "
+                                             "the selector refuses the task that would overload its neighbours.")
+                  ] = DEMO_LOAD,
 ) -> None:
     """Run the whole system end to end on this machine and print what it did; stops everything afterwards."""
     t_start = time.monotonic()
@@ -299,7 +307,7 @@ def demo(
         stack.start()
         kept = "" if work_dir is not None else " (removed at the end; --work-dir DIR keeps them)"
         con.print(f"   stack up in {time.monotonic() - t_start:.1f}s; logs in {stack.log_dir}{kept}")
-        reports = asyncio.run(_run_demo(stack, requests, time_scale))
+        reports = asyncio.run(_run_demo(stack, requests, time_scale, load))
         if not any(r.state in ("ACTIVE", "DEGRADED") for r in reports):
             code = 1
     except StackError as e:

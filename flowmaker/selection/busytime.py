@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from flowmaker.domain import (
     CapacityModel,
+    GpuSharing,
     Infeasibility,
     Instance,
     Profile,
@@ -98,13 +99,15 @@ def select_busy_time(req: SelectionRequest, name: str, strategy: Callable[[Selec
         if better(v.cost, v.latency_s, v.new_gpus, key):
             best, key = res, (v.cost, v.latency_s, v.new_gpus)
     elapsed = time.perf_counter() - started
+    sharing = req.options.gpu_sharing is GpuSharing.INTERFERENCE
     if best is None:
         if stopped is not None:
             raise stopped
         lvl = max(1, level)
         reason = next(r for r, x in _LEVEL.items() if x == lvl)
         return SelectionResult(strategy=name, variant=None, reason=reason,
-                               reason_detail=f"{_DETAIL[lvl]} (capacity in busy time at each workflow's mean request)",
+                               reason_detail=f"{_SHARING_DETAIL if lvl == 4 and sharing else _DETAIL[lvl]} "
+                                             "(capacity in busy time at each workflow's mean request)",
                                variants_evaluated=evaluated, search_space_size=space, elapsed_s=elapsed,
                                timed_out=timed_out, optimal=optimal)
     cost = best.variant.cost if best.variant else 0.0
@@ -113,6 +116,10 @@ def select_busy_time(req: SelectionRequest, name: str, strategy: Callable[[Selec
                    lower_bound=cost if optimal else min(max(lower, 0.0), cost))
 
 
+_SHARING_DETAIL = ("every variant meeting accuracy, latency and capacity needs more GPU memory than is free, or "
+                   "overloads a shared GPU (its compute budget, or an instance that can no longer keep up once slowed), "
+                   "or slows a running co-resident past what its tasks tolerate, or misses the latency target once "
+                   "co-residents slow it")
 _DETAIL = {1: "no LLM stage of any approved workflow can be served by a model that meets the accuracy target",
            2: "no variant whose models meet the accuracy target finishes within the latency target",
            3: "every variant meeting accuracy and latency overloads an instance",

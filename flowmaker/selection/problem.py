@@ -416,7 +416,9 @@ _DETAIL = {
     4: "every variant meeting accuracy, latency and capacity needs more GPU memory than is free",
 }
 _DETAIL_SHARING = ("every variant meeting accuracy, latency and capacity needs more GPU memory than is free, or "
-                   "overloads a shared GPU (busy share above {u}) or misses {lam} s once co-residents slow it")
+                   "overloads a shared GPU (compute above {u}, or an instance that can no longer keep up once slowed), "
+                   "or slows a running co-resident past what its tasks tolerate, or misses {lam} s once co-residents "
+                   "slow it")
 
 
 def infeasible_result(problem: Problem, strategy: str, level: int, started: float, evaluated: int,
