@@ -232,23 +232,17 @@ def request_text(task_name: str, words: int) -> str:
 # ---- phases ----------------------------------------------------------------------------------------------
 
 async def _deploy(stubs: Stubs, runs: list[TaskRun], progress: ProgressFn) -> None:
-    from flowmaker.api.common.v1 import workflow_pb2
-    from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as opb
+    from flowmaker.cli.demo import deploy_and_approve
     from flowmaker.eval.tasks import get_task
 
-    orch = stubs.orchestrator()
     for run in runs:
         et = get_task(run.name)
         t0 = time.monotonic()
         try:
-            t = (await call(orch.DeployTask(opb.DeployTaskRequest(
-                description=et.description, name=et.name,
-                slo=workflow_pb2.Slo(min_accuracy=run.slo_accuracy, max_latency_s=run.slo_latency_s,
-                                     arrival_rate_rps=run.rate_rps))), stubs.orchestrator_addr)).task
-            run.task_id = t.id
             # No options: the orchestrator's defaults (BUSY_TIME capacity, INTERFERENCE GPU sharing).
-            t = (await call(orch.ApproveWorkflows(opb.ApproveWorkflowsRequest(
-                task_id=t.id, workflow_ids=[w.id for w in t.candidates])), stubs.orchestrator_addr)).task
+            t = await deploy_and_approve(stubs, et.name, et.description, run.slo_accuracy, run.slo_latency_s,
+                                         run.rate_rps)
+            run.task_id = t.id
             run.task, run.state = t, _state(t)
             run.failure = t.failure.message
         except RpcFailure as f:

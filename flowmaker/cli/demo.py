@@ -97,25 +97,33 @@ async def _register_models(stubs: Stubs) -> int:
     return n
 
 
-async def _deploy(stubs: Stubs, reports: list[TaskReport], load: float) -> None:
+async def deploy_and_approve(stubs: Stubs, name: str, description: str, min_accuracy: float, max_latency_s: float,
+                             rate_rps: float) -> Any:
+    """DeployTask, then ApproveWorkflows of every candidate with no options (the orchestrator's defaults); the
+    task (orchestrator proto) as the approval left it. RpcFailure on a failed call."""
     from flowmaker.api.common.v1 import workflow_pb2
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as opb
-    from flowmaker.eval.tasks import EVAL_TASKS
 
     orch = stubs.orchestrator()
+    t = (await call(orch.DeployTask(opb.DeployTaskRequest(
+        description=description, name=name,
+        slo=workflow_pb2.Slo(min_accuracy=min_accuracy, max_latency_s=max_latency_s, arrival_rate_rps=rate_rps))),
+        stubs.orchestrator_addr)).task
+    return (await call(orch.ApproveWorkflows(opb.ApproveWorkflowsRequest(
+        task_id=t.id, workflow_ids=[w.id for w in t.candidates])), stubs.orchestrator_addr)).task
+
+
+async def _deploy(stubs: Stubs, reports: list[TaskReport], load: float) -> None:
+    from flowmaker.eval.tasks import EVAL_TASKS
+
     for et, rep in zip(EVAL_TASKS, reports, strict=True):
         slo = et.slo(load)
         t0 = time.monotonic()
         with con.status(f"deploying {et.name}: generating candidates, selecting, starting engines…"):
             try:
-                t = (await call(orch.DeployTask(opb.DeployTaskRequest(
-                    description=et.description, name=et.name,
-                    slo=workflow_pb2.Slo(min_accuracy=slo.min_accuracy, max_latency_s=slo.max_latency_s,
-                                         arrival_rate_rps=slo.arrival_rate_rps))), stubs.orchestrator_addr)).task
+                t = await deploy_and_approve(stubs, et.name, et.description, slo.min_accuracy, slo.max_latency_s,
+                                             slo.arrival_rate_rps)
                 rep.task_id = t.id
-                ids = [w.id for w in t.candidates]
-                t = (await call(orch.ApproveWorkflows(opb.ApproveWorkflowsRequest(task_id=t.id, workflow_ids=ids)),
-                                stubs.orchestrator_addr)).task
                 rep.task, rep.state = t, _state(t)
                 if t.failure.message:
                     rep.failure = t.failure.message
