@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -70,3 +73,38 @@ async def start_control_plane(start_service: StartService) -> AsyncIterator[Call
     yield _start
     for ch in channels:
         await ch.close(None)
+
+
+class Engine:
+    """An emulated engine process started by `start_engine_proc` (its URL on loopback)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
+        self.proc, self.port = proc, port
+        self.url = f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def start_engine_proc() -> AsyncIterator[Callable[..., Awaitable[Engine]]]:
+    """`await start_engine_proc(profile, *flags)`: `python -m flowmaker.engine.server` on port 0 with that profile
+    (its stderr discarded); every process started is killed and reaped afterwards."""
+    from flowmaker.engine.server import profile_to_json
+
+    procs: list[asyncio.subprocess.Process] = []
+
+    async def start(profile: Any, *extra: str) -> Engine:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "flowmaker.engine.server", "--model", "m1", "--profile-json", profile_to_json(profile),
+            "--host", "127.0.0.1", "--port", "0", *extra,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        procs.append(proc)
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 20)
+        assert line.startswith(b"LISTENING "), line
+        return Engine(proc, int(line.split()[1]))
+
+    yield start
+    for p in procs:
+        if p.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            await p.wait()

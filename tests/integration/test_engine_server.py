@@ -6,7 +6,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flowmaker.domain import Profile
-from flowmaker.engine.server import CRASH_EXIT_CODE, profile_to_json
+from flowmaker.engine.server import CRASH_EXIT_CODE
+from tests.integration.conftest import Engine
 
 pytestmark = pytest.mark.integration
 
@@ -23,35 +24,13 @@ PROFILE = Profile("m1", 1, 1, 10.0, fixed_s=0.05, prefill_s_per_token=0.001, dec
                   max_output_tokens_per_s=1000.0)
 
 
-class Engine:
-    def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
-        self.proc, self.port = proc, port
-        self.url = f"http://127.0.0.1:{port}"
-
-
 Starter = Callable[..., Awaitable[Engine]]
 
 
 @pytest.fixture
-async def start_engine() -> AsyncIterator[Starter]:
-    procs: list[asyncio.subprocess.Process] = []
-
-    async def start(*extra: str, profile: Profile = PROFILE) -> Engine:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "flowmaker.engine.server", "--model", "m1",
-            "--profile-json", profile_to_json(profile), "--host", "127.0.0.1", "--port", "0", *extra,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        procs.append(proc)
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 20)
-        assert line.startswith(b"LISTENING "), line
-        return Engine(proc, int(line.split()[1]))
-
-    yield start
-    for p in procs:
-        if p.returncode is None:
-            p.terminate()
-            await p.wait()
+def start_engine(start_engine_proc: Callable[..., Awaitable[Engine]]) -> Starter:
+    """`await start_engine(*extra_flags, profile=PROFILE)`: an engine process (killed after the test)."""
+    return lambda *extra, profile=PROFILE: start_engine_proc(profile, *extra)
 
 
 async def post(url: str, body: Any) -> tuple[int, Any]:

@@ -7,12 +7,11 @@ engine B is checked against the one model of GPU sharing, `flowmaker.sharing.pre
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -22,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from flowmaker.domain import Profile
 from flowmaker.engine.server import profile_to_json
 from flowmaker.sharing import predicted_slowdown
+from tests.integration.conftest import Engine
 
 pytestmark = pytest.mark.integration
 
@@ -34,37 +34,13 @@ A_TOKENS = 30  # A's calls: 0.3 model s alone (15 ms wall)
 B_TOKENS = 200  # B's calls: 2 model s alone, long beside A's, as the model's "busy with probability s" assumes
 
 
-class Engine:
-    def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
-        self.proc, self.port = proc, port
-        self.url = f"http://127.0.0.1:{port}"
-
-
 Starter = Callable[..., Awaitable[Engine]]
 
 
 @pytest.fixture
-async def start_engine() -> AsyncIterator[Starter]:
-    """`await start_engine(*extra_flags)`: an engine process on port 0 at SCALE; every one is killed after."""
-    procs: list[asyncio.subprocess.Process] = []
-
-    async def start(*extra: str) -> Engine:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "flowmaker.engine.server", "--model", "m1", "--profile-json", profile_to_json(PROFILE),
-            "--host", "127.0.0.1", "--port", "0", "--time-scale", str(SCALE), *extra,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-        procs.append(proc)
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 20)
-        assert line.startswith(b"LISTENING "), line
-        return Engine(proc, int(line.split()[1]))
-
-    yield start
-    for p in procs:
-        if p.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.kill()
-            await p.wait()
+def start_engine(start_engine_proc: Callable[..., Awaitable[Engine]]) -> Starter:
+    """`await start_engine(*extra_flags)`: an engine of PROFILE at SCALE (killed after the test)."""
+    return lambda *extra: start_engine_proc(PROFILE, "--time-scale", str(SCALE), *extra)
 
 
 async def metrics(http: aiohttp.ClientSession, eng: Engine | str) -> dict[str, float]:
