@@ -713,6 +713,8 @@ def instance_record_to_proto(rec: InstanceRecord, task_ids: Sequence[str] = (), 
         m.observed_latency_s = rec.observed_latency_s
         m.observed_slowdown = rec.observed_slowdown
         m.saturated = rec.saturated
+    if rec.unresponsive_since and state is InstanceState.READY:
+        m.unresponsive_time.CopyFrom(_timestamp(rec.unresponsive_since))
     if state in (InstanceState.FAILED, InstanceState.LOST):
         # Not an error of any call: the instance's own status, so it is UNAVAILABLE with the reason.
         info = error_details_pb2.ErrorInfo(reason=reason or "FAILED", domain=DOMAIN, metadata={"instance_id": rec.id})
@@ -786,7 +788,7 @@ def task_to_proto(t: TaskRecord, *, etag: int = 0, state: TaskState | None = Non
 def stage_result_to_proto(r: StageResult) -> orchestrator_pb2.StageOutput:
     return orchestrator_pb2.StageOutput(stage_id=r.stage_id, instance_id=r.instance_id, model_id=r.model_id,
                                         output=r.output, input_tokens=r.input_tokens, output_tokens=r.output_tokens,
-                                        start_s=r.start_s, latency_s=r.latency_s)
+                                        start_s=r.start_s, latency_s=r.latency_s, finish_reason=r.finish_reason)
 
 
 def execution_to_proto(ex: Execution, request_id: str) -> orchestrator_pb2.InvokeResponse:

@@ -19,6 +19,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -41,6 +43,7 @@ from flowmaker.state import keys
 from flowmaker.state.records import PROFILING_OWNER_PREFIX, GpuRecord, InstanceRecord
 
 ACTIVE = task_pb2.Task.STATE_ACTIVE
+DEPLOYING = task_pb2.Task.STATE_DEPLOYING
 FAILED = task_pb2.Task.STATE_FAILED
 ONE_STAGE = Workflow("one", (Stage("answer", input_tokens=50, output_tokens=8, prompt_template="{input}"),))
 SLO = Slo(min_accuracy=0.1, max_latency_s=30.0, arrival_rate_rps=0.5)
@@ -49,13 +52,25 @@ _ENGINE_MODULE = "flowmaker.engine.server"
 
 # ---- etcd, read directly (JSON gateway: no client library, no event loop) ---------------------------
 
-def etcd_snapshot(endpoint: str, prefix: str = keys.ROOT, timeout_s: float = 3.0) -> dict[str, Any]:
-    """Every key under `prefix` at one revision, values decoded from JSON."""
+def etcd_snapshot(endpoint: str, prefix: str = keys.ROOT, timeout_s: float = 3.0,
+                  pki_dir: Path | None = None) -> dict[str, Any]:
+    """Every key under `prefix` at one revision, values decoded from JSON. `pki_dir`: a TLS stack's (etcd then
+    takes only https with a client certificate of the stack's CA: the admin's)."""
     end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
     body = json.dumps({"key": base64.b64encode(prefix.encode()).decode(),
                        "range_end": base64.b64encode(end.encode()).decode()}).encode()
-    req = urllib.request.Request(f"http://{endpoint}/v3/kv/range", data=body, method="POST")
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+    ctx = None
+    if pki_dir is not None:
+        import ssl
+
+        from flowmaker.rpc.tls import ADMIN, pki_files
+
+        admin = pki_files(pki_dir, ADMIN)
+        ctx = ssl.create_default_context(cafile=admin.ca)
+        ctx.load_cert_chain(admin.cert, admin.key)
+    scheme = "https" if ctx is not None else "http"
+    req = urllib.request.Request(f"{scheme}://{endpoint}/v3/kv/range", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout_s, context=ctx) as r:
         resp = json.loads(r.read())
     out: dict[str, Any] = {}
     for kv in resp.get("kvs", []):
@@ -69,7 +84,7 @@ def check_invariants(stack: LocalStack, *, settled: bool = False) -> list[str]:
     """Violations of the invariants (module docstring); [] when all hold. etcd unreachable: not checked."""
     bad: list[str] = []
     try:
-        snap = etcd_snapshot(stack.etcd_endpoint)
+        snap = etcd_snapshot(stack.etcd_endpoint, pki_dir=stack.pki_dir)
     except OSError:
         return bad
     gpus = [GpuRecord.from_json(v) for k, v in snap.items() if k.startswith(keys.GPUS)]
@@ -138,7 +153,17 @@ class Client:
         self.reconnect()
 
     def reconnect(self) -> None:
-        self.channel = grpc.insecure_channel(self.stack.addresses["orchestrator"])
+        addr = self.stack.addresses["orchestrator"]
+        if self.stack.pki_dir is None:
+            self.channel = grpc.insecure_channel(addr)
+        else:  # the shipped configuration: mTLS with the admin's certificate, and the admin's bearer token
+            from flowmaker.launcher.stack import admin_token
+            from flowmaker.rpc.tls import ADMIN, channel_credentials, pki_files
+
+            creds = grpc.composite_channel_credentials(
+                channel_credentials(pki_files(self.stack.pki_dir, ADMIN)),
+                grpc.access_token_call_credentials(admin_token(self.stack.pki_dir)))
+            self.channel = grpc.secure_channel(addr, creds)
         self.stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self.channel)
 
     def close(self) -> None:
@@ -260,6 +285,79 @@ def etcd_stopped(stack: LocalStack) -> Iterator[None]:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
+
+
+def engine_pid(stack: LocalStack) -> int | None:
+    """The pid of one engine of this stack (the first by pid), or None."""
+    dep = stack.pid_of("deployer")
+    pids = sorted(pid for pid, _ in descendants(dep) if _ENGINE_MODULE in _cmdline(pid)) if dep else []
+    return pids[0] if pids else None
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """SIGSTOP `pid` for the duration of the block (SIGCONT afterwards, whatever happens): a hang, not a crash."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def spawn_deployer(stack: LocalStack, node: str, log_path: Path, *, gpus: int = 2, gpu_memory_gb: float = 0.0,
+                   extra_env: dict[str, str] | None = None, timeout_s: float = 60.0) -> subprocess.Popen[bytes]:
+    """A second node for a plaintext stack: `python -m services.deployer` as `node` against the stack's etcd,
+    returned once it serves (its FLOWMAKER_READY line). The caller stops it (`stop_process`)."""
+    env = {**os.environ, "FLOWMAKER_DEPLOYER_NODE": node, "FLOWMAKER_DEPLOYER_PORT": "0",
+           "FLOWMAKER_DEPLOYER_HOST": "127.0.0.1", "FLOWMAKER_DEPLOYER_ETCD_ENDPOINTS": stack.etcd_endpoint,
+           "FLOWMAKER_DEPLOYER_USE_NVML": "false", "FLOWMAKER_DEPLOYER_GPU_COUNT": str(gpus),
+           "FLOWMAKER_DEPLOYER_ENGINE_TIME_SCALE": repr(stack.config.time_scale), "FLOWMAKER_DEPLOYER_GRACE_S": "1",
+           "OTEL_TRACES_EXPORTER": "none", **stack.config.extra_env, **(extra_env or {})}
+    if gpu_memory_gb:
+        env["FLOWMAKER_DEPLOYER_GPU_MEMORY_GB"] = repr(gpu_memory_gb)
+    log = open(log_path, "wb")  # the child writes it for its whole life
+    proc = subprocess.Popen([sys.executable, "-m", "services.deployer"], env=env, stdout=subprocess.PIPE,
+                            stderr=log, start_new_session=True)
+    assert proc.stdout is not None
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(b"FLOWMAKER_READY "):
+            # Keep draining its stdout so that it never blocks on a full pipe.
+            threading.Thread(target=lambda: [None for _ in iter(proc.stdout.readline, b"")],  # type: ignore[union-attr]
+                             daemon=True).start()
+            return proc
+    stop_process(proc)
+    raise RuntimeError(f"deployer {node} did not start; see {log_path}")
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGCONT (it may be stopped), SIGTERM, then SIGKILL after 10 s; the process group, engines included."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+def wait_task_state(c: Client, task_id: str, states: tuple[int, ...], timeout_s: float = 30.0,
+                    interval_s: float = 0.02) -> int:
+    """Poll until the task's stored state is one of `states` (the fault is then aimed at that step)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with contextlib.suppress(grpc.RpcError):
+            st = c.get(task_id, timeout_s=2).state
+            if st in states:
+                return st
+        time.sleep(interval_s)
+    raise TimeoutError(f"task {task_id} did not reach {states} within {timeout_s}s")
 
 
 class Supervisor:

@@ -1,14 +1,21 @@
-"""`flowmaker bench soak`: a seeded random schedule of kills under steady load, for minutes, on a real local stack.
+"""`flowmaker bench soak`: a seeded random schedule of faults under steady load, for minutes, on a real local stack.
 
+By default the stack is the shipped configuration: mTLS between the services, bearer tokens, engine API keys and
+the default lease, grace and liveness timings (`--fast` shortens the reconciler's, as the self-healing tests do).
 Faults, drawn with a seeded RNG one after the other (the next only once the last has healed, or timed out):
-kill -9 of an engine, of the deployer, of the orchestrator, of etcd (the launcher's supervisor restarts the
-processes, as `flowmaker up` does), and a 15 s SIGSTOP of etcd. Steady load runs throughout. Every second
-the invariants of `flowmaker.bench.faults` are checked (a violation counts when it persists over two
-checks: a process between its parent's death and its own is no orphan yet).
+- crashes: kill -9 of an engine, of the deployer, of the orchestrator, of etcd (the launcher's supervisor
+  restarts the processes, as `flowmaker up` does);
+- hangs: SIGSTOP of an engine (until its node agent kills it, at most `engine_stop_s`), of the deployer
+  (`deployer_stop_s`, past its lease and the grace), of etcd (`etcd_stop_s`);
+- faults aimed at an approval: a new task is approved and, once it is DEPLOYING, etcd is killed or stopped,
+  or the orchestrator killed; it must end ACTIVE (and is deleted afterwards).
+Steady load runs throughout. Every second the invariants of `flowmaker.bench.faults` are checked (a violation
+counts when it persists over two checks: a process between its parent's death and its own is no orphan yet).
 
 Reported: goodput (requests answered OK / sent), requests lost (answered with an error), time to heal per
-fault (until every task is ACTIVE again, not healing, and a probe request succeeds: p50 and max) and the
-invariant checks with any violation. JSON in the output folder and a table.
+fault, counted from the moment the fault began (until every task is ACTIVE again, not healing, an approved
+task ACTIVE, and a probe request succeeds: p50 and max), and the invariant checks with any violation. JSON in
+the output folder and a table.
 """
 
 from __future__ import annotations
@@ -30,17 +37,23 @@ import grpc
 
 from flowmaker.bench.faults import (
     ACTIVE,
+    DEPLOYING,
+    FAILED,
     Client,
     Load,
     Supervisor,
     check_invariants,
+    engine_pid,
     etcd_stopped,
     kill_engine,
     kill_service,
+    stopped,
+    wait_task_state,
 )
 from flowmaker.launcher.stack import LocalStack, StackConfig
 
-FAULTS = ("engine", "deployer", "orchestrator", "etcd_kill", "etcd_stop")
+FAULTS = ("engine", "deployer", "orchestrator", "etcd_kill", "etcd_stop", "engine_stop", "deployer_stop",
+          "etcd_kill_deploying", "etcd_stop_deploying", "orchestrator_kill_deploying")
 FAST_ENV = {
     "FLOWMAKER_ORCHESTRATOR_RECONCILE_INTERVAL_S": "1",
     "FLOWMAKER_ORCHESTRATOR_RECONCILE_NODE_LOST_GRACE_S": "5",
@@ -59,8 +72,13 @@ class SoakConfig:
     gap_s: tuple[float, float] = (10.0, 30.0)  # quiet time between a heal and the next fault
     heal_timeout_s: float = 120.0
     etcd_stop_s: float = 15.0
+    deployer_stop_s: float = 35.0  # past the default lease (10 s) and grace (10 s): its instances go LOST
+    engine_stop_s: float = 60.0  # the longest an engine stays stopped (its node agent should kill it first)
     time_scale: float = 20.0
     gpus: int = 4
+    tls: bool = True  # the shipped configuration (`flowmaker up`): mTLS, tokens, engine API keys
+    fast: bool = False  # the self-healing tests' shorter lease and grace times instead of the defaults
+    faults: tuple[str, ...] = FAULTS
 
 
 @dataclass
@@ -100,12 +118,74 @@ def _healed(c: Client, task_ids: list[str]) -> bool:
         return False
 
 
+def _get(c: Client, task_id: str) -> Any:
+    try:
+        return c.get(task_id, timeout_s=3)
+    except grpc.RpcError:
+        return None
+
+
+def _inject(kind: str, cfg: SoakConfig, stack: LocalStack, c: Client, n: int) -> tuple[str, str]:
+    """Carry one fault out; (detail, the id of a task approved for it or "")."""
+    if kind == "engine":
+        return f"pid {kill_engine(stack)}", ""
+    if kind == "etcd_stop":
+        with etcd_stopped(stack):
+            time.sleep(cfg.etcd_stop_s)
+        return f"{cfg.etcd_stop_s:g}s", ""
+    if kind == "engine_stop":
+        pid = engine_pid(stack)
+        if pid is None:
+            return "no engine", ""
+        t0 = time.monotonic()
+        with stopped(pid):
+            while time.monotonic() - t0 < cfg.engine_stop_s and _running(pid):
+                time.sleep(0.2)
+        killed = not _running(pid)
+        return f"pid {pid} {'killed by its node agent' if killed else 'NOT killed'} after {time.monotonic() - t0:.1f}s", ""
+    if kind == "deployer_stop":
+        pid = stack.pid_of("deployer")
+        if pid:
+            with stopped(pid):
+                time.sleep(cfg.deployer_stop_s)
+        return f"pid {pid} for {cfg.deployer_stop_s:g}s", ""
+    if kind.endswith("_deploying"):
+        t = c.deploy(f"approved{n}")
+        th = threading.Thread(target=lambda: _quiet(lambda: c.approve(t.id, timeout_s=120)), daemon=True)
+        th.start()
+        try:
+            wait_task_state(c, t.id, (DEPLOYING, ACTIVE, FAILED))
+        except TimeoutError:
+            return "the approval never reached DEPLOYING", t.id
+        if kind == "etcd_stop_deploying":
+            with etcd_stopped(stack):
+                time.sleep(cfg.etcd_stop_s)
+            return f"etcd stopped {cfg.etcd_stop_s:g}s during the deploy of {t.id}", t.id
+        name = "etcd" if kind.startswith("etcd") else "orchestrator"
+        return f"{name} pid {kill_service(stack, name)} killed during the deploy of {t.id}", t.id
+    return f"pid {kill_service(stack, 'etcd' if kind == 'etcd_kill' else kind)}", ""
+
+
+def _quiet(fn: Callable[[], Any]) -> None:
+    with contextlib.suppress(grpc.RpcError):
+        fn()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def run_soak(cfg: SoakConfig, out: Path, progress: Callable[[str], None] = lambda m: None) -> SoakResult:
     rng = random.Random(cfg.seed)
     res = SoakResult(config=asdict(cfg))
     with tempfile.TemporaryDirectory(prefix="flowmaker-soak-") as tmp:
-        stack = LocalStack(StackConfig(gpus=cfg.gpus, time_scale=cfg.time_scale, log_level="WARNING",
-                                       work_dir=Path(tmp) / "stack", keep_work_dir=True, extra_env=dict(FAST_ENV)))
+        stack = LocalStack(StackConfig(gpus=cfg.gpus, time_scale=cfg.time_scale, log_level="WARNING", tls=cfg.tls,
+                                       work_dir=Path(tmp) / "stack", keep_work_dir=True,
+                                       extra_env=dict(FAST_ENV) if cfg.fast else {}))
         progress("starting the stack")
         stack.start()
         t0 = time.monotonic()
@@ -142,30 +222,30 @@ def run_soak(cfg: SoakConfig, out: Path, progress: Callable[[str], None] = lambd
                     if time.monotonic() + quiet >= end:
                         break
                     time.sleep(quiet)
-                    kind = rng.choice(FAULTS)
+                    kind = rng.choice(cfg.faults)
                     at = time.monotonic() - t0
                     progress(f"{at:5.0f}s: {kind}")
-                    detail = ""
-                    if kind == "engine":
-                        detail = f"pid {kill_engine(stack)}"
-                    elif kind == "etcd_stop":
-                        with etcd_stopped(stack):
-                            time.sleep(cfg.etcd_stop_s)
-                    else:
-                        detail = f"pid {kill_service(stack, 'etcd' if kind == 'etcd_kill' else kind)}"
-                    t_fault = time.monotonic()
+                    t_fault = time.monotonic()  # heal time counts from the start of the fault
+                    wall_fault = time.time()
+                    detail, approved = _inject(kind, cfg, stack, c, len(res.faults))
                     healed = False
                     while time.monotonic() - t_fault < cfg.heal_timeout_s:
                         time.sleep(0.25)
-                        if _healed(c, task_ids):
+                        if _healed(c, task_ids + ([approved] if approved else [])):
                             healed = True
                             break
-                        if kind == "orchestrator":
+                        if kind.startswith("orchestrator"):
                             c.reconnect()
                     heal = time.monotonic() - t_fault
+                    if approved:
+                        t_end = _get(c, approved)
+                        if t_end is not None and t_end.state == FAILED:
+                            detail += f"; the approved task FAILED: {t_end.failure.message[:120]}"
+                        with contextlib.suppress(grpc.RpcError):
+                            c.delete(approved)
                     res.faults.append(FaultRecord(round(at, 1), kind, healed, round(heal, 2), detail))
-                    fault_times.append((time.time() - (time.monotonic() - t0 - at), kind))
-                    progress(f"{at:5.0f}s: {kind} healed={healed} in {heal:.1f}s")
+                    fault_times.append((wall_fault, kind))
+                    progress(f"{at:5.0f}s: {kind} healed={healed} in {heal:.1f}s ({detail})")
                 load.stop()
                 stop.set()
                 th.join(5)

@@ -258,8 +258,9 @@ def _report(reports: list[TaskReport], insts: Any, gpus: Any, scale: float, per_
 async def _run_demo(stack: LocalStack, per_task: int, scale: float, load: float) -> list[TaskReport]:
     from flowmaker.eval.tasks import EVAL_TASKS
 
+    # The demo's own stack is plaintext: no FLOWMAKER_TLS_* meant for another stack applies to it.
     stubs = Stubs(orchestrator_addr=stack.addresses["orchestrator"], deployer_addr=stack.addresses["deployer"],
-                  profiler_addr=stack.addresses["profiler"], timeout_s=120.0)
+                  profiler_addr=stack.addresses["profiler"], timeout_s=120.0, tls=None)
     reports = [TaskReport(et.name, et.min_accuracy, et.max_latency_s) for et in EVAL_TASKS]
     try:
         t0 = time.monotonic()

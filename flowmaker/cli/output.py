@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn, TextIO
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, NoReturn, TextIO
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
+from rich.table import Table
 
 from flowmaker.errors import FlowMakerError
 
@@ -47,6 +50,40 @@ def width_for(stream: TextIO) -> int | None:
 def console(*, stderr: bool = False) -> Console:
     """A rich console for stdout (tables, results) or stderr (progress, errors)."""
     return Console(stderr=stderr, width=width_for(sys.stderr if stderr else sys.stdout))
+
+
+@dataclass(frozen=True, slots=True)
+class KeyedColumn:
+    """A column of a `keyed_table` beside its key: `min_width`, the narrowest its cells stay legible (wrapped or
+    cut with "…"); `keep`, its rank when the terminal is too narrow for all of them (1 = given up last)."""
+
+    name: str
+    min_width: int
+    justify: Literal["left", "right"] = "left"
+    keep: int = 99
+
+
+def keyed_table(title: str, key: str, columns: Sequence[KeyedColumn],
+                rows: Sequence[tuple[str, Mapping[str, RenderableType]]], *, width: int | None) -> Table:
+    """A table whose first column (`key`: the ids every other command takes) is never wrapped or cut, whatever
+    the width: the other columns wrap or truncate, and when `width` cannot hold them all at their `min_width`
+    beside the whole key, the least wanted give way (the caption names them; `--json` has everything).
+    `rows`: (key, {column name: cell}). Border and padding: 3 characters a column, plus 1."""
+    key_width = max([len(key), *(len(k) for k, _ in rows)])
+    kept = list(columns)
+    if width is not None:
+        by_keep = sorted(kept, key=lambda c: c.keep)
+        while kept and key_width + sum(c.min_width for c in kept) + 3 * (len(kept) + 1) + 1 > width:
+            kept.remove(by_keep.pop())
+    hidden = [c.name for c in columns if c not in kept]
+    tab = Table(title=title, caption=f"not shown at this width: {', '.join(hidden)} (widen the terminal or set "
+                                     "COLUMNS, or use --json)" if hidden else None)
+    tab.add_column(key, no_wrap=True, min_width=key_width)
+    for c in kept:
+        tab.add_column(c.name, justify=c.justify)
+    for k, cells in rows:
+        tab.add_row(k, *(cells.get(c.name, "") for c in kept))
+    return tab
 
 
 def error_line(code: str, message: str, *, reason: str = "", field: str | None = None) -> str:

@@ -1,14 +1,15 @@
 """`flowmaker profiles measure`: a measured sweep on the running stack's profiler (or on a local engine), analytic vs
 measured.
 
-Where it measures, first match wins: `--local` → a local engine started here (no stack); else the profiler
+Where it measures: `--local` → a local engine started here (no stack, nothing stored); else the profiler
 found like every client command finds its service (`--profiler`, `FLOWMAKER_PROFILER_ADDR`, the state file of
-a running `flowmaker up`, 127.0.0.1:50052; see `flowmaker.launcher.client`). On the stack the profiler's
+a running `flowmaker up`, 127.0.0.1:50052), reached with the same TLS files as every client command
+(`FLOWMAKER_TLS_*`, else the state file's; see `flowmaker.launcher.client`). On the stack the profiler's
 `ProfileModel` deploys the config through the stack's deployer (an instance on the cluster's GPUs, its memory
 reserved like any other), sweeps it, and stores a MEASURED profile in etcd beside the analytic one; this
 command follows the job (`GetProfilingJob`, per-config progress from `GetProfiles`) and prints both profiles
-side by side. When no profiler answers and none was named (`--profiler` / `FLOWMAKER_PROFILER_ADDR`), it
-says so on stderr and measures locally.
+side by side. A profiler that does not answer is an error (exit 1), never a quiet local measurement: only
+`--local` measures here.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def measure(
                                                           f"(default {LOCAL_GPU}).")] = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel degree.")] = 1,
     pp: Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel degree.")] = 1,
-    local: Annotated[bool, typer.Option("--local", help="Measure on an engine started here, without the stack.")]
+    local: Annotated[bool, typer.Option("--local", help="Measure on an engine started here, without the stack "
+                                                        "(nothing is stored). Without it, a stack's profiler must "
+                                                        "answer.")]
     = False,
     profiler: Annotated[str | None, typer.Option("--profiler", help="Profiler host:port (default: "
                                                                     "FLOWMAKER_PROFILER_ADDR, the state file of "
@@ -84,50 +87,60 @@ def measure(
     it with the analytic one.
 
     On the running stack (default) the profiler does it through the stack's deployer and stores the measured
-    profile in etcd, where the selector prefers it. `--local` (or no stack reachable) starts the engine here
-    through the deployer's backends and stores nothing. On the emulated engine (built from the analytic
-    profile) the difference checks the measurement pipeline.
+    profile in etcd, where the selector prefers it; no profiler reachable is an error. `--local` starts the
+    engine here through the deployer's backends and stores nothing. On the emulated engine (built from the
+    analytic profile) the difference checks the measurement pipeline.
     """
     err = console(stderr=True)
     if not local:
-        from flowmaker.launcher.client import resolve, settings
+        from flowmaker.launcher.client import RpcFailure, credentials, resolve, settings
 
         s = settings()
         addr = resolve("profiler", profiler, s)
-        if asyncio.run(_serving(addr)):
-            try:
-                rows = asyncio.run(_measure_on_stack(addr, model, gpu or "", tp, pp, backend or "", timeout,
-                                                     None if as_json else err, s.call_timeout_s))
-            except _Failed as e:
-                err.print(str(e), markup=False, highlight=False, soft_wrap=True)
-                raise typer.Exit(code=1) from None
-            _print(rows, as_json)
-            return
-        if profiler or s.profiler_addr:
-            fail("UNAVAILABLE", f"cannot reach the profiler at {addr}; is `flowmaker up` running? "
-                 "(--local measures without a stack)")
-        err.print(f"no FlowMaker stack reachable (no profiler at {addr}): measuring on a local engine instead "
-                  "(nothing is stored; --local skips this check)", markup=False, highlight=False, soft_wrap=True)
+        try:
+            tls, _ = credentials((addr,), s)
+        except RpcFailure as f:
+            fail(f.code, f.message, reason=f.reason, field=f.field)
+        why = asyncio.run(_not_serving(addr, tls))
+        if why:
+            how = "over TLS with " + (f"{tls.cert}" if tls.cert else "no client certificate") if tls else "plaintext"
+            fail("UNAVAILABLE", f"cannot reach the profiler at {addr} ({how}): {why}. Start the stack (`flowmaker "
+                 "up`) or name it: --profiler / FLOWMAKER_PROFILER_ADDR, with its CA and a client certificate for a "
+                 "TLS stack (FLOWMAKER_TLS_CA/_CERT/_KEY). Nothing was measured; --local measures on an engine "
+                 "started here instead (nothing stored)", reason="PROFILER_UNREACHABLE")
+        try:
+            rows = asyncio.run(_measure_on_stack(addr, model, gpu or "", tp, pp, backend or "", timeout,
+                                                 None if as_json else err, s.call_timeout_s, tls))
+        except _Failed as e:
+            err.print(str(e), markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(code=1) from None
+        _print(rows, as_json)
+        return
     _measure_locally(model, gpu or LOCAL_GPU, tp, pp, backend or "emulated", time_scale, repeats, as_json, err)
 
 
 # ---- on the stack ------------------------------------------------------------------------------------
 
 
-async def _serving(addr: str, timeout_s: float = 3.0) -> bool:
-    """Whether a gRPC server at `addr` answers health SERVING."""
+async def _not_serving(addr: str, tls: Any, timeout_s: float = 3.0) -> str:
+    """Why the gRPC server at `addr` does not answer health SERVING over `tls` (TlsFiles, or None for
+    plaintext); "" when it does."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from flowmaker.rpc.channels import insecure_channel
+    from flowmaker.rpc.channels import channel
 
     try:
-        async with insecure_channel(addr, default_timeout_s=timeout_s) as ch:
+        async with channel(addr, default_timeout_s=timeout_s, tls=tls) as ch:
             resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
                                                               timeout=timeout_s)
-    except (grpc.RpcError, ValueError):
-        return False
-    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError as e:
+        return f"{e.code().name}: {' '.join(str(e.details() or '').split())[:300]}"  # type: ignore[attr-defined]
+    except (OSError, ValueError) as e:
+        return str(e)
+    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+        return f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}"
+    return ""
 
 
 def _job_failure_line(job: Any) -> str:
@@ -143,13 +156,14 @@ def _job_failure_line(job: Any) -> str:
 
 
 async def _measure_on_stack(addr: str, model: str, gpu: str, tp: int, pp: int, engine: str, timeout_s: float,
-                            err: Console | None, call_timeout_s: float) -> list[dict[str, Any]]:
-    """ProfileModel for one config, follow the job, and return its row (analytic vs measured)."""
+                            err: Console | None, call_timeout_s: float, tls: Any = None) -> list[dict[str, Any]]:
+    """ProfileModel for one config, follow the job, and return its row (analytic vs measured). `tls`: the
+    TlsFiles to reach the profiler with (`credentials`), None for plaintext."""
     from flowmaker.api.profiler.v1 import profiler_pb2
     from flowmaker.launcher.client import RpcFailure, Stubs, call
 
     PJ = profiler_pb2.ProfilingJob
-    stubs = Stubs(profiler_addr=addr, timeout_s=call_timeout_s)
+    stubs = Stubs(profiler_addr=addr, timeout_s=call_timeout_s, tls=tls)
     try:
         prof = stubs.profiler()
         cfg = profiler_pb2.ParallelConfig(tp=tp, pp=pp)

@@ -25,9 +25,19 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flowmaker.cli.output import EXIT_FAILED, console, error_line
+from flowmaker.cli.output import EXIT_FAILED, KeyedColumn, console, error_line, keyed_table
 from flowmaker.launcher.client import RpcFailure, Stubs, call, failure_of, resolve, settings, to_json
-from flowmaker.launcher.stack import LocalStack, StackConfig, StackError, read_state, write_state
+from flowmaker.launcher.stack import (
+    DEFAULT_GATEWAY_PORT,
+    LocalStack,
+    StackConfig,
+    StackError,
+    default_state_dir,
+    port_free,
+    private_dir,
+    read_state,
+    write_state,
+)
 from flowmaker.orchestration.task import replicas_of
 
 T = TypeVar("T")
@@ -267,6 +277,65 @@ def _exit_if_failed(t: Any) -> None:
          EXIT_FAILED)
 
 
+WaitOpt = Annotated[bool, typer.Option(
+    "--wait/--no-wait", help="When the connection is cut during the approval (an orchestrator restart, an etcd "
+    "stall), keep waiting, reconnecting, until the task settles; the control plane finishes an approval it "
+    "accepted. --no-wait: exit at once (code 1) saying how to follow it.")]
+WaitTimeoutOpt = Annotated[float, typer.Option("--wait-timeout", min=1.0, help="Seconds --wait waits at most.")]
+_CUT = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # the call's outcome is unknown: the work may well go on
+
+
+def _settled(t: Any) -> bool:
+    """Whether an approved task is done moving: serving, FAILED, or waiting for capacity with its reason."""
+    from flowmaker.api.common.v1 import task_pb2
+
+    T = task_pb2.Task
+    if t.state in (T.STATE_ACTIVE, T.STATE_DEGRADED, T.STATE_FAILED, T.STATE_DELETING):
+        return not (t.state == T.STATE_DEGRADED and t.healing.action == "RESELECTING")
+    return t.HasField("healing") and t.healing.action == "WAITING_FOR_CAPACITY"
+
+
+async def _approve_following(stubs: Stubs, task_id: str, ids: list[str], strategy: str, *, wait: bool,
+                             timeout_s: float) -> Any:
+    """ApproveWorkflows; when the call is cut (UNAVAILABLE / DEADLINE_EXCEEDED) its outcome is unknown: the
+    orchestrator may have accepted the approval, and then its worker (or, after a restart, its reconciler)
+    finishes it. Say so, and with `wait` follow the task across reconnects until it settles, sending the
+    approval again only if it never reached etcd (the task still AWAITING_APPROVAL)."""
+    from flowmaker.api.common.v1 import task_pb2
+    from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+
+    req = pb.ApproveWorkflowsRequest(task_id=task_id, workflow_ids=ids, strategy=strategy)
+    follow = f"follow it with `flowmaker task get {task_id}`"
+    try:
+        return (await call(stubs.orchestrator().ApproveWorkflows(req), stubs.orchestrator_addr)).task
+    except RpcFailure as f:
+        if f.code not in _CUT:
+            raise
+        if not wait:
+            raise RpcFailure(f.code, f.reason, f"{f.message} -- the approval of task {task_id} was cut off; if the "
+                             f"orchestrator had accepted it, the work goes on: {follow}", f.field, f.target) from None
+        err.print(f"the approval of task {task_id} was cut off ({f.code}: {f.message}); the control plane goes on "
+                  f"with an approval it accepted: waiting for the task to settle (or {follow})",
+                  markup=False, highlight=False, soft_wrap=True)
+    deadline = time.monotonic() + timeout_s
+    last: RpcFailure | None = None
+    while time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+        try:
+            t = (await call(stubs.orchestrator().GetTask(pb.GetTaskRequest(task_id=task_id)),
+                            stubs.orchestrator_addr)).task
+            if t.state == task_pb2.Task.STATE_AWAITING_APPROVAL:  # the approval never got recorded: again
+                t = (await call(stubs.orchestrator().ApproveWorkflows(req), stubs.orchestrator_addr)).task
+            if _settled(t):
+                return t
+        except RpcFailure as f:
+            if f.code not in _CUT:
+                raise
+            last = f  # still cut off: reconnect on the next round (the channel does)
+    raise RpcFailure("DEADLINE_EXCEEDED", "", f"task {task_id} did not settle within --wait-timeout {timeout_s:g}s"
+                     + (f" (last error: {last.code} {last.message})" if last else "") + f"; {follow}")
+
+
 @task_app.command("deploy")
 def task_deploy(
     description: Annotated[str, typer.Argument(help="What the task does, in natural language.")],
@@ -282,6 +351,8 @@ def task_deploy(
     approve: Annotated[str | None, typer.Option(
         "--approve", metavar="all|ID,...", help="Approve these candidates right away (select + deploy).")] = None,
     strategy: Annotated[str, typer.Option("--strategy", help="Selection strategy for --approve.")] = "",
+    wait: WaitOpt = True,
+    wait_timeout: WaitTimeoutOpt = 900.0,
     orchestrator: OrchestratorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -317,8 +388,7 @@ def task_deploy(
             if not as_json:
                 err.print(f"task {t.id}: {len(t.candidates)} candidate(s); approving {', '.join(ids)}")
             with err.status("selecting the variant and deploying its instances…"):
-                t = (await call(orch.ApproveWorkflows(pb.ApproveWorkflowsRequest(
-                    task_id=t.id, workflow_ids=ids, strategy=strategy)), stubs.orchestrator_addr)).task
+                t = await _approve_following(stubs, t.id, ids, strategy, wait=wait, timeout_s=wait_timeout)
         return t
 
     t = _run(_with_stubs(go, orchestrator=orchestrator))
@@ -333,6 +403,8 @@ def task_approve(
     task_id: Annotated[str, typer.Argument(help="The task.")],
     workflow_ids: Annotated[list[str] | None, typer.Argument(help="Candidate ids to approve; none = all.")] = None,
     strategy: Annotated[str, typer.Option("--strategy", help="Selection strategy (default: exact).")] = "",
+    wait: WaitOpt = True,
+    wait_timeout: WaitTimeoutOpt = 900.0,
     orchestrator: OrchestratorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -348,8 +420,7 @@ def task_approve(
             t = (await call(orch.GetTask(pb.GetTaskRequest(task_id=task_id)), stubs.orchestrator_addr)).task
             ids = [w.id for w in t.candidates]
         with err.status(f"selecting among {', '.join(ids)} and deploying…"):
-            return (await call(orch.ApproveWorkflows(pb.ApproveWorkflowsRequest(
-                task_id=task_id, workflow_ids=ids, strategy=strategy)), stubs.orchestrator_addr)).task
+            return await _approve_following(stubs, task_id, ids, strategy, wait=wait, timeout_s=wait_timeout)
 
     t = _run(_with_stubs(go, orchestrator=orchestrator))
     _emit(t, as_json, _print_task)
@@ -451,16 +522,21 @@ def task_list(
     _emit(_orchestrator_call(orchestrator, "ListTasks", pb.ListTasksRequest(state=st)), as_json, _tasks_table)
 
 
+# `task list`'s columns after the id; `keep` ranks them for a narrow terminal (the id is never cut).
+_TASK_COLUMNS = (KeyedColumn("name", 8, keep=2), KeyedColumn("state", 6, keep=1),
+                 KeyedColumn("accuracy >=", 5, "right", keep=3), KeyedColumn("latency <=", 6, "right", keep=4),
+                 KeyedColumn("rate", 4, "right", keep=5), KeyedColumn("workflow", 8, keep=9),
+                 KeyedColumn("predicted", 6, "right", keep=8), KeyedColumn("p50", 5, "right", keep=7),
+                 KeyedColumn("requests", 4, "right", keep=6))
+
+
 def _tasks_table(resp: Any) -> None:
-    tab = Table(title=f"{len(resp.tasks)} task(s)")
-    for c in ("id", "name", "state", "accuracy >=", "latency <=", "rate", "workflow", "predicted", "p50",
-              "requests"):
-        tab.add_column(c, justify="left" if c in ("id", "name", "state", "workflow") else "right")
-    for t in resp.tasks:
-        tab.add_row(t.id, t.name, _task_state(t), f"{t.slo.min_accuracy:g}", f"{t.slo.max_latency_s:g}s",
-                    f"{t.slo.arrival_rate_rps:g}", t.variant.workflow_id or "-", _s(t.predicted_latency_s),
-                    _s(t.observed_latency_p50_s), str(t.requests_served))
-    out.print(tab)
+    rows = [(t.id, {"state": _task_state(t), "name": t.name, "accuracy >=": f"{t.slo.min_accuracy:g}",
+                    "latency <=": f"{t.slo.max_latency_s:g}s", "rate": f"{t.slo.arrival_rate_rps:g}",
+                    "requests": str(t.requests_served), "p50": _s(t.observed_latency_p50_s),
+                    "predicted": _s(t.predicted_latency_s), "workflow": t.variant.workflow_id or "-"})
+            for t in resp.tasks]
+    out.print(keyed_table(f"{len(resp.tasks)} task(s)", "id", _TASK_COLUMNS, rows, width=out.width))
 
 
 @task_app.command("delete")
@@ -499,21 +575,32 @@ def instances(
     if as_json:
         _print_json({"instances": to_json(insts).get("instances", []), "gpus": to_json(gpus).get("gpus", [])})
         return
-    tab = Table(title=f"{len(insts.instances)} instance(s)")
-    for c in ("id", "model", "tp x pp", "state", "GPUs", "planned tok/s", "observed tok/s", "queue", "slowdown",
-              "headroom", "tasks", "endpoint"):
-        tab.add_column(c, justify="right" if c.endswith("tok/s") or c in ("tp x pp", "queue", "slowdown") else "left")
+    rows = []
     for i in insts.instances:
         seen = i.HasField("observed_time")
-        tab.add_row(i.id, i.model_id, f"{i.tp}x{i.pp}", _state_name(cluster_pb2.Instance.State, i.state),
-                    ",".join(i.gpu_ids), f"{i.load_output_tokens_per_s:.1f}",
-                    f"{i.observed_load_output_tokens_per_s:.1f}" if seen else "-",
-                    f"{i.observed_queue:.1f}" if seen else "-", f"{i.observed_slowdown:.1f}x" if seen else "-",
-                    ("[red]none (saturated)[/red]" if i.saturated else "yes") if seen else "-",
-                    ",".join(i.task_ids) or "-",
-                    i.endpoint or "-")
-    out.print(tab)
+        state = _state_name(cluster_pb2.Instance.State, i.state)
+        if i.HasField("unresponsive_time"):  # the node's health probe gets no answer: maybe hung
+            state += f" [red](unresponsive {max(0.0, time.time() - i.unresponsive_time.ToSeconds()):.0f}s)[/red]"
+        rows.append((i.id, {
+            "model": i.model_id, "tp x pp": f"{i.tp}x{i.pp}", "state": state, "GPUs": ",".join(i.gpu_ids),
+            "planned tok/s": f"{i.load_output_tokens_per_s:.1f}",
+            "observed tok/s": f"{i.observed_load_output_tokens_per_s:.1f}" if seen else "-",
+            "queue": f"{i.observed_queue:.1f}" if seen else "-",
+            "slowdown": f"{i.observed_slowdown:.1f}x" if seen else "-",
+            "headroom": ("[red]none (saturated)[/red]" if i.saturated else "yes") if seen else "-",
+            "tasks": ",".join(i.task_ids) or "-", "endpoint": i.endpoint or "-"}))
+    # The id is never cut, at any width; see _INSTANCE_COLUMNS.
+    out.print(keyed_table(f"{len(insts.instances)} instance(s)", "id", _INSTANCE_COLUMNS, rows, width=out.width))
     out.print(_gpu_table(gpus.gpus))
+
+
+# `instances`' columns after the id, ranked by `keep` for a narrow terminal (the id is never cut).
+_INSTANCE_COLUMNS = (KeyedColumn("model", 8, keep=1), KeyedColumn("tp x pp", 3, "right", keep=5),
+                     KeyedColumn("state", 6, keep=2), KeyedColumn("GPUs", 4, keep=4),
+                     KeyedColumn("planned tok/s", 5, "right", keep=6), KeyedColumn("observed tok/s", 5, "right", keep=7),
+                     KeyedColumn("queue", 4, "right", keep=8), KeyedColumn("slowdown", 4, "right", keep=9),
+                     KeyedColumn("headroom", 4, keep=10), KeyedColumn("tasks", 8, keep=3),
+                     KeyedColumn("endpoint", 8, keep=11))
 
 
 def _gpu_table(gpus: Any) -> Table:
@@ -552,6 +639,14 @@ def up(
     port: Annotated[int, typer.Option("--port", min=0, max=65535,
                                       help="Orchestrator port; 0 = a free port (clients find it in the state file).")
                     ] = 0,
+    gateway_port: Annotated[int, typer.Option(
+        "--gateway-port", min=0, max=65535,
+        help="Port of the OpenAI-compatible gateway, the same at every start so a client's base URL "
+             f"(http://127.0.0.1:{DEFAULT_GATEWAY_PORT}/v1) survives restarts; taken = an error. 0 = a free port, "
+             "kept in the work dir for the next start.")] = DEFAULT_GATEWAY_PORT,
+    metrics: Annotated[bool, typer.Option(
+        "--metrics/--no-metrics", help="Prometheus /metrics on every service, each on a port of its own (kept "
+                                       "across restarts), listed in the output and the state file.")] = True,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Start in the background and return once ready; "
                                                                 "stop it with `flowmaker down`.")] = False,
     foreground: Annotated[bool, typer.Option("--foreground", help="Run until Ctrl-C (the default).")] = True,
@@ -577,14 +672,31 @@ def up(
     if running:
         _die(f"error: FAILED_PRECONDITION: a stack is already running (pid {running['pid']}, orchestrator "
              f"{running['services'].get('orchestrator')}); `flowmaker down` first")
+    if gateway_port and gateway_port == port:
+        _die(error_line("INVALID_ARGUMENT", f"--gateway-port {gateway_port} is also the orchestrator's --port",
+                        field="--gateway-port"))
+    host = StackConfig.host
+    if gateway_port and not port_free(host, gateway_port):
+        _die(error_line("UNAVAILABLE", f"{host}:{gateway_port} is in use (another `flowmaker up`, or another "
+                        "program): pick a free port, or 0 for any free port, kept for the next start",
+                        reason="PORT_IN_USE", field="--gateway-port"))
+    state_dir = s.state_file.parent
+    # The state file, the background log and (by default) the work dir with its pki live here: owner only.
+    try:
+        private_dir(state_dir, tighten=state_dir == default_state_dir())
+    except OSError as e:
+        _die(error_line("FAILED_PRECONDITION", f"cannot create the state file's directory {state_dir}: "
+                        f"{e.strerror or e}", field="FLOWMAKER_STATE_FILE"))
     if detach:
         _up_detached(s.state_file, [a for a in sys.argv[1:] if a not in ("--detach", "-d")], as_json)
         return
-    work_dir = work_dir or s.state_file.parent / "stack"
+    if work_dir is None:
+        work_dir = private_dir(state_dir / "stack", tighten=state_dir == default_state_dir())
     if fresh and work_dir.exists():
         shutil.rmtree(work_dir)
     cfg = StackConfig(gpus=gpus, gpu_type=gpu_type, time_scale=time_scale, work_dir=work_dir,
-                      keep_work_dir=True, ports={"orchestrator": port} if port else {}, tls=not insecure)
+                      keep_work_dir=True, ports={"orchestrator": port} if port else {}, tls=not insecure,
+                      gateway_port=gateway_port, metrics=metrics)
     if etcd_bin:
         cfg.etcd_bin = etcd_bin
     con = err
@@ -614,6 +726,8 @@ def up(
                 tab.add_row(name, addr)
             if st.get("gateway"):
                 tab.add_row("OpenAI-compatible gateway", st["gateway"])
+            for name, url in st.get("metrics", {}).items():
+                tab.add_row(f"metrics: {name}", url)
             tab.add_row("work dir (etcd data, logs; kept)", str(stack.work_dir))
             tls = st.get("tls")
             tab.add_row("TLS (CA, admin cert, tokens)", f"{tls['ca']}, {tls['cert']}, {tls['tokens_file']}" if tls

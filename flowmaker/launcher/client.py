@@ -1,14 +1,28 @@
-"""Client side of the CLI: where the services are (flag, env, `flowmaker up`'s state file), stubs, error lines.
+"""Client side of the CLI: where the services are and how to prove who we are (flag, env, `flowmaker up`'s state
+file), stubs, error lines.
 
 Address resolution, first match wins: the command's `--orchestrator` / `--deployer` /
 `--profiler` option; `FLOWMAKER_ORCHESTRATOR_ADDR` / `FLOWMAKER_DEPLOYER_ADDR` /
 `FLOWMAKER_PROFILER_ADDR`; the state file a running `flowmaker up` writes
 (`FLOWMAKER_STATE_FILE`, default `~/.flowmaker/stack.json`); the default port of the service on
 127.0.0.1 (`flowmaker.settings.DEFAULT_PORTS`).
+
+Credentials (`credentials`), so that the CLI reaches any stack (`flowmaker up`, compose, Kubernetes), not only
+the one it started:
+
+- TLS: `FLOWMAKER_TLS_CA` (the stack's CA), with `FLOWMAKER_TLS_CERT` / `FLOWMAKER_TLS_KEY` (a client
+  certificate of that CA, e.g. the pki's `admin.pem` / `admin.key`; every service but the orchestrator demands
+  one); the top-level `flowmaker --tls-ca/--tls-cert/--tls-key` options set them. Given, they are used for
+  every address. Else the state file's files, for the addresses of the stack it describes; else plaintext.
+- token (the orchestrator's bearer token; sent over TLS only): `FLOWMAKER_TOKEN`; else `FLOWMAKER_TOKEN_FILE`
+  (`flowmaker --token-file`): a file holding the token, or a `tokens.json` (`{token: {user, admin}}`) whose
+  admin token (or only token) is taken; else the admin token in the `tokens.json` the state file points to.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +57,16 @@ class ClientSettings(BaseSettings):
                              description="Where `flowmaker up` records its endpoints and pid (read by the clients, "
                                          "`flowmaker down`).")
     call_timeout_s: float = Field(300.0, gt=0, description="Deadline of each CLI call (deploys can take minutes).")
-    token: str = Field("", description="Bearer token for the orchestrator (FLOWMAKER_TOKEN); default: the admin "
-                                       "token of the running `flowmaker up` stack, when it runs with TLS.")
+    token: str = Field("", description="Bearer token for the orchestrator (FLOWMAKER_TOKEN); default: "
+                                       "FLOWMAKER_TOKEN_FILE's, else the admin token of the running `flowmaker up` "
+                                       "stack, when it runs with TLS.")
+    token_file: str = Field("", description="File with the bearer token (FLOWMAKER_TOKEN_FILE): the token alone, or "
+                                            "a tokens.json whose admin (or only) token is used.")
+    tls_ca: str = Field("", description="PEM CA of the stack's certificates (FLOWMAKER_TLS_CA): TLS to every "
+                                        "service, whatever the state file says.")
+    tls_cert: str = Field("", description="PEM client certificate signed by that CA (FLOWMAKER_TLS_CERT; with "
+                                          "FLOWMAKER_TLS_KEY), e.g. the stack's admin.pem.")
+    tls_key: str = Field("", description="PEM key of FLOWMAKER_TLS_CERT (FLOWMAKER_TLS_KEY).")
 
 
 def settings() -> ClientSettings:
@@ -88,8 +110,12 @@ def failure_of(e: BaseException, target: str = "") -> RpcFailure:
         info = error_info(e)
         reason = info.reason if info and info.reason else code.name
         if code == grpc.StatusCode.UNAVAILABLE and info is None:
-            # No rich status: the connection itself failed (nothing listening), not the service.
-            message = f"cannot reach {target or 'the service'} ({message}); is `flowmaker up` running?"
+            # No rich status: the connection itself failed (nothing listening, or a TLS handshake refused), not
+            # the service.
+            message = (f"cannot reach {target or 'the service'} ({message}); is a stack running there (`flowmaker "
+                       "up`, or the address in --orchestrator/--deployer/--profiler or FLOWMAKER_<SVC>_ADDR)? A TLS "
+                       "stack also needs its CA, and for every service but the orchestrator a client certificate: "
+                       "FLOWMAKER_TLS_CA/_CERT/_KEY (flowmaker --tls-ca/--tls-cert/--tls-key)")
         elif code == grpc.StatusCode.DEADLINE_EXCEEDED and info is None:
             message = f"no answer from {target or 'the service'} within the deadline"
         return RpcFailure(code.name, reason, " ".join(message.split()), field, target)
@@ -111,23 +137,86 @@ def to_json(msg: Message) -> dict[str, Any]:
     return json_format.MessageToDict(msg, preserving_proto_field_name=True)
 
 
-def stack_tls(addresses: Iterable[str] = (), s: ClientSettings | None = None) -> tuple[TlsFiles | None, str]:
-    """(admin certificate files, bearer token) of the running `flowmaker up` stack when it runs with
-    TLS (its state file says so) and serves one of `addresses`; else (None, FLOWMAKER_TOKEN)."""
+@dataclass(frozen=True, slots=True)
+class ServerOnlyTls(TlsFiles):
+    """TLS trusting `ca` with no client certificate: enough for the orchestrator, which takes a bearer token
+    (every other service demands a certificate and refuses the handshake)."""
+
+    def read(self) -> tuple[bytes, bytes, bytes]:
+        # grpc.ssl_channel_credentials takes None for "no key pair".
+        return Path(self.ca).read_bytes(), None, None  # type: ignore[return-value]
+
+
+def _readable(path: str, name: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise RpcFailure("INVALID_ARGUMENT", "", f"cannot read {path}: {e.strerror or e}", name) from None
+    return path
+
+
+def token_from_file(path: str, name: str = "FLOWMAKER_TOKEN_FILE") -> str:
+    """The bearer token in `path`: the file's content, or for a tokens.json (`{token: {user, admin}}`) its admin
+    token, or its only one. RpcFailure INVALID_ARGUMENT naming `name` when there is none."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RpcFailure("INVALID_ARGUMENT", "", f"cannot read {path}: {e}", name) from None
+    try:
+        tokens = json.loads(text)
+    except ValueError:
+        tokens = None
+    if isinstance(tokens, dict):
+        admins = [t for t, who in tokens.items() if isinstance(who, dict) and who.get("admin")]
+        if admins or len(tokens) == 1:
+            return str((admins or list(tokens))[0])
+        raise RpcFailure("INVALID_ARGUMENT", "", f"{path} is a tokens file with {len(tokens)} token(s) and no admin "
+                         "one: put your own token alone in a file, or in FLOWMAKER_TOKEN", name)
+    token = text.strip()
+    if not token or len(token.split()) != 1:
+        raise RpcFailure("INVALID_ARGUMENT", "", f"{path} holds no token (expected the token alone, or a "
+                         "tokens.json)", name)
+    return token
+
+
+def credentials(addresses: Iterable[str] = (), s: ClientSettings | None = None) -> tuple[TlsFiles | None, str]:
+    """(TLS files or None for plaintext, bearer token) for talking to `addresses`, by the rules in the module
+    docstring. RpcFailure INVALID_ARGUMENT naming the variable for a setting that cannot be used."""
     s = s or settings()
+    token = s.token
+    if not token and s.token_file:
+        token = token_from_file(s.token_file)
+    if s.tls_ca or s.tls_cert or s.tls_key:
+        if bool(s.tls_cert) != bool(s.tls_key):
+            missing = "FLOWMAKER_TLS_KEY" if s.tls_cert else "FLOWMAKER_TLS_CERT"
+            raise RpcFailure("INVALID_ARGUMENT", "", "a client certificate needs its key: FLOWMAKER_TLS_CERT and "
+                             "FLOWMAKER_TLS_KEY go together", missing)
+        if not s.tls_ca:
+            raise RpcFailure("INVALID_ARGUMENT", "", "the stack's CA is needed with a client certificate",
+                             "FLOWMAKER_TLS_CA")
+        ca = _readable(s.tls_ca, "FLOWMAKER_TLS_CA")
+        if not s.tls_cert:
+            return ServerOnlyTls(ca, "", ""), token
+        return TlsFiles(ca, _readable(s.tls_cert, "FLOWMAKER_TLS_CERT"), _readable(s.tls_key, "FLOWMAKER_TLS_KEY")), token
     state = read_state(s.state_file) or {}
     tls = state.get("tls")
     ours = set(state.get("services", {}).values())
     if not isinstance(tls, dict) or not ours.intersection(a for a in addresses if a):
-        return None, s.token
-    return TlsFiles(tls["ca"], tls["cert"], tls["key"]), s.token or str(tls.get("token", ""))
+        return None, token
+    if not token:
+        if tls.get("tokens_file"):
+            with contextlib.suppress(RpcFailure):  # unreadable: no token, and the orchestrator says UNAUTHENTICATED
+                token = token_from_file(str(tls["tokens_file"]), "tokens_file")
+        token = token or str(tls.get("token", ""))  # a state file of an older `flowmaker up`
+    return TlsFiles(tls["ca"], tls["cert"], tls["key"]), token
 
 
 @dataclass
 class Stubs:
-    """aio channels and stubs of the services the CLI talks to; close() when done. With `tls` (default:
-    what the running stack's state file says), channels are mTLS with the admin certificate and the
-    orchestrator's calls carry the bearer `token`."""
+    """aio channels and stubs of the services the CLI talks to; close() when done. With `tls` (default True:
+    what `credentials` says: the FLOWMAKER_TLS_* files, else the running stack's state file), channels are TLS
+    and the orchestrator's calls carry the bearer `token`. Settings that cannot be used raise RpcFailure."""
 
     orchestrator_addr: str = ""
     deployer_addr: str = ""
@@ -139,7 +228,7 @@ class Stubs:
     def __post_init__(self) -> None:
         self._channels: list[grpc.aio.Channel] = []
         if self.tls is True:
-            self.tls, tok = stack_tls((self.orchestrator_addr, self.deployer_addr, self.profiler_addr))
+            self.tls, tok = credentials((self.orchestrator_addr, self.deployer_addr, self.profiler_addr))
             self.token = self.token or tok
 
     def _channel(self, addr: str, token: str = "") -> grpc.aio.Channel:

@@ -22,6 +22,14 @@ afterwards (checked by pid *and* start time, so a reused pid is never hit): no o
 Children also get PR_SET_PDEATHSIG=SIGTERM, so they are told to stop even if the launcher itself
 is SIGKILLed.
 
+Ports: every service's gRPC port, the gateway's HTTP port and (with `StackConfig.metrics`) each service's Prometheus
+port are picked free once and kept in the work dir's `ports.json`, so a restart keeps its addresses; `flowmaker up`
+fixes the gateway's (`--gateway-port`, default `DEFAULT_GATEWAY_PORT`) so an OpenAI client's base URL never moves.
+
+Credentials: the pki dir (CA and keys, `tokens.json`) is 0700 with its keys and tokens 0600; the state file
+(`write_state`, 0600 in a 0700 directory) holds the *paths* of the client's TLS files and of `tokens.json`,
+never a token or a key.
+
 Supervision (`supervise()`, called by `flowmaker up` every second): a child that exits is started again
 with the same command, environment and port, after an exponential backoff (1 s, doubling to 30 s, reset
 after a minute of uptime), the way a process supervisor would; the stack is never torn down for it. With
@@ -56,6 +64,10 @@ from flowmaker.rpc.tls import ADMIN, TOKENS_FILE, TlsFiles, ensure_pki, pki_file
 # Start order; stop order is the reverse with the deployer held back until the others are gone.
 SERVICES: tuple[str, ...] = ("deployer", "profiler", "generator", "selector", "orchestrator")
 
+# `flowmaker up`'s gateway port unless --gateway-port says otherwise: fixed, so an OpenAI client's base URL
+# (http://127.0.0.1:50080/v1) survives restarts. Beside the services' 50051-50055, and not vLLM's 8000.
+DEFAULT_GATEWAY_PORT = 50080
+
 ProgressFn = Callable[[str, str], None]  # (step, detail): "etcd", "starting" / "ready" / "stopping"...
 
 
@@ -72,7 +84,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _port_free(host: str, port: int) -> bool:
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could bind `host:port` now (SO_REUSEADDR, as the services bind: TIME_WAIT is no obstacle)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind it: TIME_WAIT is no use
         try:
@@ -120,6 +133,12 @@ class StackConfig:
     # The OpenAI-compatible HTTP gateway (`services.gateway`) in front of the orchestrator; its base URL
     # is `LocalStack.gateway_url` and the state file's "gateway".
     gateway: bool = True
+    # The gateway's HTTP port: 0 = a free one, kept in the work dir's ports.json like the services' ports;
+    # else exactly this one (a taken port is a StackError before anything starts). `flowmaker up`: --gateway-port.
+    gateway_port: int = 0
+    # Prometheus /metrics on every service (FLOWMAKER_<SVC>_METRICS_PORT), each on a port of its own picked
+    # and kept like the gRPC ports; listed in `state()["metrics"]` with the gateway's. On under `flowmaker up`.
+    metrics: bool = False
     # mTLS between the services + bearer tokens at the orchestrator (flowmaker.rpc.tls / .auth): a local
     # CA and per-service certificates in `<work dir>/pki`, an admin token in `<work dir>/pki/tokens.json`.
     # `flowmaker up` turns it on unless --insecure; plaintext here keeps library callers (tests, benches
@@ -128,11 +147,15 @@ class StackConfig:
 
 
 def service_env(svc: str, *, host: str, port: int, addrs: Mapping[str, str], etcd_endpoint: str,
-                cfg: StackConfig, log_dir: Path, pki_dir: Path | None = None) -> dict[str, str]:
-    """The FLOWMAKER_<SVC>_* settings the launcher gives one service (read by services/<svc>/settings.py)."""
+                cfg: StackConfig, log_dir: Path, pki_dir: Path | None = None,
+                metrics_port: int | None = None) -> dict[str, str]:
+    """The FLOWMAKER_<SVC>_* settings the launcher gives one service (read by services/<svc>/settings.py).
+    `metrics_port`: serve Prometheus /metrics there (`ServiceSettings.metrics_port`); None = the service's default."""
     p = f"FLOWMAKER_{svc.upper()}_"
     env = {p + "HOST": host, p + "PORT": str(port), p + "ETCD_ENDPOINTS": etcd_endpoint, p + "LOG_LEVEL": cfg.log_level,
            p + "GRACE_S": "2"}
+    if metrics_port is not None:
+        env[p + "METRICS_PORT"] = str(metrics_port)
     if pki_dir is not None:  # this service's own certificate, and the CA every peer is checked against
         f = pki_files(pki_dir, svc)
         env.update({p + "TLS_CA_FILE": f.ca, p + "TLS_CERT_FILE": f.cert, p + "TLS_KEY_FILE": f.key,
@@ -231,6 +254,7 @@ class LocalStack:
         self._children: dict[str, _Child] = {}
         self.addresses: dict[str, str] = {}
         self.gateway_url = ""  # http://host:port/v1 once the gateway serves
+        self.metrics: dict[str, str] = {}  # service (and "gateway") -> its Prometheus URL http://host:port/metrics
         self.pki_dir: Path | None = None  # with config.tls: the CA, certificates and tokens
         self._tmp: Path | None = None
         self.work_dir: Path | None = None
@@ -245,21 +269,22 @@ class LocalStack:
         return self.work_dir / "logs"
 
     def state(self) -> dict[str, Any]:
-        """What `flowmaker up` writes to its state file (and prints as JSON)."""
+        """What `flowmaker up` writes to its state file (and prints as JSON): addresses and file paths, no secret."""
         return {"pid": os.getpid(), "etcd": self.etcd_endpoint, "services": dict(self.addresses),
                 "work_dir": str(self.work_dir or ""), "gpus": self.config.gpus, "gpu_type": self.config.gpu_type,
                 "node": self.config.node, "time_scale": self.config.time_scale, "gateway": self.gateway_url,
+                "metrics": dict(self.metrics),
                 "pids": {n: c.proc.pid for n, c in self._children.items()},
                 "tls": self.client_tls()}
 
     def client_tls(self) -> dict[str, str] | None:
-        """What a client of this stack needs (the CLI reads it from the state file): the CA, the admin
-        certificate and key, and the admin bearer token for the orchestrator; None when plaintext."""
+        """What a client of this stack needs (the CLI reads it from the state file): the paths of the CA, the
+        admin certificate and key, and of `tokens.json`, whose admin entry is the orchestrator's bearer token
+        (read from that 0600 file, never copied here); None when plaintext."""
         if self.pki_dir is None:
             return None
         f = pki_files(self.pki_dir, ADMIN)
-        return {"ca": f.ca, "cert": f.cert, "key": f.key, "tokens_file": str(self.pki_dir / TOKENS_FILE),
-                "token": admin_token(self.pki_dir)}
+        return {"ca": f.ca, "cert": f.cert, "key": f.key, "tokens_file": str(self.pki_dir / TOKENS_FILE)}
 
     def start(self) -> LocalStack:
         cfg = self.config
@@ -268,12 +293,15 @@ class LocalStack:
             self._tmp = Path(tempfile.mkdtemp(prefix="flowmaker-stack-"))
             self.work_dir = self._tmp
         else:
-            self.work_dir = Path(cfg.work_dir)
-            self.work_dir.mkdir(parents=True, exist_ok=True)
+            self.work_dir = private_dir(Path(cfg.work_dir))
+        if cfg.gateway and "orchestrator" in cfg.services and cfg.gateway_port \
+                and not port_free(cfg.host, cfg.gateway_port):
+            raise StackError(f"the gateway's port {cfg.host}:{cfg.gateway_port} is in use (another stack, or another "
+                             "program); choose another one, or 0 for any free port", field="gateway_port")
         atexit.register(self.stop)
         if cfg.tls:
             self.pki_dir = ensure_pki(self.work_dir / "pki", hosts=(cfg.host,))
-            admin_token(self.pki_dir)  # created once, kept with the certificates
+            admin_token(self.pki_dir)  # created once, kept with the certificates (tokens.json, 0600)
         try:
             self._start_etcd()
             self._start_services()
@@ -370,7 +398,7 @@ class LocalStack:
         except (OSError, ValueError):
             saved = {}
         port = saved.get(name)
-        if not isinstance(port, int) or not _port_free(self.config.host, port):
+        if not isinstance(port, int) or not port_free(self.config.host, port):
             port = free_port(self.config.host)
         if self._tmp is None:
             saved[name] = port
@@ -430,6 +458,8 @@ class LocalStack:
         for svc in SERVICES:
             port = cfg.ports.get(svc) or self._port(svc)
             self.addresses[svc] = f"{cfg.host}:{port}"
+        metrics_ports = {svc: self._port(f"{svc}-metrics") for svc in SERVICES if svc in cfg.services} \
+            if cfg.metrics else {}
         base_env = {**os.environ, "OTEL_TRACES_EXPORTER": os.environ.get("OTEL_TRACES_EXPORTER", "none"),
                     "PYTHONUNBUFFERED": "1",
                     # Marks every process of this stack (engines inherit it): orphan checks find them by it.
@@ -444,8 +474,11 @@ class LocalStack:
             env = {**base_env,
                    **service_env(svc, host=host, port=int(port_s), addrs=self.addresses,
                                  etcd_endpoint=self.etcd_endpoint, cfg=cfg, log_dir=self.log_dir,
-                                 pki_dir=self.pki_dir),
+                                 pki_dir=self.pki_dir, metrics_port=metrics_ports.get(svc)),
                    **cfg.extra_env}
+            mport = env.get(f"FLOWMAKER_{svc.upper()}_METRICS_PORT", "")
+            if mport.isdigit() and int(mport) > 0:  # a fixed port (ours, or extra_env's): known up front
+                self.metrics[svc] = f"http://{host}:{mport}/metrics"
             self._progress(svc, "starting")
             child = _spawn(svc, [cfg.python, "-m", f"services.{svc}"], env, self.log_dir / f"{svc}.log")
             child.address = self.addresses[svc]
@@ -473,7 +506,7 @@ class LocalStack:
     def _start_gateway(self) -> None:
         """The HTTP gateway on a free port, told the orchestrator's address; ready when GET /health answers."""
         cfg = self.config
-        port = free_port(cfg.host)
+        port = cfg.gateway_port or self._port("gateway")
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "OTEL_TRACES_EXPORTER": os.environ.get("OTEL_TRACES_EXPORTER", "none"),
                "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
@@ -507,6 +540,7 @@ class LocalStack:
                                  f"last log lines:\n{child.log_tail(10)}", field="gateway")
             time.sleep(0.2)
         self.gateway_url = f"http://{child.address}/v1"
+        self.metrics["gateway"] = f"http://{child.address}/metrics"  # the gateway serves them on its own port
         self._progress("gateway", f"ready on {self.gateway_url} (OpenAI-compatible)")
 
     # -- stop -----------------------------------------------------------------------------
@@ -537,11 +571,34 @@ class LocalStack:
             self._progress(c.name, f"stopped (exit {c.proc.returncode})")
 
 
+def default_state_dir() -> Path:
+    """FlowMaker's own directory, `~/.flowmaker` (the default state file's, `up.log`'s and work dir's)."""
+    return Path.home() / ".flowmaker"
+
+
+def private_dir(path: Path, *, tighten: bool = False) -> Path:
+    """`path` as a directory, created (with any missing parent) readable by its owner only, 0700. `tighten`: an
+    existing one is made 0700 too; only for FlowMaker's own directories (`~/.flowmaker` and what it creates
+    there), never one the user named, which may be shared (`/tmp`)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            p.mkdir(mode=0o700)
+        os.chmod(p, 0o700)  # mkdir's mode is masked by the umask: say it exactly
+    if tighten and not missing:
+        os.chmod(path, 0o700)
+    return path
+
+
 def write_state(path: Path, state: Mapping[str, Any]) -> None:
-    """Atomically write the `flowmaker up` state file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Atomically write the `flowmaker up` state file: 0600, in a directory created 0700 (`~/.flowmaker`, the
+    default, is made 0700 also when it exists). It holds addresses and file paths, not secrets."""
+    private_dir(path.parent, tighten=path.parent == default_state_dir())
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # a leftover .tmp keeps its old mode through O_CREAT
+        f.write(json.dumps(state, indent=2))
     tmp.replace(path)
 
 

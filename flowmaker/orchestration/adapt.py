@@ -45,32 +45,62 @@ class TaskLoad:
 
 @dataclass
 class ArrivalMeter:
-    """Arrivals and completed-request latencies per task over the last `window_s` wall seconds."""
+    """Arrivals, completed-request latencies and requests still waiting, per task, over the last `window_s` wall
+    seconds.
+
+    A request still waiting counts in the latency quantiles with its age so far (a lower bound of its latency)
+    once that age exceeds the median of the completed ones: a hung instance completes nothing, and a window of
+    completed requests alone would go on saying all is well. Younger waiting requests are left out, since
+    counting them would pull the quantiles down."""
 
     window_s: float = 30.0
     _arrivals: dict[str, deque[float]] = field(default_factory=dict)
     _latencies: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
     _first: dict[str, float] = field(default_factory=dict)
+    _waiting: dict[str, dict[int, float]] = field(default_factory=dict)  # task -> token -> arrival time
+    _next: int = 0
 
-    def arrived(self, task_id: str, now: float) -> None:
+    def arrived(self, task_id: str, now: float) -> int:
+        """Record an arrival; the token returned ends its wait (`finished` or `abandoned`)."""
         self._first.setdefault(task_id, now)
         q = self._arrivals.setdefault(task_id, deque())
         q.append(now)
         self._trim(q, now)
+        self._next += 1
+        self._waiting.setdefault(task_id, {})[self._next] = now
+        return self._next
 
-    def finished(self, task_id: str, now: float, latency_s: float) -> None:
+    def finished(self, task_id: str, now: float, latency_s: float, token: int = 0) -> None:
+        self.abandoned(task_id, token)
         q = self._latencies.setdefault(task_id, deque())
         q.append((now, latency_s))
         while q and q[0][0] < now - self.window_s:
             q.popleft()
+
+    def abandoned(self, task_id: str, token: int) -> None:
+        """The request ended without a latency to count (it failed, or was refused)."""
+        w = self._waiting.get(task_id)
+        if w is not None:
+            w.pop(token, None)
+
+    def waiting_ages(self, task_id: str, now: float) -> list[float]:
+        """Wall seconds each request of the task still waiting has waited so far."""
+        return [now - t for t in self._waiting.get(task_id, {}).values()]
 
     def _trim(self, q: deque[float], now: float) -> None:
         while q and q[0] < now - self.window_s:
             q.popleft()
 
     def forget(self, task_id: str) -> None:
-        for d in (self._arrivals, self._latencies, self._first):
+        for d in (self._arrivals, self._latencies, self._first, self._waiting):
             d.pop(task_id, None)  # type: ignore[attr-defined]
+
+    def latencies(self, task_id: str, now: float) -> list[float]:
+        """Wall latencies of the window, sorted: the completed requests, plus the waiting ones older than
+        their median (see the class docstring)."""
+        done = sorted(x for t, x in self._latencies.get(task_id, ()) if t >= now - self.window_s)
+        floor = done[(len(done) - 1) // 2] if done else 0.0
+        return sorted(done + [a for a in self.waiting_ages(task_id, now) if a > floor])
 
     def load(self, task_id: str, now: float, time_scale: float = 1.0, quantile: float = 0.95) -> TaskLoad | None:
         """None until the task has been watched for a third of the window (a rate over a few seconds is noise)."""
@@ -80,7 +110,7 @@ class ArrivalMeter:
         q = self._arrivals.get(task_id, deque())
         self._trim(q, now)
         span = min(self.window_s, now - first)
-        lat = sorted(x for t, x in self._latencies.get(task_id, ()) if t >= now - self.window_s)
+        lat = self.latencies(task_id, now)
         lq = lat[min(len(lat) - 1, max(0, math.ceil(quantile * len(lat)) - 1))] * time_scale if lat else 0.0
         return TaskLoad(len(q) / span / time_scale, lq, len(lat))
 

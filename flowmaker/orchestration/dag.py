@@ -33,6 +33,7 @@ class StageResult:
     output_tokens: int = 0
     start_s: float = 0.0
     latency_s: float = 0.0
+    finish_reason: str = ""  # the engine's, of the stage's last LLM call ("stop", "length"); "" for TOOL stages
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,8 @@ async def execute(workflow: Workflow, request_input: str, run_stage: RunStage,
         start = time.monotonic() - t0
         res = await run_stage(stage, prompt)
         res = StageResult(res.stage_id or stage.id, res.output, res.instance_id, res.model_id, res.input_tokens,
-                          res.output_tokens, start, res.latency_s or (time.monotonic() - t0 - start))
+                          res.output_tokens, start, res.latency_s or (time.monotonic() - t0 - start),
+                          res.finish_reason)
         outputs[stage.id] = res.output
         finished.append(res)
         if on_stage_done is not None:

@@ -11,8 +11,15 @@ Rules, per task state:
   * FAILED on a live node -> RESTART it in place (same GPUs, same id, so every task sharing it heals at
     once), with exponential backoff, at most `max_restarts` within `restart_window_s`;
   * its node's lease gone for longer than `node_lost_grace_s` -> mark it LOST;
+  * LOST (or on a node lost) but its engine still answers the reconciler's probe (`Memory.answering`: the
+    node agent stalled or was cut off from etcd, the engine did not) -> keep routing to it, and MOVE_OFF_LOST:
+    a make-before-break re-selection (the task stays ACTIVE on it until the new variant is READY; its memory
+    is on a node out of the live cluster, so nothing counts it twice), retried every `lost_move_retry_s`;
   * LOST, gone, DRAINING, or out of restarts -> RESELECT the task against the live cluster.
   * all READY again and `healing` still set -> CLEAR it.
+- DEPLOYING with an instance LOST (or on a node lost past the grace), whether or not a worker is on it (a
+  worker may be blocked in a Deploy call to a stalled node for minutes) -> REPLAN it at once: the worker is
+  cancelled, what the commit reserved is given back and the task is selected again against the live cluster.
 - SELECTING / DEPLOYING / DELETING with no worker of this process on it (a crash, an etcd outage that
   ended the worker) -> RESUME the step; a healing SELECTING task waits for `healing.next_attempt_at`;
   a DEPLOYING task past `deploying_deadline_s` is rolled back (FAILED, or retried when healing).
@@ -42,6 +49,8 @@ class Policy:
     node_lost_grace_s: float = 10.0  # a node key absent this long (after its lease TTL) is lost
     orphan_grace_s: float = 30.0  # an unreferenced instance / a reference to no task lives this long
     deploying_deadline_s: float = 600.0  # a DEPLOYING task this old (since its last update) is rolled back
+    lost_answer_fresh_s: float = 10.0  # a LOST instance whose engine answered a probe this recently still serves
+    lost_move_retry_s: float = 30.0  # between two make-before-break attempts to move a task off such an instance
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +74,11 @@ class Memory:
     node_missing_since: dict[str, float] = field(default_factory=dict)
     unreferenced_since: dict[str, float] = field(default_factory=dict)  # instance -> first seen unreferenced
     dangling_since: dict[tuple[str, str], float] = field(default_factory=dict)  # (instance, task) -> first seen
+    answering: dict[str, float] = field(default_factory=dict)  # instance on a missing node -> last probe answered
+
+    def answers(self, iid: str, now: float, fresh_s: float) -> bool:
+        at = self.answering.get(iid)
+        return at is not None and now - at <= fresh_s
 
     def restarts_in_window(self, iid: str, now: float, window_s: float) -> list[float]:
         xs = [t for t in self.restarts.get(iid, ()) if now - t < window_s]
@@ -89,6 +103,8 @@ class Kind(enum.Enum):
     STOP_ORPHAN = "STOP_ORPHAN"  # instance_id: no reference names it
     RESUME_SWITCH = "RESUME_SWITCH"  # task_id: a make-before-break switch to its next variant was cut short
     ABORT_SWITCH = "ABORT_SWITCH"  # task_id: ... and is past its deadline
+    MOVE_OFF_LOST = "MOVE_OFF_LOST"  # task_id: make-before-break off a LOST instance that still answers
+    REPLAN_DEPLOY = "REPLAN_DEPLOY"  # task_id: DEPLOYING onto an instance that is lost (a stalled or dead node)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +153,13 @@ def plan(obs: Observed, mem: Memory, now: float, p: Policy) -> list[Action]:
     # -- tasks
     restart: dict[str, list[str]] = defaultdict(list)
     for tid, t in sorted(obs.tasks.items()):
+        if t.state is TaskState.DEPLOYING:
+            lost = [(iid, r.node) for iid in t.instance_ids if (r := obs.instances.get(iid)) is not None
+                    and (r.state is InstanceState.LOST or node_lost(r.node))]
+            if lost:
+                actions.append(Action(Kind.REPLAN_DEPLOY, task_id=tid, instance_id=lost[0][0],
+                                      detail=f"instance {lost[0][0]} is lost with node {lost[0][1]} while deploying"))
+                continue
         if tid in mem.busy_tasks:
             continue
         if t.state is TaskState.ACTIVE and t.next_variant is not None:
@@ -146,6 +169,7 @@ def plan(obs: Observed, mem: Memory, now: float, p: Policy) -> list[Action]:
         if t.state is TaskState.ACTIVE:
             reselect = ""
             healthy = True
+            serving_lost: list[str] = []
             for iid in t.instance_ids:
                 found = obs.instances.get(iid)
                 if found is None:
@@ -156,6 +180,10 @@ def plan(obs: Observed, mem: Memory, now: float, p: Policy) -> list[Action]:
                     continue
                 healthy = False
                 if rec.state is InstanceState.LOST or node_lost(rec.node):
+                    if rec.state in (InstanceState.LOST, InstanceState.READY) and \
+                            mem.answers(iid, now, p.lost_answer_fresh_s):
+                        serving_lost.append(iid)
+                        continue
                     reselect = f"instance {iid} is lost with node {rec.node}"
                     break
                 if rec.node not in obs.nodes:
@@ -174,6 +202,12 @@ def plan(obs: Observed, mem: Memory, now: float, p: Policy) -> list[Action]:
                     if due:
                         restart[iid].append(tid)
                 # PENDING / STARTING: a deployer is on it
+            if not reselect and serving_lost and t.next_variant is None and now - (
+                    t.last_reselection.at if t.last_reselection else 0.0) >= p.lost_move_retry_s:
+                iid = serving_lost[0]
+                actions.append(Action(Kind.MOVE_OFF_LOST, task_id=tid, instance_id=iid,
+                                      detail=f"instance {iid} is lost with node {obs.instances[iid].node} "
+                                             f"but its engine still answers"))
             if reselect:
                 actions.append(Action(Kind.RESELECT, task_id=tid, detail=reselect))
                 for iid in list(restart):

@@ -166,6 +166,10 @@ class InstanceRecord:
     # counter nor a running gauge). Written with the observed load, so `observed_load_at` is its freshness too;
     # readers put a fresh one into the selector's view (`Instance.busy_share`, flowmaker.sharing).
     observed_busy_share: float = 0.0
+    # LIVENESS (LivenessMeter in services/deployer/node.py): the unix time since which the engine has not answered
+    # its /health probe (0 = it answers). A READY instance with this set may be hung: routing prefers its
+    # replicas, and the node agent kills and fails it once enough probes in a row have failed.
+    unresponsive_since: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

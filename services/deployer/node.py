@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -253,6 +254,61 @@ class BusyMeter:
         return abs(self.share - value) > min_change or (value > 0 and now - at >= max_interval_s)
 
 
+def _back_from_lost(r: InstanceRecord, endpoint: str) -> InstanceRecord | None:
+    return replace(r, state=InstanceState.READY, reason="", failure_reason="", endpoint=endpoint,
+                   unresponsive_since=0.0) if r.state is InstanceState.LOST else None
+
+
+class LivenessMeter:
+    """Whether a READY engine is alive, from two signals. Pure: time (monotonic seconds) is passed in.
+
+    - Its probe: GET /health with a timeout. `failures` probes in a row that got no 200 in time make it hung
+      (a SIGSTOPped or wedged process still accepts connections, so only a timeout shows it).
+    - Its progress: requests in flight (the `running` gauge) while its token counter stands still for
+      `stall_s` make it hung too, even when /health answers (an API server whose inference loop is stuck).
+    `unresponsive_since` is when the current run of failed probes began (None: it answers)."""
+
+    def __init__(self, failures: int = 3, stall_s: float = 60.0) -> None:
+        self.failures = failures
+        self.stall_s = stall_s
+        self.failed = 0  # probes in a row without a 200
+        self.unresponsive_since: float | None = None
+        self.last_error = ""
+        self._tokens: float | None = None
+        self._progress_at: float | None = None  # last time it had nothing to do or produced a token
+        self._running = 0.0
+        self.reported: float | None = None  # the unresponsive_since (wall) last written to the record
+
+    def probed(self, t: float, ok: bool, error: str = "") -> None:
+        if ok:
+            self.failed, self.unresponsive_since, self.last_error = 0, None, ""
+            return
+        self.failed += 1
+        self.last_error = error
+        if self.unresponsive_since is None:
+            self.unresponsive_since = t
+
+    def progress(self, t: float, running: float | None, tokens_total: float | None) -> None:
+        """One /metrics reading: requests running and the generated-token counter (None: not exported)."""
+        if running is None or tokens_total is None:
+            return
+        moved = self._tokens is None or tokens_total != self._tokens
+        self._tokens, self._running = tokens_total, running
+        if moved or running <= 0 or self._progress_at is None:
+            self._progress_at = t
+
+    def verdict(self, t: float, timeout_s: float) -> str | None:
+        """Why the engine counts as hung, or None."""
+        if self.failed >= self.failures:
+            return (f"GET /health got no answer within {timeout_s:g}s {self.failed} times in a row "
+                    f"({self.last_error or 'timeout'})")
+        if (self.stall_s > 0 and self._running > 0 and self._progress_at is not None
+                and t - self._progress_at >= self.stall_s):
+            return (f"{self._running:g} request(s) in flight and no token produced for "
+                    f"{t - self._progress_at:.0f}s")
+        return None
+
+
 async def _scrape(proc: EngineProcess, timeout_s: float) -> dict[str, float]:
     """One GET of the engine's /metrics: what its backend's parser makes of it (`EngineProcess.scrape_metrics`),
     plus the busy-time counter under `BUSY_SECONDS_KEY` when the engine exports it (the emulated engine; the
@@ -320,6 +376,7 @@ class NodeAgent:
         self._meters: dict[str, tuple[EngineProcess, LoadMeter]] = {}  # by instance id, for the READY engines
         self._saturation: dict[str, SaturationMeter] = {}
         self._busy: dict[str, BusyMeter] = {}
+        self._liveness: dict[str, tuple[EngineProcess, LivenessMeter]] = {}  # READY engines, by instance id
         self._share_dir = ""  # the emulated engines' GPU-sharing directory (`_gpu_share_dir`), made on first use
 
     # ---- registration -------------------------------------------------------------------
@@ -333,6 +390,8 @@ class NodeAgent:
             self._spawn(self._load_loop())
         if self.settings.resync_interval_s > 0:
             self._spawn(self._resync_loop())
+        if self.settings.liveness_interval_s > 0:
+            self._spawn(self._liveness_loop())
         log.info("node %s registered: %d x %s, backend %s", self.node, len(self.gpus), self.gpu_type,
                  self.settings.backend)
 
@@ -509,9 +568,20 @@ class NodeAgent:
                     await self._add_reference(iid, p.task_id)
                 if existing.state in (InstanceState.READY, InstanceState.STARTING):
                     task = self._starting.get(iid)
-                    if task is None or p.no_wait:
+                    proc = self.procs.get(iid)
+                    if task is None and (proc is None or not proc.is_alive):
+                        # No start of ours is running and no engine of ours backs it: its start died (etcd
+                        # went away after the engine came up, a previous life of this agent). Returning it
+                        # would call a dead record success; fail it (memory given back) and start afresh.
+                        await self._kill_leftover(existing)
+                        await self._fail_locked(iid, "no engine of this node backs it (its start was cut "
+                                                "short); starting it again", "NODE_RESTARTED")
+                        kv = await self.store.get(keys.instance(iid))
+                        existing = InstanceRecord.from_json(kv.value) if kv else None
+                    elif task is None or p.no_wait:
                         return existing  # idempotent retry
-                    starting = task
+                    else:
+                        starting = task
                 elif existing.state is InstanceState.DRAINING:
                     raise FailedPrecondition(f"instance {iid} is being released", field="request_id")
             if existing is None or existing.state in (InstanceState.PENDING, InstanceState.FAILED):
@@ -817,6 +887,14 @@ class NodeAgent:
                         await self._kill_leftover(rec)
                     await self._fail_locked(iid, "no engine backs this instance on its node (the deployer "
                                             "restarted, or a start was cut short)", "NODE_RESTARTED")
+                elif (rec.state is InstanceState.LOST and proc is not None and proc.is_alive and rec.endpoint
+                      and not await proc.probe(self.settings.liveness_timeout_s)):
+                    # Marked LOST while this agent was cut off (stalled, or etcd out of reach past the lease),
+                    # but our engine went on serving, and was routed to: take it back rather than stop it.
+                    # Its memory never left the node's accounting; its tasks may have moved off it meanwhile,
+                    # and then the reconciler stops it as unreferenced.
+                    await self._update(iid, functools.partial(_back_from_lost, endpoint=proc.base_url))
+                    log.warning("instance %s: back after this node's lease was lost; its engine still serves", iid)
                 elif rec.state is InstanceState.LOST or (rec.state is InstanceState.FAILED and proc is not None):
                     if proc is not None:
                         self.procs.pop(iid, None)
@@ -909,6 +987,9 @@ class NodeAgent:
         if tokens is not None:  # the backend may export no token counter (e.g. trtllm's JSON stats)
             meter.add(time.monotonic(), tokens)
         busy.add(time.monotonic(), metrics.get(BUSY_SECONDS_KEY), metrics.get("running"))
+        live = self._liveness.get(iid)
+        if live is not None and live[0] is proc:
+            live[1].progress(time.monotonic(), metrics.get("running"), tokens)
         # A change of `saturated` is always worth a write: it decides whether the selector may reuse the
         # instance at all.
         if sat.reported == saturated and not busy.should_report(
@@ -941,6 +1022,72 @@ class NodeAgent:
             meter.reported = (new.observed_load_output_tokens_per_s, wall)
             sat.reported = saturated
             busy.reported = (new.observed_busy_share, wall)
+
+    # ---- liveness -----------------------------------------------------------------------
+
+    async def _liveness_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.settings.liveness_interval_s)
+            try:
+                await self.check_liveness()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # etcd down (the record write), a bug: the next round
+                log.warning("node %s: liveness round failed: %s", self.node, e)
+
+    async def check_liveness(self) -> None:
+        """One round: probe every READY engine at once; kill the hung ones (FAILED, ENGINE_HUNG: the
+        reconciler restarts them in place) and record in each record since when it has not answered."""
+        ready = {iid: p for iid, p in self.procs.items() if iid not in self._starting and p.is_alive}
+        for iid in [i for i, (p, _) in self._liveness.items() if ready.get(i) is not p]:
+            del self._liveness[iid]  # stopped, failed or replaced: a new engine starts with a clean slate
+        for iid, p in ready.items():
+            if iid not in self._liveness:
+                self._liveness[iid] = (p, LivenessMeter(self.settings.liveness_failures,
+                                                        self.settings.liveness_stall_s))
+        timeout = self.settings.liveness_timeout_s
+        errors = await asyncio.gather(*(p.probe(timeout) for p in ready.values()))
+        now, wall = time.monotonic(), time.time()
+        for (iid, proc), err in zip(ready.items(), errors, strict=True):
+            entry = self._liveness.get(iid)
+            if entry is None or entry[0] is not proc:
+                continue
+            meter = entry[1]
+            meter.probed(now, not err, err)
+            why = meter.verdict(now, timeout)
+            if why is not None:
+                del self._liveness[iid]
+                self._spawn(self._kill_hung(iid, proc, why))
+                continue
+            since = 0.0 if meter.unresponsive_since is None else wall - (now - meter.unresponsive_since)
+            if (since == 0.0) != (meter.reported in (None, 0.0)):
+                if since:
+                    log.warning("instance %s: engine does not answer its health probe (%s)", iid, err)
+                self._spawn(self._record_unresponsive(iid, proc, meter, round(since, 3)))
+
+    async def _record_unresponsive(self, iid: str, proc: EngineProcess, meter: LivenessMeter, since: float) -> None:
+        def fn(r: InstanceRecord) -> InstanceRecord | None:
+            if r.state is not InstanceState.READY or (proc.pid and r.engine_pid and r.engine_pid != proc.pid):
+                return None
+            return replace(r, unresponsive_since=since)
+        try:
+            new = await self._update(iid, fn)
+        except FlowMakerError as e:
+            log.debug("instance %s: liveness not recorded: %s", iid, e)
+            return
+        if new is not None and new.unresponsive_since == since:
+            meter.reported = since
+
+    async def _kill_hung(self, iid: str, proc: EngineProcess, why: str) -> None:
+        """Kill a hung engine at once (a stopped process cannot act on SIGTERM) and record it FAILED with the
+        reason, memory given back: to the reconciler it is a crash, restarted in place within its budget."""
+        async with self._locks[iid]:
+            if self.procs.get(iid) is not proc:
+                return  # released, failed or replaced meanwhile
+            del self.procs[iid]
+            log.warning("instance %s: engine pid %s is hung (%s); killing it", iid, proc.pid, why)
+            await proc.stop(grace_s=0.0)
+            await self._fail_locked(iid, f"engine hung: {why}; killed it", "ENGINE_HUNG")
 
     # ---- release ------------------------------------------------------------------------
 

@@ -50,6 +50,17 @@ class DeployerSettings(ServiceSettings):
     load_report_max_interval_s: float = Field(default=5.0, gt=0, description="...or, while it is non-zero, when the "
                                               "last write is this old; keep it well under the readers' "
                                               "observed_load_max_age_s (flowmaker.orchestration.cluster, 15 s).")
+    # Liveness of READY engines: a crash is seen at once (the process exits); a hang is not, so each READY engine's
+    # /health is probed, and its progress (requests in flight, tokens produced) read from the load scrape. A hung
+    # engine is killed (FAILED, ENGINE_HUNG) and the orchestrator's reconciler restarts it in place.
+    liveness_interval_s: float = Field(default=2.0, ge=0, description="How often each READY engine's /health is "
+                                       "probed; 0 = never (hangs go unseen).")
+    liveness_timeout_s: float = Field(default=3.0, gt=0, description="A probe that gets no 200 within this "
+                                      "long fails.")
+    liveness_failures: int = Field(default=3, ge=1, description="This many failed probes in a row make the "
+                                   "engine hung: it is killed and restarted.")
+    liveness_stall_s: float = Field(default=60.0, ge=0, description="Requests in flight while the engine produces "
+                                    "no token for this long also make it hung; 0 = off.")
     saturation_queue: float = Field(default=4.0, gt=0, description="An instance whose smoothed queue of waiting "
                                     "requests reaches this is saturated: offered to no new task.")
     saturation_slowdown: float = Field(default=4.0, gt=1, description="...and so is one whose recent requests take "

@@ -20,9 +20,11 @@ async def main() -> None:
     telemetry.configure_logging(s.log_level)
     telemetry.setup_tracing("flowmaker-gateway")
     s.log_effective()
-    gw = Gateway(s.orchestrator_address, timeout_s=s.call_timeout_s, ca_file=s.tls_ca_file)
-    # handler_cancellation: a client that disconnects cancels its request, and with it the orchestrator call.
-    runner = web.AppRunner(gw.app(), shutdown_timeout=s.grace_s, handler_cancellation=True)
+    gw = Gateway(s.orchestrator_address, timeout_s=s.call_timeout_s, ca_file=s.tls_ca_file,
+                 header_timeout_s=s.header_timeout_s, body_timeout_s=s.body_timeout_s)
+    # Gateway.runner: the header and body timeouts, and a client that disconnects cancels its request (and
+    # with it the orchestrator call).
+    runner = gw.runner(shutdown_timeout=s.grace_s)
     await runner.setup()
     site = web.TCPSite(runner, s.host, s.port)
     await site.start()

@@ -27,6 +27,12 @@ class GatewaySettings(BaseSettings):
     call_timeout_s: float = Field(default=300.0, gt=0, description="Deadline of each orchestrator call (an invoke "
                                                                    "runs the whole workflow).")
     grace_s: float = Field(default=5.0, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
+    header_timeout_s: float = Field(default=30.0, gt=0, description="A connection whose request headers are not "
+                                                                    "complete this long after it opened (or after "
+                                                                    "its previous response; so also an idle "
+                                                                    "keep-alive connection) is closed.")
+    body_timeout_s: float = Field(default=30.0, gt=0, description="A request body not received within this long "
+                                                                  "is answered 408 and its connection closed.")
     tls_ca_file: str = Field(default="", description="PEM CA of the suite (flowmaker.rpc.tls): when set, the "
                                                      "orchestrator is called over TLS and verified against it. No "
                                                      "client certificate: at the orchestrator the caller's bearer "

@@ -50,6 +50,16 @@ class EngineClient:
             await self._session.close()
             self._session = None
 
+    async def alive(self, endpoint: str, timeout_s: float = 1.0) -> bool:
+        """Whether the engine at `endpoint` answers GET /health with 200 within `timeout_s` (the health path of
+        vLLM, trtllm-serve and the emulated engine alike; it needs no API key)."""
+        try:
+            async with self._http().get(endpoint.rstrip("/") + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
     async def chat(self, endpoint: str, model: str, prompt: str, max_tokens: int, *, timeout_s: float,
                    instance_id: str = "", on_delta: OnDelta | None = None, api_key: str = "") -> Completion:
         """One chat completion. `timeout_s` is what is left of the request's deadline; `on_delta`

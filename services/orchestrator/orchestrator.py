@@ -181,6 +181,7 @@ class Orchestrator:
         self.engines = engines or EngineClient(settings.http_pool_size)
         self._background: set[asyncio.Task[Any]] = set()
         self._workers: dict[str, asyncio.Task[Any]] = {}  # task id -> the one worker on it
+        self._replanning: set[str] = set()  # tasks a REPLAN_DEPLOY is on (`replan_deploy`)
         # Invoke latencies not yet written to their task records (flushed by `_flush_loop`).
         self._pending_obs: defaultdict[str, list[float]] = defaultdict(list)
         self._inflight: defaultdict[str, int] = defaultdict(int)  # instance id -> engine calls in progress
@@ -231,7 +232,9 @@ class Orchestrator:
             if asyncio.iscoroutine(coro):
                 coro.close()
             return cur
-        t = self._spawn(coro)
+        return self._register_worker(task_id, self._spawn(coro))
+
+    def _register_worker(self, task_id: str, t: asyncio.Task[Any]) -> asyncio.Task[Any]:
         self._workers[task_id] = t
 
         def done(_t: asyncio.Task[Any]) -> None:
@@ -243,6 +246,65 @@ class Orchestrator:
             self.reconciler.kick()
         t.add_done_callback(done)
         return t
+
+    def replan_deploy(self, task_id: str, why: str) -> None:
+        """A DEPLOYING task with an instance LOST (its node stalled or died during the deploy): stop waiting on
+        it now, whether or not a worker is still blocked in its Deploy call, and select again against the live
+        cluster (`_replan`). The blocked worker is cancelled; an approval waiting on it follows the new one."""
+        if task_id in self._replanning:
+            return
+        self._replanning.add(task_id)
+        old = self._workers.get(task_id)
+
+        async def run() -> None:
+            try:
+                if old is not None and not old.done():
+                    old.cancel()
+                    await asyncio.wait({old})
+                await self._replan(task_id, why)
+            finally:
+                self._replanning.discard(task_id)
+        # Registered at once, in the old worker's place: the reconciler sees the task busy, and an approval
+        # waiting on the old worker finds this one (`_follow_worker`).
+        self._register_worker(task_id, self._spawn(run()))
+
+    async def _replan(self, task_id: str, why: str) -> None:
+        try:
+            _, t = await self._get(task_id)
+        except NotFound:
+            return
+        if t.state is not TaskState.DEPLOYING:
+            return
+        log.warning("task %s: re-planning its deploy: %s", task_id, why)
+        try:
+            await self._release_all(t)  # a lost node's references are dropped; a live node's instances released
+        except FlowMakerError as e:  # the references left are released by the selection's own release
+            log.warning("task %s: release before re-planning incomplete (%s)", task_id, e)
+
+        def again(x: TaskRecord) -> TaskRecord | None:
+            if x.state is not TaskState.DEPLOYING:
+                return None
+            now, h = time.time(), x.healing
+            return x.moved(TaskState.SELECTING, now, healing=Healing(
+                HealAction.RESELECTING.value, why, h.since if h else now, (h.attempts if h else 0) + 1))
+        if await self._update(task_id, again) is None:
+            return
+        await self.select_commit_deploy(task_id)
+
+    async def _follow_worker(self, task_id: str, w: asyncio.Task[Any]) -> None:
+        """Wait for the task's worker `w` and, when the reconciler replaced it meanwhile (`replan_deploy`), for
+        its successor: the RPC that started the work answers once the work is done or waits with a reason."""
+        while True:
+            try:
+                await asyncio.shield(w)
+            except asyncio.CancelledError:
+                cur = asyncio.current_task()
+                if cur is not None and cur.cancelling():
+                    raise  # the RPC itself was cancelled
+            nxt = self._workers.get(task_id)
+            if nxt is None or nxt is w:
+                return
+            w = nxt
 
     def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
         async def run() -> T:
@@ -304,8 +366,18 @@ class Orchestrator:
         kv, t = await self._get(task_id)
         state, failure = derive_state(t, await self._instance_states(t)) if t.state is TaskState.ACTIVE \
             else (t.state, t.failure)
-        ld = self.observed_load(task_id, time.time())
-        return TaskView(t, kv.mod_revision, state, failure, ld.rate_rps if ld else 0.0)
+        now = time.time()
+        ld = self.observed_load(task_id, now)
+        return TaskView(self._with_waiting(t, now), kv.mod_revision, state, failure, ld.rate_rps if ld else 0.0)
+
+    def _with_waiting(self, t: TaskRecord, now: float) -> TaskRecord:
+        """The record as GetTask shows it: the requests this orchestrator still waits on join its latency window
+        with their age so far once that exceeds the window's median (`ArrivalMeter`), so a task whose instance
+        hangs shows the wait in its p95 instead of the last completed requests' latencies."""
+        done = sorted(t.observed_latencies_s)
+        floor = done[(len(done) - 1) // 2] if done else 0.0
+        waiting = [a for a in self.arrivals.waiting_ages(t.id, now) if a > floor]
+        return replace(t, observed_latencies_s=(*t.observed_latencies_s, *waiting)) if waiting else t
 
     async def list_tasks(self, state: TaskState | None = None) -> list[TaskView]:
         out = []
@@ -380,7 +452,7 @@ class Orchestrator:
                       options_json="" if options is None else convert.selection_options_to_json(options))
         await self.store.cas(kv.key, sel.to_json(), etag=kv.mod_revision)  # Conflict: a concurrent approval won
         # Shielded: a client that gives up must not leave a half-committed, half-deployed task behind.
-        await asyncio.shield(self.start_worker(task_id, self.select_commit_deploy(task_id)))
+        await self._follow_worker(task_id, self.start_worker(task_id, self.select_commit_deploy(task_id)))
         return await self.view(task_id)
 
     async def select_commit_deploy(self, task_id: str) -> None:
@@ -1029,7 +1101,9 @@ class Orchestrator:
         def fn(r: InstanceRecord) -> InstanceRecord | None:
             if r.state not in (InstanceState.PENDING, InstanceState.STARTING, InstanceState.READY):
                 return None
-            return replace(r, state=InstanceState.LOST, endpoint="", reason=why, failure_reason="NODE_LOST")
+            # The endpoint stays: an engine whose node agent is only cut off may still answer, and is routed to
+            # while it does (the reconciler probes it) until its tasks have moved off it.
+            return replace(r, state=InstanceState.LOST, reason=why, failure_reason="NODE_LOST")
         for _ in range(self.settings.commit_retries):
             kv = await self.store.get(keys.instance(iid))
             if kv is None:
@@ -1104,95 +1178,102 @@ class Orchestrator:
         if wf is None:
             raise FailedPrecondition(f"task {task_id} has no selected workflow", field="task_id")
         root.set_attribute(telemetry.FLOWMAKER_WORKFLOW, wf.id)
-        self.arrivals.arrived(task_id, time.time())
-        insts: dict[str, InstanceRecord] = {}
-        for iid in t.instance_ids:
-            rec = await self._route_instance(iid)
-            if rec is not None and rec.state is InstanceState.READY and rec.endpoint:
+        # Counted as waiting from here: the latency quantiles see a request that never completes.
+        token = self.arrivals.arrived(task_id, time.time())
+        try:
+            insts: dict[str, InstanceRecord] = {}
+            for iid in t.instance_ids:
+                rec = await self._route_instance(iid)
+                if rec is not None and rec.endpoint and (rec.state is InstanceState.READY or (
+                        rec.state is InstanceState.LOST and self.reconciler.answers(iid))):
+                    insts[iid] = rec
+            for stage in wf.stages:
+                ids = replicas_of(t.stage_instances, stage.id) if stage.is_llm else []
+                if not ids or any(i in insts for i in ids):
+                    continue  # a replica group serves while at least one of its replicas does
+                iid = ids[0]
+                # Being healed: wait (within the request's deadline) for the replacement rather than fail.
+                rec = await self._await_replacement(task_id, iid, None)
+                if rec is None:
+                    cur = await self._route_instance(iid)
+                    state = cur.state.value if cur else "gone"
+                    raise Unavailable(f"task {task_id} is DEGRADED: instance {iid} is {state}"
+                                      + (f" ({cur.reason.splitlines()[0]})" if cur and cur.reason else ""),
+                                      reason="INSTANCE_FAILED", metadata={"instance_id": iid})
                 insts[iid] = rec
-        for stage in wf.stages:
-            ids = replicas_of(t.stage_instances, stage.id) if stage.is_llm else []
-            if not ids or any(i in insts for i in ids):
-                continue  # a replica group serves while at least one of its replicas does
-            iid = ids[0]
-            # Being healed: wait (within the request's deadline) for the replacement rather than fail.
-            rec = await self._await_replacement(task_id, iid, None)
-            if rec is None:
-                cur = await self._route_instance(iid)
-                state = cur.state.value if cur else "gone"
-                raise Unavailable(f"task {task_id} is DEGRADED: instance {iid} is {state}"
-                                  + (f" ({cur.reason.splitlines()[0]})" if cur and cur.reason else ""),
-                                  reason="INSTANCE_FAILED", metadata={"instance_id": iid})
-            insts[iid] = rec
 
-        async def run_stage(stage: Stage, prompt: str) -> StageResult:
-            attrs = {telemetry.FLOWMAKER_TASK: task_id, telemetry.FLOWMAKER_WORKFLOW: wf.id,
-                     telemetry.FLOWMAKER_STAGE: stage.id, ATTR_STAGE_KIND: stage.kind.value}
-            if stage.is_llm:
-                attrs[telemetry.FLOWMAKER_INSTANCE] = t.stage_instances[stage.id]
-            with _tracer().start_as_current_span(f"stage {stage.id}", attributes=attrs):
-                return await stage_io(stage, prompt)
+            async def run_stage(stage: Stage, prompt: str) -> StageResult:
+                attrs = {telemetry.FLOWMAKER_TASK: task_id, telemetry.FLOWMAKER_WORKFLOW: wf.id,
+                         telemetry.FLOWMAKER_STAGE: stage.id, ATTR_STAGE_KIND: stage.kind.value}
+                if stage.is_llm:
+                    attrs[telemetry.FLOWMAKER_INSTANCE] = t.stage_instances[stage.id]
+                with _tracer().start_as_current_span(f"stage {stage.id}", attributes=attrs):
+                    return await stage_io(stage, prompt)
 
-        async def stage_io(stage: Stage, prompt: str) -> StageResult:
-            if not stage.is_llm:
-                # TOOL stages are emulated: they take their declared latency and pass their filled
-                # prompt through as output (no real tool runs).
-                await asyncio.sleep(stage.latency_s / self.settings.tool_time_scale)
-                return StageResult(stage.id, prompt, input_tokens=len(prompt.split()),
-                                   output_tokens=len(prompt.split()))
-            rec = self._pick_replica(insts, replicas_of(t.stage_instances, stage.id))
-            max_tokens = min(stage.output_tokens, max_output_tokens) if max_output_tokens else stage.output_tokens
-            max_tokens = self._clamp_to_context(stage, rec.model_id, prompt, max_tokens)
-            on_delta: OnDelta | None = None
-            if on_event is not None:
-                async def on_delta(piece: str) -> None:
-                    await on_event("delta", (stage.id, piece))
-            pt = ct = 0
-            text = ""
-            streamed = False
+            async def stage_io(stage: Stage, prompt: str) -> StageResult:
+                if not stage.is_llm:
+                    # TOOL stages are emulated: they take their declared latency and pass their filled
+                    # prompt through as output (no real tool runs).
+                    await asyncio.sleep(stage.latency_s / self.settings.tool_time_scale)
+                    return StageResult(stage.id, prompt, input_tokens=len(prompt.split()),
+                                       output_tokens=len(prompt.split()))
+                rec = self._pick_replica(insts, replicas_of(t.stage_instances, stage.id))
+                max_tokens = min(stage.output_tokens, max_output_tokens) if max_output_tokens else stage.output_tokens
+                max_tokens = self._clamp_to_context(stage, rec.model_id, prompt, max_tokens)
+                on_delta: OnDelta | None = None
+                if on_event is not None:
+                    async def on_delta(piece: str) -> None:
+                        await on_event("delta", (stage.id, piece))
+                pt = ct = 0
+                text = ""
+                streamed = False
 
-            async def counted(piece: str) -> None:
-                nonlocal streamed
-                streamed = True
-                if on_delta is not None:
-                    await on_delta(piece)
-            # calls_per_request > 1 (e.g. sampling several answers) runs the calls one after the other,
-            # as the latency model counts them; the last answer is the stage's output.
-            for _ in range(max(1, stage.calls_per_request)):
-                self._inflight[rec.id] += 1
-                try:
-                    c = await self.engines.chat(rec.endpoint, rec.model_id, prompt, max(1, max_tokens),
-                                                timeout_s=deadline_s(self.settings.invoke_timeout_s),
-                                                api_key=rec.api_key,  # the engine's per-instance key (deployer)
-                                                instance_id=rec.id, on_delta=counted if on_event else None)
-                except Unavailable:
-                    # The instance died under this call. A chat call has no side effect, so it is retried
-                    # once on the replacement (restarted in place, or the re-selected variant's instance),
-                    # within the request's deadline; not once output was streamed to the caller.
-                    if streamed:
-                        raise
-                    new = await self._await_replacement(task_id, rec.id, rec.endpoint, stage.id)
-                    if new is None:
-                        raise
-                    self._inflight[rec.id] -= 1
-                    rec = new
+                async def counted(piece: str) -> None:
+                    nonlocal streamed
+                    streamed = True
+                    if on_delta is not None:
+                        await on_delta(piece)
+                # calls_per_request > 1 (e.g. sampling several answers) runs the calls one after the other,
+                # as the latency model counts them; the last answer is the stage's output.
+                for _ in range(max(1, stage.calls_per_request)):
                     self._inflight[rec.id] += 1
-                    c = await self.engines.chat(rec.endpoint, rec.model_id, prompt, max(1, max_tokens),
-                                                timeout_s=deadline_s(self.settings.invoke_timeout_s),
-                                                api_key=rec.api_key,  # the engine's per-instance key (deployer)
-                                                instance_id=rec.id, on_delta=counted if on_event else None)
-                finally:
-                    self._inflight[rec.id] -= 1
-                pt, ct, text = pt + c.prompt_tokens, ct + c.completion_tokens, c.text
-            return StageResult(stage.id, text, rec.id, rec.model_id, pt, ct)
+                    try:
+                        c = await self.engines.chat(rec.endpoint, rec.model_id, prompt, max(1, max_tokens),
+                                                    timeout_s=deadline_s(self.settings.invoke_timeout_s),
+                                                    api_key=rec.api_key,  # the engine's per-instance key (deployer)
+                                                    instance_id=rec.id, on_delta=counted if on_event else None)
+                    except Unavailable:
+                        # The instance died under this call. A chat call has no side effect, so it is retried
+                        # once on the replacement (restarted in place, or the re-selected variant's instance),
+                        # within the request's deadline; not once output was streamed to the caller.
+                        if streamed:
+                            raise
+                        new = await self._await_replacement(task_id, rec.id, rec.endpoint, stage.id)
+                        if new is None:
+                            raise
+                        self._inflight[rec.id] -= 1
+                        rec = new
+                        self._inflight[rec.id] += 1
+                        c = await self.engines.chat(rec.endpoint, rec.model_id, prompt, max(1, max_tokens),
+                                                    timeout_s=deadline_s(self.settings.invoke_timeout_s),
+                                                    api_key=rec.api_key,  # the engine's per-instance key (deployer)
+                                                    instance_id=rec.id, on_delta=counted if on_event else None)
+                    finally:
+                        self._inflight[rec.id] -= 1
+                    pt, ct, text = pt + c.prompt_tokens, ct + c.completion_tokens, c.text
+                # finish_reason: the engine's, of the last call (the one whose text is the output).
+                return StageResult(stage.id, text, rec.id, rec.model_id, pt, ct, finish_reason=c.finish_reason)
 
-        async def done(r: StageResult) -> None:
-            if on_event is not None:
-                await on_event("stage_done", r)
+            async def done(r: StageResult) -> None:
+                if on_event is not None:
+                    await on_event("stage_done", r)
 
-        self._admit(task_id, t, wf, insts)
-        ex = await execute(wf, text, run_stage, done)
-        self.arrivals.finished(task_id, time.time(), ex.latency_s)
+            self._admit(task_id, t, wf, insts)
+            ex = await execute(wf, text, run_stage, done)
+        except BaseException:
+            self.arrivals.abandoned(task_id, token)
+            raise
+        self.arrivals.finished(task_id, time.time(), ex.latency_s, token)
         # Accounting is off the request's path: batched into the task record by `_flush_loop`.
         pending = self._pending_obs[task_id]
         pending.append(ex.latency_s)
@@ -1222,9 +1303,10 @@ class Orchestrator:
 
     def _pick_replica(self, insts: dict[str, InstanceRecord], ids: list[str]) -> InstanceRecord:
         """The serving replica with the least outstanding work (engine calls in flight from here); ties at
-        random, so that equal replicas share the load."""
+        random, so that equal replicas share the load. One whose engine does not answer its node's health probe
+        (`unresponsive_since`, maybe hung) only when no other replica serves."""
         recs = [insts[i] for i in ids if i in insts]
-        return min(recs, key=lambda r: (self._inflight[r.id], random.random()))
+        return min(recs, key=lambda r: (r.unresponsive_since > 0, self._inflight[r.id], random.random()))
 
     def _admit(self, task_id: str, t: TaskRecord, wf: Workflow, insts: dict[str, InstanceRecord]) -> None:
         """Admission control: reject at once (RESOURCE_EXHAUSTED, with a retry hint) a request that cannot

@@ -26,7 +26,7 @@ from flowmaker.orchestration.adapt import LoadPolicy, drifted
 from flowmaker.orchestration.reconcile import Action, Kind, Memory, Observed, Policy, plan
 from flowmaker.orchestration.task import TaskRecord
 from flowmaker.state import keys
-from flowmaker.state.records import InstanceRecord
+from flowmaker.state.records import InstanceRecord, InstanceState
 from flowmaker.state.store import EventKind, StateStore
 
 if TYPE_CHECKING:
@@ -89,6 +89,8 @@ class Reconciler:
         self._loops: list[asyncio.Task[Any]] = []
         self._actions: set[asyncio.Task[Any]] = set()
         self.synced = asyncio.Event()  # set after the first successful pass
+        self._probing: set[str] = set()  # instances whose engine a probe is on (`_probe_cut_off`)
+        self.probe_timeout_s = 1.0
         self.passes = 0
 
     # ---- routing cache -----------------------------------------------------------------------
@@ -179,6 +181,7 @@ class Reconciler:
         self.passes += 1
         self.memory.busy_tasks = self.orch.busy_tasks()
         now = time.time()
+        self._probe_cut_off(obs, now)
         actions = plan(obs, self.memory, now, self.policy)
         if not self.heal:
             return actions
@@ -193,6 +196,36 @@ class Reconciler:
                 log.warning("reconcile: RESELECT_FOR_LOAD %s (%s)", tid, why)
                 self.orch.start_worker(tid, self.orch.reselect_for_load(tid, rate, why))
         return actions
+
+    def answers(self, iid: str) -> bool:
+        """Whether the engine of `iid`, an instance on a node out of the live cluster, answered its last probe
+        recently: it may still be routed to (a LOST instance that serves)."""
+        return self.memory.answers(iid, time.time(), self.policy.lost_answer_fresh_s)
+
+    def _probe_cut_off(self, obs: Observed, now: float) -> None:
+        """Probe, in the background, the engines of instances whose node is out of the live cluster (a stalled
+        agent, a lease lost to an etcd outage): an engine that still answers keeps serving its tasks while they
+        move off it (`Kind.MOVE_OFF_LOST`). Probing starts when the node goes missing, well before the grace
+        after which its instances are marked LOST, so the answer is known by then."""
+        cut_off = {iid: r.endpoint for iid, r in obs.instances.items() if r.node not in obs.nodes and r.endpoint
+                   and r.state in (InstanceState.READY, InstanceState.LOST)}
+        for iid in list(self.memory.answering):
+            if iid not in cut_off:
+                del self.memory.answering[iid]
+        for iid, endpoint in cut_off.items():
+            if iid in self._probing:
+                continue
+            self._probing.add(iid)
+
+            async def probe(iid: str = iid, endpoint: str = endpoint) -> None:
+                try:
+                    if await self.orch.engines.alive(endpoint, timeout_s=self.probe_timeout_s):
+                        self.memory.answering[iid] = time.time()
+                    else:
+                        self.memory.answering.pop(iid, None)
+                finally:
+                    self._probing.discard(iid)
+            self._spawn(probe())
 
     def note_task(self, t: TaskRecord) -> None:
         """A record this process has just written: visible to routing now (the watch event follows)."""
@@ -232,6 +265,11 @@ class Reconciler:
             self._spawn(o.stop_orphan(a.instance_id, a.node))
         elif a.kind is Kind.RESUME_SWITCH:
             o.start_worker(a.task_id, o.switch_variant(a.task_id))
+        elif a.kind is Kind.MOVE_OFF_LOST:
+            t = self.task(a.task_id)
+            o.start_worker(a.task_id, o.reselect_for_load(a.task_id, t.plan_rate_rps if t else 0.0, a.detail))
+        elif a.kind is Kind.REPLAN_DEPLOY:
+            o.replan_deploy(a.task_id, a.detail)
         elif a.kind is Kind.ABORT_SWITCH:
             o.start_worker(a.task_id, o.abort_switch(a.task_id, a.detail))
 

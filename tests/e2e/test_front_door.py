@@ -238,7 +238,7 @@ def test_openai_client_lists_and_calls_a_task(stack: LocalStack, summarize_task:
     trace_id = raw.headers.get("x-flowmaker-trace-id")
     assert trace_id and len(trace_id) == 32 and int(trace_id, 16) != 0
     r = raw.parse()
-    assert r.choices[0].message.content.strip() and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content.strip() and r.choices[0].finish_reason == "length"
     assert r.model == summarize_task
     assert r.usage is not None and r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
@@ -260,7 +260,7 @@ def test_openai_client_streams_with_usage_only_when_asked(stack: LocalStack, sum
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text.strip()
     assert all(ch.usage is None for ch in chunks)
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].finish_reason == "length"
 
     chunks = list(c.chat.completions.create(model=tool_last_task, stream=True,
                                             stream_options={"include_usage": True},

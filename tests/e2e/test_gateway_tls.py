@@ -57,12 +57,15 @@ def cli(state: Path, *args: str, token: str = "") -> Any:
 
 def test_the_callers_token_is_the_identity(stack: tuple[LocalStack, Path]) -> None:
     s, state = stack
-    admin_token = s.state()["tls"]["token"]
+    from flowmaker.launcher.stack import admin_token as read_admin_token
+
+    assert s.pki_dir is not None
+    admin_token = read_admin_token(s.pki_dir)  # the state file holds the tokens file's path, not the token
     assert s.gateway_url
     desc = "Summarise a document (meeting notes, an article, a report) in a few paragraphs."
     admins = cli(state, "task", "deploy", desc, "--accuracy", "0.2", "--latency", "15", "--approve", "all")
     alices = cli(state, "task", "deploy", desc, "--accuracy", "0.2", "--latency", "15", "--approve", "all",
-                 token=ALICE)
+                 "--name", "alice-notes", token=ALICE)
     assert admins["state"] == alices["state"] == "STATE_ACTIVE"
 
     admin = openai.OpenAI(base_url=s.gateway_url, api_key=admin_token, max_retries=0)
@@ -72,9 +75,31 @@ def test_the_callers_token_is_the_identity(stack: tuple[LocalStack, Path]) -> No
     r = alice.chat.completions.create(model=alices["id"], messages=[{"role": "user", "content": "notes"}],
                                       max_tokens=4)
     assert r.choices[0].message.content
+    # by name too: names resolve among the caller's own tasks (a name used to be tried as an id: 403)
+    r = alice.chat.completions.create(model="alice-notes", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert r.model == alices["id"] and r.choices[0].finish_reason == "length"
     with pytest.raises(openai.PermissionDeniedError) as pd:
         alice.chat.completions.create(model=admins["id"], messages=[{"role": "user", "content": "x"}])
     assert pd.value.status_code == 403
     with pytest.raises(openai.AuthenticationError) as un:
         openai.OpenAI(base_url=s.gateway_url, api_key="wrong", max_retries=0).models.list()
     assert un.value.status_code == 401
+    # A key gRPC metadata cannot carry (the official client refuses to send one; raw bytes do): answered, 401.
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(s.gateway_url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nAuthorization: Bearer "
+                     + "clé".encode() + b"\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.1 401 ")
+
+
+def test_ready_over_tls(stack: tuple[LocalStack, Path]) -> None:
+    """`/ready` asks the orchestrator's health over the suite's TLS, as a client with no certificate."""
+    import urllib.request
+
+    s, _ = stack
+    assert s.gateway_url
+    with urllib.request.urlopen(s.gateway_url.removesuffix("/v1") + "/ready", timeout=30) as r:
+        assert r.status == 200 and json.loads(r.read())["orchestrator"] == "SERVING"

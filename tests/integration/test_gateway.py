@@ -1,7 +1,9 @@
-"""The gateway's credentials and error mapping, with the official `openai` client, against a real gRPC server
-on loopback that plays the orchestrator (a bearer-token check as the orchestrator's auth will do, and the
-statuses a busy or unavailable orchestrator answers). The whole path through a real stack is
-tests/e2e/test_front_door.py."""
+"""The gateway's credentials, error mapping and hardening, with the official `openai` client and raw sockets,
+against a real gRPC server on loopback that plays the orchestrator (a bearer-token check as the orchestrator's
+auth will do, and the statuses a busy or unavailable orchestrator answers): malformed requests of every kind
+are 4xx in OpenAI's error shape, a non-ASCII Authorization header is answered, slow headers and bodies are
+cut off. The gateway over a real orchestrator is tests/integration/test_gateway_stack.py; the whole path
+through a local stack of processes is tests/e2e/test_front_door.py."""
 
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ async def gateway() -> AsyncIterator[tuple[str, FakeOrchestrator]]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     gw = Gateway(f"127.0.0.1:{port}", timeout_s=10)
-    runner = web.AppRunner(gw.app(), handler_cancellation=True)  # as services/gateway/__main__.py
+    runner = gw.runner()  # as services/gateway/__main__.py runs it
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -219,3 +221,274 @@ async def test_a_client_that_goes_away_cancels_the_workflow_run(gateway: tuple[s
                 break
         resp.close()  # the client disconnects mid-stream
     await asyncio.wait_for(fake.stream_cancelled.wait(), 30)  # the orchestrator's InvokeStream was cancelled
+
+
+# ---- hardening: every malformed request is answered, 4xx, in OpenAI's shape ---------------------------------
+
+CHAT = b'{"model":"t1","messages":[{"role":"user","content":"hi"}]}'
+
+
+async def raw_http(url: str, data: bytes, timeout_s: float = 5.0) -> tuple[int | None, bytes]:
+    """One raw HTTP/1.1 exchange (what aiohttp's and openai's clients refuse to send); (status, body), status None
+    when nothing came back within `timeout_s`."""
+    from yarl import URL
+
+    from flowmaker.bench.fuzz import http_call
+
+    u = URL(url)
+    status, _, body, _ = await http_call(u.host or "127.0.0.1", u.port or 80, data, timeout_s)
+    return status, body
+
+
+def post(path: str, body: bytes, *headers: bytes, auth: bytes = b"Bearer " + TOKEN.encode(),
+         content_type: bytes = b"application/json") -> bytes:
+    lines = [b"POST /v1" + path.encode() + b" HTTP/1.1", b"Host: gw", b"Connection: close",
+             b"Authorization: " + auth, b"Content-Type: " + content_type, *headers,
+             b"Content-Length: %d" % len(body)]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def gateway_tracebacks(caplog: pytest.LogCaptureFixture) -> list[Any]:
+    return [r for r in caplog.records if r.exc_info and r.name.startswith(("services.gateway", "aiohttp", "grpc"))]
+
+
+def openai_error(body: bytes) -> dict[str, Any]:
+    import json
+
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str), err
+    return dict(err)
+
+
+@pytest.mark.parametrize("auth", ["Bearer é".encode(), b"Bearer \xff\xfe", "Bearer s3cret\u2028".encode(),
+                                  b"Bearer \xed\xa0\x80"])
+async def test_a_non_ascii_authorization_header_is_answered_401(gateway: tuple[str, FakeOrchestrator], auth: bytes,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """It used to go unanswered (gRPC refuses the metadata inside a task nobody awaited), leaking a traceback
+    and memory per request. Now 401 at once, the header neither passed on nor echoed."""
+    url, fake = gateway
+    for path in ("/models", "/chat/completions"):
+        req = post(path, CHAT, auth=auth) if path != "/models" else (
+            b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nAuthorization: " + auth + b"\r\n\r\n")
+        status, body = await raw_http(url, req)
+        assert status == 401, (status, body)
+        err = openai_error(body)
+        assert err["type"] == "authentication_error" and auth[7:].decode(errors="replace") not in err["message"]
+    assert not fake.seen  # nothing reached the orchestrator
+    assert not gateway_tracebacks(caplog), "a traceback was logged"
+
+
+@pytest.mark.parametrize(("body", "param", "extra"), [
+    (b'{"model":"t1","max_tokens":2147483648,"messages":[{"role":"user","content":"x"}]}', "max_tokens", b""),
+    (b'{"model":"t1","max_completion_tokens":1e400,"messages":[{"role":"user","content":"x"}]}',
+     "max_completion_tokens", b""),
+    (b'{"model":"t1","max_tokens":' + b"9" * 5000 + b',"messages":[]}', None, b""),
+    (b'{"model":"t1","messages":[{"role":"user","content":"a\\ud800b"}]}', "messages[0].content", b""),
+    (b'{"model":"\\udfff","messages":[{"role":"user","content":"x"}]}', "model", b""),
+    (b'{"model":"t1","\\ud800":1,"messages":[{"role":"user","content":"x"}]}', "\ud800", b""),
+    (b'{"model":"t1","user":' + b"[" * 5000 + b"]" * 5000 + b',"messages":[]}', None, b""),
+    (b'{"model":"t1","user":' + b"[" * 100 + b"]" * 100 + b',"messages":[{"role":"user","content":"x"}]}',
+     "user" + "[0]" * 31, b""),
+    (b'{"model":"t1","temperature":NaN,"messages":[{"role":"user","content":"x"}]}', None, b""),
+    (b"\xff\xfe\x00{", None, b""),
+    (b"", None, b""),
+    (b"[]", None, b""),
+    (CHAT, None, b"Content-Encoding: gzip"),
+])
+async def test_malformed_bodies_are_400_naming_the_field(gateway: tuple[str, FakeOrchestrator], body: bytes,
+                                                         param: str | None, extra: bytes) -> None:
+    """max_tokens >= 2^31, lone surrogates, JSON nested 5,000 deep, NaN, a body that is not UTF-8 or does not
+    decode as its Content-Encoding: 400 in OpenAI's shape (several of them used to be 500)."""
+    url, _ = gateway
+    status, out = await raw_http(url, post("/chat/completions", body, *([extra] if extra else [])))
+    assert status == 400, (status, out)
+    err = openai_error(out)
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+
+
+async def test_a_body_over_the_size_limit_is_413(gateway: tuple[str, FakeOrchestrator]) -> None:
+    url, _ = gateway
+    big = b'{"model":"t1","messages":[{"role":"user","content":"' + b"x" * (1 << 20) + b'"}]}'
+    status, out = await raw_http(url, post("/chat/completions", big))
+    assert status == 413 and openai_error(out)["type"] == "invalid_request_error", out[:300]
+
+
+async def test_a_charset_nobody_knows_is_not_a_500(gateway: tuple[str, FakeOrchestrator]) -> None:
+    """The body is JSON, whose encoding JSON itself defines: a Content-Type charset is not looked up (it was,
+    and `charset=foo` was 500)."""
+    url, _ = gateway
+    status, out = await raw_http(url, post("/chat/completions", CHAT, content_type=b"application/json; charset=foo"))
+    assert status == 200, out
+
+
+@pytest.mark.parametrize("req", [
+    b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer \x7f\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nBad Header: x\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: -1\r\n\r\n{}",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(32) + b"\r\n\r\n",
+])
+async def test_malformed_http_is_an_openai_error(gateway: tuple[str, FakeOrchestrator], req: bytes,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """What aiohttp's HTTP parser refuses is 400 in OpenAI's shape too (it was text/plain), without a traceback
+    and without echoing the request's bytes (a header may hold a token)."""
+    url, _ = gateway
+    status, out = await raw_http(url, req)
+    assert status == 400, (status, out)
+    err = openai_error(out)
+    assert err["type"] == "invalid_request_error" and "\\x7f" not in err["message"]
+    assert not gateway_tracebacks(caplog), "a traceback was logged"
+
+
+@pytest.mark.parametrize(("path", "method", "status"), [("/v1/nothing", "GET", 404), ("/v1/models", "DELETE", 405),
+                                                        ("/v1/chat/completions", "GET", 405)])
+async def test_unknown_routes_are_openai_errors(gateway: tuple[str, FakeOrchestrator], path: str, method: str,
+                                                status: int) -> None:
+    url, _ = gateway
+    got, out = await raw_http(url, f"{method} {path} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n".encode())
+    assert got == status and openai_error(out)["type"] == "invalid_request_error"
+
+
+async def test_slow_headers_and_slow_bodies_are_cut_off() -> None:
+    """Slow-header and slow-body connections used to be held open for good. A connection whose headers are not
+    complete within header_timeout_s is closed; a body not in within body_timeout_s is 408, then closed."""
+    import time
+
+    fake = FakeOrchestrator()
+    server = grpc.aio.server()
+    orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    gw = Gateway(f"127.0.0.1:{port}", timeout_s=10, header_timeout_s=1.0, body_timeout_s=1.0)
+    runner = gw.runner()
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+        async def dribble(first: bytes, more: bytes) -> tuple[bytes, float]:
+            """Send `first`, then `more` every 0.2 s (for up to 20 s) until the server closes; what it sent."""
+            t0 = time.monotonic()
+            reader, writer = await asyncio.open_connection("127.0.0.1", http_port)
+            writer.write(first)
+
+            async def keep_sending() -> None:
+                while time.monotonic() - t0 < 20:
+                    await asyncio.sleep(0.2)
+                    writer.write(more)
+                    await writer.drain()
+
+            sender = asyncio.create_task(keep_sending())
+            got = b""
+            try:
+                while chunk := await asyncio.wait_for(reader.read(65536), 20):
+                    got += chunk
+            except (ConnectionError, TimeoutError):
+                pass
+            finally:
+                sender.cancel()
+                await asyncio.gather(sender, return_exceptions=True)
+                writer.close()
+            return got, time.monotonic() - t0
+
+        got, took = await dribble(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n", b"X-Slow: 1\r\n")
+        assert took < 5, took  # closed after ~1 s, though the client still sends header lines
+        got, took = await dribble(post("/chat/completions", b"")[:-len(b"Content-Length: 0\r\n\r\n")]
+                                  + b"Content-Length: 100000\r\n\r\n{", b" ")
+        assert took < 8, took
+        assert got.startswith(b"HTTP/1.1 408 "), got[:200]
+        assert openai_error(got.partition(b"\r\n\r\n")[2])["code"] == "request_timeout"
+        assert not fake.seen  # neither reached the orchestrator
+    finally:
+        await runner.cleanup()
+        await gw.close()
+        await server.stop(0)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"temperature": 7}, "temperature"), ({"temperature": -0.1}, "temperature"), ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 1.5}, "top_p"), ({"presence_penalty": -3}, "presence_penalty"), ({"frequency_penalty": 2.5},
+                                                                                 "frequency_penalty"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"logprobs": True}, "logprobs"),
+    ({"stop": ["\n"]}, "stop"), ({"n": 2}, "n"), ({"n": True}, "n"), ({"max_tokens": 2**31}, "max_tokens"),
+    ({"max_tokens": 1.5}, "max_tokens"), ({"seed": "x"}, "seed"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+])
+def test_unsupported_or_out_of_range_chat_parameters_are_400(body: dict[str, Any], param: str) -> None:
+    """They used to be accepted and silently ignored."""
+    from services.gateway.app import ApiError
+
+    with pytest.raises(ApiError) as e:
+        parse_chat({"model": "t", "messages": [{"role": "user", "content": "x"}], **body})
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+    assert param.split("[")[0] in e.value.message
+
+
+def test_what_openai_accepts_within_range_is_accepted() -> None:
+    r = parse_chat({"model": "t", "messages": [{"role": "user", "content": "x"}], "temperature": 2, "top_p": 0,
+                    "n": None, "seed": 7, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+                    "logprobs": False, "stop": None, "user": "u", "max_tokens": 2**31 - 1, "stream": None})
+    assert r.max_output_tokens == 2**31 - 1 and not r.stream
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({}, "prompt"), ({"prompt": 3}, "prompt"), ({"prompt": [1, 2, 3]}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "best_of": 3}, "best_of"), ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "temperature": 9}, "temperature"),
+])
+def test_parse_completion_names_the_parameter(body: dict[str, Any], param: str) -> None:
+    from services.gateway.app import ApiError, parse_completion
+
+    with pytest.raises(ApiError) as e:
+        parse_completion({"model": "t", **body})
+    assert e.value.status == 400 and e.value.param == param
+    ok = parse_completion({"model": "t", "prompt": ["the input"], "max_tokens": 5})
+    assert (ok.text, ok.max_output_tokens, ok.input_param) == ("the input", 5, "prompt")
+
+
+async def test_orchestrator_field_names_become_openai_parameter_names() -> None:
+    """An orchestrator error naming `max_output_tokens` (its InvokeRequest field) names the parameter the caller
+    set: `max_tokens`, or `max_completion_tokens`; `task_id` is `model`. (`param` was `max_output_tokens`.)"""
+    from google.rpc import error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+
+    class Rejecting(FakeOrchestrator):
+        async def Invoke(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            br = error_details_pb2.BadRequest(field_violations=[error_details_pb2.BadRequest.FieldViolation(
+                field="max_output_tokens", description="must be <= 131072")])
+            st = status_pb2.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                   message="max_output_tokens: must be <= 131072, got 200000")
+            st.details.add().Pack(br)
+            await context.abort_with_status(rpc_status.to_status(st))
+
+    server = grpc.aio.server()
+    orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(Rejecting(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    gw = Gateway(f"127.0.0.1:{port}", timeout_s=10)
+    runner = gw.runner()
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+        c = openai.AsyncOpenAI(base_url=url, api_key=TOKEN, max_retries=0)
+        for name in ("max_tokens", "max_completion_tokens"):
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.chat.completions.create(model="t1", messages=[{"role": "user", "content": "x"}],
+                                                **{name: 200000})  # type: ignore[arg-type]
+            assert e.value.param == name and "max_output_tokens" not in str(e.value.message), e.value.message
+            assert f"{name}: must be <= 131072" in str(e.value.message)
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model="t1", prompt="x", max_tokens=200000)
+        assert e.value.param == "max_tokens"
+    finally:
+        await runner.cleanup()
+        await gw.close()
+        await server.stop(0)

@@ -238,3 +238,39 @@ def test_grafana_dashboard_queries_real_metrics(compose: dict[str, Any]) -> None
               "flowmaker_instance_load_output_tokens_per_second",
               "flowmaker_instance_headroom_output_tokens_per_second"):
         assert m in used, m
+
+
+def _published(svc: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """(host IP or "" for every interface, host port, container port) of each short-syntax port mapping."""
+    out = []
+    for p in svc.get("ports", []):
+        parts = str(p).split(":")
+        ip, host, container = ("", *parts) if len(parts) == 2 else parts
+        out.append((ip, int(host), int(container.split("/")[0])))
+    return out
+
+
+def test_only_the_gateway_is_published_beyond_loopback(compose: dict[str, Any]) -> None:
+    published = {name: _published(svc) for name, svc in compose["services"].items() if svc.get("ports")}
+    assert published, "compose publishes nothing"
+    for name, maps in published.items():
+        for ip, host, container in maps:
+            if name == "gateway":
+                continue
+            assert ip == "127.0.0.1", f"{name}: {host}:{container} is published on every interface, not loopback"
+    # Grafana (anonymous viewer), Prometheus and Jaeger included: each is still published, on loopback.
+    for name in ("grafana", "prometheus", "jaeger", "orchestrator"):
+        assert published.get(name), f"{name} is not published at all"
+    assert published["gateway"][0][0] in ("", "0.0.0.0")  # the OpenAI front door stays reachable
+
+
+def test_cli_addresses_in_the_docs_are_published(compose: dict[str, Any]) -> None:
+    """docs/compose.md points the CLI at localhost:<port>: each such port is one compose publishes on loopback, to
+    the service the variable names (FLOWMAKER_PROFILER_ADDR=localhost:50052 -> the profiler)."""
+    doc = (COMPOSE.parent / "docs" / "compose.md").read_text()
+    named = re.findall(r"FLOWMAKER_([A-Z]+)_ADDR=(?:localhost|127\.0\.0\.1):(\d+)", doc)
+    assert {svc for svc, _ in named} >= {"ORCHESTRATOR", "PROFILER", "DEPLOYER"}, named
+    for svc, port in named:
+        maps = _published(compose["services"][svc.lower()])
+        assert ("127.0.0.1", int(port), DEFAULT_PORTS[svc.lower()]) in maps, \
+            f"docs/compose.md: FLOWMAKER_{svc}_ADDR=localhost:{port}, but compose publishes {svc.lower()} as {maps}"

@@ -142,3 +142,34 @@ def test_plan_is_level_triggered() -> None:
     plan(world, m2, 0.0, P)
     assert plan(world, m1, 50.0, P) == plan(world, m2, 50.0, P)
     assert replace(world) == world
+
+
+def test_deploying_onto_a_lost_instance_is_replanned_even_with_a_worker_on_it() -> None:
+    mem = Memory(busy_tasks={"t1"})  # a worker blocked in a Deploy call to the stalled node
+    deploying = _task(state=TaskState.DEPLOYING)
+    assert plan(_obs([deploying], [_inst(state=InstanceState.PENDING)]), mem, 1000.0, P) == []
+    (a,) = plan(_obs([deploying], [_inst(state=InstanceState.LOST)]), mem, 1000.0, P)
+    assert a.kind is Kind.REPLAN_DEPLOY and a.task_id == "t1" and "i1" in a.detail
+    # Its node gone past the grace (the instance not marked LOST yet): the same, beside the MARK_LOST.
+    gone = _obs([deploying], [_inst(state=InstanceState.PENDING)], nodes=())
+    plan(gone, mem, 1000.0, P)
+    assert (Kind.REPLAN_DEPLOY, "t1") in _set(plan(gone, mem, 1011.0, P))
+
+
+def test_lost_instance_that_still_answers_keeps_serving_and_is_moved_off_make_before_break() -> None:
+    mem = Memory()
+    lost = _inst(state=InstanceState.LOST)
+    t = _task()
+    # No probe answer: re-selected as before.
+    assert _kinds(plan(_obs([t], [lost], nodes=()), mem, 1000.0, P)) == [(Kind.RESELECT, "t1")]
+    # It answered within the freshness: no re-selection (the task stays ACTIVE on it); a make-before-break move.
+    mem.answering["i1"] = 995.0
+    assert _kinds(plan(_obs([t], [lost], nodes=()), mem, 1000.0, P)) == [(Kind.MOVE_OFF_LOST, "t1")]
+    # ... at most every lost_move_retry_s (a failed attempt is noted as the task's last re-selection).
+    from flowmaker.orchestration.task import Reselection
+
+    tried = replace(t, last_reselection=Reselection(990.0, "x", 1.0, outcome="FAILED"))
+    assert plan(_obs([tried], [lost], nodes=()), mem, 1000.0, P) == []
+    # An answer older than the freshness no longer counts.
+    assert _kinds(plan(_obs([t], [lost], nodes=()), mem, 995.0 + P.lost_answer_fresh_s + 1, P)) == [
+        (Kind.RESELECT, "t1")]

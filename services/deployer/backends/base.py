@@ -349,6 +349,18 @@ class EngineProcess:
         except (aiohttp.ClientError, TimeoutError) as e:
             raise Unavailable(f"{self.backend.name} engine {self.spec.instance_id}: /metrics failed: {e}") from None
 
+    async def probe(self, timeout_s: float = 3.0) -> str:
+        """One liveness probe: GET the health path within `timeout_s`. "" when it answered 200, else why not
+        (a stopped or wedged process still accepts the connection: only the timeout tells)."""
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+                async with http.get(self.base_url + self.backend.health_path) as r:
+                    return "" if r.status == 200 else f"answered {r.status}"
+        except TimeoutError:
+            return f"no answer within {timeout_s:g}s"
+        except aiohttp.ClientError as e:
+            return f"{type(e).__name__}: {e}"
+
     async def scrape_metrics(self, timeout_s: float = 5.0) -> dict[str, float]:
         """GET /metrics and parse it with the backend's parser."""
         return self.backend.parse_metrics(*await self.fetch_metrics(timeout_s))

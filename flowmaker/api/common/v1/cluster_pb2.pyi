@@ -129,7 +129,7 @@ class Gpu(_message.Message):
     def __init__(self, id: _Optional[str] = ..., node: _Optional[str] = ..., memory_total_gb: _Optional[float] = ..., memory_used_gb: _Optional[float] = ..., gpu_type: _Optional[str] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("id", "model_id", "tp", "pp", "gpu_ids", "load_output_tokens_per_s", "endpoint", "state", "node", "engine", "task_ids", "create_time", "failure", "observed_load_output_tokens_per_s", "observed_time", "observed_queue", "observed_latency_s", "observed_slowdown", "saturated", "max_slowdown", "busy_share")
+    __slots__ = ("id", "model_id", "tp", "pp", "gpu_ids", "load_output_tokens_per_s", "endpoint", "state", "node", "engine", "task_ids", "create_time", "failure", "observed_load_output_tokens_per_s", "observed_time", "observed_queue", "observed_latency_s", "observed_slowdown", "saturated", "max_slowdown", "busy_share", "unresponsive_time")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Instance.State]
@@ -167,6 +167,7 @@ class Instance(_message.Message):
     SATURATED_FIELD_NUMBER: _ClassVar[int]
     MAX_SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
     BUSY_SHARE_FIELD_NUMBER: _ClassVar[int]
+    UNRESPONSIVE_TIME_FIELD_NUMBER: _ClassVar[int]
     id: str
     model_id: str
     tp: int
@@ -188,7 +189,8 @@ class Instance(_message.Message):
     saturated: bool
     max_slowdown: float
     busy_share: float
-    def __init__(self, id: _Optional[str] = ..., model_id: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., load_output_tokens_per_s: _Optional[float] = ..., endpoint: _Optional[str] = ..., state: _Optional[_Union[Instance.State, str]] = ..., node: _Optional[str] = ..., engine: _Optional[str] = ..., task_ids: _Optional[_Iterable[str]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., observed_load_output_tokens_per_s: _Optional[float] = ..., observed_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., observed_queue: _Optional[float] = ..., observed_latency_s: _Optional[float] = ..., observed_slowdown: _Optional[float] = ..., saturated: _Optional[bool] = ..., max_slowdown: _Optional[float] = ..., busy_share: _Optional[float] = ...) -> None: ...
+    unresponsive_time: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., model_id: _Optional[str] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., load_output_tokens_per_s: _Optional[float] = ..., endpoint: _Optional[str] = ..., state: _Optional[_Union[Instance.State, str]] = ..., node: _Optional[str] = ..., engine: _Optional[str] = ..., task_ids: _Optional[_Iterable[str]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., observed_load_output_tokens_per_s: _Optional[float] = ..., observed_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., observed_queue: _Optional[float] = ..., observed_latency_s: _Optional[float] = ..., observed_slowdown: _Optional[float] = ..., saturated: _Optional[bool] = ..., max_slowdown: _Optional[float] = ..., busy_share: _Optional[float] = ..., unresponsive_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Cluster(_message.Message):
     __slots__ = ("gpus", "instances")

@@ -88,7 +88,7 @@ class DeleteTaskResponse(_message.Message):
     def __init__(self, task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ..., released_instance_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StageOutput(_message.Message):
-    __slots__ = ("stage_id", "instance_id", "model_id", "output", "input_tokens", "output_tokens", "start_s", "latency_s")
+    __slots__ = ("stage_id", "instance_id", "model_id", "output", "input_tokens", "output_tokens", "start_s", "latency_s", "finish_reason")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class StageOutput(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_S_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     stage_id: str
     instance_id: str
     model_id: str
@@ -105,7 +106,8 @@ class StageOutput(_message.Message):
     output_tokens: int
     start_s: float
     latency_s: float
-    def __init__(self, stage_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., output: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., start_s: _Optional[float] = ..., latency_s: _Optional[float] = ...) -> None: ...
+    finish_reason: str
+    def __init__(self, stage_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., output: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., start_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class InvokeRequest(_message.Message):
     __slots__ = ("task_id", "input", "max_output_tokens")
