@@ -256,13 +256,11 @@ class Load:
 
 def kill_engine(stack: LocalStack) -> int | None:
     """kill -9 one engine of this stack (the first by pid); its pid, or None when none runs."""
-    dep = stack.pid_of("deployer")
-    pids = sorted(pid for pid, _ in descendants(dep) if _ENGINE_MODULE in _cmdline(pid)) if dep else []
-    if not pids:
-        return None
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pids[0], signal.SIGKILL)
-    return pids[0]
+    pid = engine_pid(stack)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def kill_service(stack: LocalStack, name: str) -> int | None:
@@ -279,12 +277,8 @@ def etcd_stopped(stack: LocalStack) -> Iterator[None]:
     """SIGSTOP etcd for the duration of the block (SIGCONT afterwards, whatever happens)."""
     pid = stack.pid_of("etcd")
     assert pid, "etcd is not running"
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with stopped(pid):
         yield
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
 
 
 def engine_pid(stack: LocalStack) -> int | None:
