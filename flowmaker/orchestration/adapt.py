@@ -71,6 +71,10 @@ class ArrivalMeter:
         return self._next
 
     def finished(self, task_id: str, now: float, latency_s: float, token: int = 0) -> None:
+        """A request completed; `token` (from `arrived`) names it, 0 = the oldest still waiting."""
+        w = self._waiting.get(task_id)
+        if token == 0 and w:
+            token = min(w, key=w.__getitem__)
         self.abandoned(task_id, token)
         q = self._latencies.setdefault(task_id, deque())
         q.append((now, latency_s))

@@ -52,6 +52,15 @@ def test_arrival_meter_and_drift_rule() -> None:
     ld = m.load("t", 10.0, time_scale=2.0)
     assert ld is not None and ld.rate_rps == pytest.approx(2.0, rel=0.05) and ld.samples == 40
     assert ld.latency_q_s == pytest.approx(2 * (0.5 + 37 / 100))  # p95 of 40: the 38th, in model seconds
+    # A request still waiting counts with its age once that exceeds the completed ones' median: a hung instance
+    # completes nothing, and its wait must show in the quantile.
+    hung = ArrivalMeter(window_s=10.0)
+    for i in range(20):
+        hung.finished("t", i * 0.1 + 0.5, 0.5, hung.arrived("t", i * 0.1))
+    for i in range(5):
+        hung.arrived("t", 3.0 + i * 0.1)  # never answered
+    hl = hung.load("t", 9.0)
+    assert hl is not None and hl.samples == 25 and hl.latency_q_s == pytest.approx(6.0 - 0.1)
 
     p = LoadPolicy(band=2.0, hold_down_s=5.0, min_samples=5)
     t = TaskRecord("t", "d", Slo(0.1, 3.0, 1.0), state=TaskState.ACTIVE)
