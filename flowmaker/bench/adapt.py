@@ -199,6 +199,7 @@ class _Controller:
         for a in self.wl.arrivals:
             self.by_task.setdefault(a.task, []).append(a)
         self.arr_by_id = {a.req_id: a for a in self.wl.arrivals}
+        self.tokens: dict[Any, int] = {}  # request id -> the meter's token while it waits
         self.fed_arrivals: dict[str, int] = {}
         self.fed_until = 0.0
 
@@ -355,17 +356,18 @@ class _Controller:
         """Meter, drift rule, re-selections."""
         res = self.observe(t, latencies=True)
         arr_by_id = self.arr_by_id
-        done = sorted((arr_by_id[rid].time_s + lat, arr_by_id[rid].task, lat) for rid, lat, _ in res.latencies)
+        done = sorted((arr_by_id[rid].time_s + lat, arr_by_id[rid].task, lat, rid) for rid, lat, _ in res.latencies)
         for name in self.live:
             xs = self.by_task.get(name, [])
             k = self.fed_arrivals.get(name, 0)
             while k < len(xs) and xs[k].time_s < t:
-                self.meter.arrived(name, xs[k].time_s)
+                # The meter's token ends this request's wait when it completes (waiting requests count).
+                self.tokens[xs[k].req_id] = self.meter.arrived(name, xs[k].time_s)
                 k += 1
             self.fed_arrivals[name] = k
-        for fin, name, lat in done:
+        for fin, name, lat, rid in done:
             if self.fed_until < fin <= t:
-                self.meter.finished(name, fin, lat)
+                self.meter.finished(name, fin, lat, self.tokens.pop(rid, 0))
         self.fed_until = t
         loads: dict[str, TaskLoad] = {}
         for name in self.live:
