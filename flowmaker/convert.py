@@ -702,7 +702,9 @@ def instance_record_to_proto(rec: InstanceRecord, task_ids: Sequence[str] = (), 
         state, reason, message = InstanceState.LOST, "NODE_LOST", f"node {rec.node} is not alive (lease expired)"
     m = cluster_pb2.Instance(
         id=rec.id, model_id=rec.model_id, tp=rec.tp, pp=rec.pp, gpu_ids=list(rec.gpu_ids),
-        load_output_tokens_per_s=rec.load_output_tokens_per_s, endpoint=rec.endpoint if node_alive else "",
+        load_output_tokens_per_s=rec.load_output_tokens_per_s,
+        # A LOST record keeps its endpoint for routing while the engine answers; the API shows none.
+        endpoint=rec.endpoint if node_alive and state is not InstanceState.LOST else "",
         state=_INSTANCE_STATES[state], node=rec.node, engine=rec.engine, task_ids=list(task_ids))
     if rec.created_at:
         m.create_time.CopyFrom(_timestamp(rec.created_at))
