@@ -8,7 +8,7 @@ Faults, drawn with a seeded RNG one after the other (the next only once the last
 - hangs: SIGSTOP of an engine (until its node agent kills it, at most `engine_stop_s`), of the deployer
   (`deployer_stop_s`, past its lease and the grace), of etcd (`etcd_stop_s`);
 - faults aimed at an approval: a new task is approved and, once it is DEPLOYING, etcd is killed or stopped,
-  or the orchestrator killed; it must end ACTIVE (and is deleted afterwards).
+  the orchestrator killed, or the deployer stopped; it must end ACTIVE (and is deleted afterwards).
 Steady load runs throughout. Every second the invariants of `flowmaker.bench.faults` are checked (a violation
 counts when it persists over two checks: a process between its parent's death and its own is no orphan yet).
 
@@ -53,7 +53,7 @@ from flowmaker.bench.faults import (
 from flowmaker.launcher.stack import LocalStack, StackConfig
 
 FAULTS = ("engine", "deployer", "orchestrator", "etcd_kill", "etcd_stop", "engine_stop", "deployer_stop",
-          "etcd_kill_deploying", "etcd_stop_deploying", "orchestrator_kill_deploying")
+          "etcd_kill_deploying", "etcd_stop_deploying", "orchestrator_kill_deploying", "deployer_stop_deploying")
 FAST_ENV = {
     "FLOWMAKER_ORCHESTRATOR_RECONCILE_INTERVAL_S": "1",
     "FLOWMAKER_ORCHESTRATOR_RECONCILE_NODE_LOST_GRACE_S": "5",
@@ -161,6 +161,21 @@ def _inject(kind: str, cfg: SoakConfig, stack: LocalStack, c: Client, n: int) ->
             with etcd_stopped(stack):
                 time.sleep(cfg.etcd_stop_s)
             return f"etcd stopped {cfg.etcd_stop_s:g}s during the deploy of {t.id}", t.id
+        if kind == "deployer_stop_deploying":
+            # The one node's agent stalls past its lease and the grace with the approval's Deploy call on it: the
+            # approval must answer (re-planned; with no other node it waits for capacity with the reason) and the
+            # task end ACTIVE once the node is back.
+            pid = stack.pid_of("deployer")
+            t0 = time.monotonic()
+            answered = ""
+            if pid:
+                with stopped(pid):
+                    while time.monotonic() - t0 < cfg.deployer_stop_s:
+                        if not th.is_alive() and not answered:
+                            answered = f"; the approval answered after {time.monotonic() - t0:.1f}s"
+                        time.sleep(0.2)
+            return (f"deployer pid {pid} stopped {cfg.deployer_stop_s:g}s during the deploy of {t.id}"
+                    f"{answered or '; the approval did NOT answer during the stall'}"), t.id
         name = "etcd" if kind.startswith("etcd") else "orchestrator"
         return f"{name} pid {kill_service(stack, name)} killed during the deploy of {t.id}", t.id
     return f"pid {kill_service(stack, 'etcd' if kind == 'etcd_kill' else kind)}", ""

@@ -60,7 +60,7 @@ def soak(duration: float = typer.Option(600.0, help="Seconds of faults under loa
          faults: str = typer.Option("", help="Comma-separated fault kinds to draw from (default: all of "
                                     "engine, deployer, orchestrator, etcd_kill, etcd_stop, engine_stop, "
                                     "deployer_stop, etcd_kill_deploying, etcd_stop_deploying, "
-                                    "orchestrator_kill_deploying)."),
+                                    "orchestrator_kill_deploying, deployer_stop_deploying)."),
          insecure: bool = typer.Option(False, "--insecure", help="Plaintext stack instead of the shipped mTLS one."),
          fast: bool = typer.Option(False, "--fast", help="Shorter lease and grace times than the defaults."),
          gap: float = typer.Option(30.0, min=1.0, help="Longest quiet time between a heal and the next fault "
