@@ -99,12 +99,17 @@ class ArrivalMeter:
         for d in (self._arrivals, self._latencies, self._first, self._waiting):
             d.pop(task_id, None)  # type: ignore[attr-defined]
 
-    def latencies(self, task_id: str, now: float) -> list[float]:
-        """Wall latencies of the window, sorted: the completed requests, plus the waiting ones older than
-        their median (see the class docstring)."""
-        done = sorted(x for t, x in self._latencies.get(task_id, ()) if t >= now - self.window_s)
+    def overdue(self, task_id: str, now: float, completed: list[float]) -> list[float]:
+        """The ages of the task's waiting requests that count beside the `completed` latencies: those older than
+        the completed ones' median (see the class docstring)."""
+        done = sorted(completed)
         floor = done[(len(done) - 1) // 2] if done else 0.0
-        return sorted(done + [a for a in self.waiting_ages(task_id, now) if a > floor])
+        return [a for a in self.waiting_ages(task_id, now) if a > floor]
+
+    def latencies(self, task_id: str, now: float) -> list[float]:
+        """Wall latencies of the window, sorted: the completed requests, plus the overdue waiting ones."""
+        done = [x for t, x in self._latencies.get(task_id, ()) if t >= now - self.window_s]
+        return sorted(done + self.overdue(task_id, now, done))
 
     def load(self, task_id: str, now: float, time_scale: float = 1.0, quantile: float = 0.95) -> TaskLoad | None:
         """None until the task has been watched for a third of the window (a rate over a few seconds is noise)."""

@@ -374,9 +374,7 @@ class Orchestrator:
         """The record as GetTask shows it: the requests this orchestrator still waits on join its latency window
         with their age so far once that exceeds the window's median (`ArrivalMeter`), so a task whose instance
         hangs shows the wait in its p95 instead of the last completed requests' latencies."""
-        done = sorted(t.observed_latencies_s)
-        floor = done[(len(done) - 1) // 2] if done else 0.0
-        waiting = [a for a in self.arrivals.waiting_ages(t.id, now) if a > floor]
+        waiting = self.arrivals.overdue(t.id, now, list(t.observed_latencies_s))
         return replace(t, observed_latencies_s=(*t.observed_latencies_s, *waiting)) if waiting else t
 
     async def list_tasks(self, state: TaskState | None = None) -> list[TaskView]:
