@@ -2,7 +2,8 @@
 
 By default the stack is the shipped configuration: mTLS between the services, bearer tokens, engine API keys and
 the default lease, grace and liveness timings (`--fast` shortens the reconciler's, as the self-healing tests do).
-Faults, drawn with a seeded RNG one after the other (the next only once the last has healed, or timed out):
+Faults, drawn with a seeded RNG one after the other (the next only once the last has healed, or timed out),
+every kind once per round in a shuffled order, so that a run long enough for one round covers them all:
 - crashes: kill -9 of an engine, of the deployer, of the orchestrator, of etcd (the launcher's supervisor
   restarts the processes, as `flowmaker up` does);
 - hangs: SIGSTOP of an engine (until its node agent kills it, at most `engine_stop_s`), of the deployer
@@ -232,12 +233,15 @@ def run_soak(cfg: SoakConfig, out: Path, progress: Callable[[str], None] = lambd
                 th.start()
                 load = Load(c, task_ids, rate_rps=cfg.rate_rps).start()
                 end = t0 + cfg.duration_s
+                bag: list[str] = []
                 while time.monotonic() < end:
                     quiet = rng.uniform(*cfg.gap_s)
                     if time.monotonic() + quiet >= end:
                         break
                     time.sleep(quiet)
-                    kind = rng.choice(cfg.faults)
+                    if not bag:  # every kind once per round, in a seeded order: a run covers them all
+                        bag = rng.sample(cfg.faults, len(cfg.faults))
+                    kind = bag.pop()
                     at = time.monotonic() - t0
                     progress(f"{at:5.0f}s: {kind}")
                     t_fault = time.monotonic()  # heal time counts from the start of the fault
