@@ -150,6 +150,25 @@ def _inject(kind: str, cfg: SoakConfig, stack: LocalStack, c: Client, n: int) ->
             with stopped(pid):
                 time.sleep(cfg.deployer_stop_s)
         return f"pid {pid} for {cfg.deployer_stop_s:g}s", ""
+    if kind == "deployer_stop_deploying":
+        # The case: the node's agent is stopped while its lease still holds, so the approval's selection
+        # places onto it and its Deploy call blocks. The approval must answer once the instance is LOST (lease +
+        # grace), re-planned (with no other node: waiting for capacity, with the reason), and the task must end
+        # ACTIVE once the node is back.
+        t = c.deploy(f"approved{n}")
+        pid = stack.pid_of("deployer")
+        if not pid:
+            return "no deployer", t.id
+        answered: list[float] = []
+        t0 = time.monotonic()
+        def approve() -> None:
+            _quiet(lambda: c.approve(t.id, timeout_s=120))
+            answered.append(time.monotonic() - t0)
+        with stopped(pid):
+            threading.Thread(target=approve, daemon=True).start()
+            time.sleep(cfg.deployer_stop_s)
+        how = f"answered after {answered[0]:.1f}s" if answered else "did NOT answer during the stall"
+        return f"deployer pid {pid} stopped {cfg.deployer_stop_s:g}s with the approval of {t.id} on it; it {how}", t.id
     if kind.endswith("_deploying"):
         t = c.deploy(f"approved{n}")
         th = threading.Thread(target=lambda: _quiet(lambda: c.approve(t.id, timeout_s=120)), daemon=True)
@@ -162,21 +181,6 @@ def _inject(kind: str, cfg: SoakConfig, stack: LocalStack, c: Client, n: int) ->
             with etcd_stopped(stack):
                 time.sleep(cfg.etcd_stop_s)
             return f"etcd stopped {cfg.etcd_stop_s:g}s during the deploy of {t.id}", t.id
-        if kind == "deployer_stop_deploying":
-            # The one node's agent stalls past its lease and the grace with the approval's Deploy call on it: the
-            # approval must answer (re-planned; with no other node it waits for capacity with the reason) and the
-            # task end ACTIVE once the node is back.
-            pid = stack.pid_of("deployer")
-            t0 = time.monotonic()
-            answered = ""
-            if pid:
-                with stopped(pid):
-                    while time.monotonic() - t0 < cfg.deployer_stop_s:
-                        if not th.is_alive() and not answered:
-                            answered = f"; the approval answered after {time.monotonic() - t0:.1f}s"
-                        time.sleep(0.2)
-            return (f"deployer pid {pid} stopped {cfg.deployer_stop_s:g}s during the deploy of {t.id}"
-                    f"{answered or '; the approval did NOT answer during the stall'}"), t.id
         name = "etcd" if kind.startswith("etcd") else "orchestrator"
         return f"{name} pid {kill_service(stack, name)} killed during the deploy of {t.id}", t.id
     return f"pid {kill_service(stack, 'etcd' if kind == 'etcd_kill' else kind)}", ""
