@@ -47,6 +47,9 @@ DEPLOYING = task_pb2.Task.STATE_DEPLOYING
 FAILED = task_pb2.Task.STATE_FAILED
 ONE_STAGE = Workflow("one", (Stage("answer", input_tokens=50, output_tokens=8, prompt_template="{input}"),))
 SLO = Slo(min_accuracy=0.1, max_latency_s=30.0, arrival_rate_rps=0.5)
+# An accuracy only a model other than SLO's cheapest meets: an approval with it starts a new instance (a real
+# DEPLOYING step, with a Deploy call in flight) even when the SLO tasks' instances could be reused.
+NEW_MODEL_SLO = Slo(min_accuracy=0.25, max_latency_s=30.0, arrival_rate_rps=0.5)
 _ENGINE_MODULE = "flowmaker.engine.server"
 
 

@@ -36,10 +36,12 @@ from typing import Any
 
 import grpc
 
+from flowmaker.api.common.v1 import task_pb2
 from flowmaker.bench.faults import (
     ACTIVE,
     DEPLOYING,
     FAILED,
+    NEW_MODEL_SLO,
     Client,
     Load,
     Supervisor,
@@ -155,28 +157,37 @@ def _inject(kind: str, cfg: SoakConfig, stack: LocalStack, c: Client, n: int) ->
         # places onto it and its Deploy call blocks. The approval must answer once the instance is LOST (lease +
         # grace), re-planned (with no other node: waiting for capacity, with the reason), and the task must end
         # ACTIVE once the node is back.
-        t = c.deploy(f"approved{n}")
+        t = c.deploy(f"approved{n}", slo=NEW_MODEL_SLO)  # a new instance: a Deploy call to the stopped node
         pid = stack.pid_of("deployer")
         if not pid:
             return "no deployer", t.id
         answered: list[float] = []
         t0 = time.monotonic()
+        outcome: list[str] = []
+
         def approve() -> None:
-            _quiet(lambda: c.approve(t.id, timeout_s=120))
+            try:
+                got = c.approve(t.id, timeout_s=120)
+                outcome.append(f"{task_pb2.Task.State.Name(got.state)}"
+                               + (f" ({got.healing.action}: {got.healing.detail[:100]})" if got.HasField("healing")
+                                  else ""))
+            except grpc.RpcError as e:
+                outcome.append(f"{e.code().name}: {(e.details() or '')[:120]}")
             answered.append(time.monotonic() - t0)
         with stopped(pid):
             threading.Thread(target=approve, daemon=True).start()
             time.sleep(cfg.deployer_stop_s)
-        how = f"answered after {answered[0]:.1f}s" if answered else "did NOT answer during the stall"
+        how = f"answered after {answered[0]:.1f}s: {outcome[0]}" if answered else "did NOT answer during the stall"
         return f"deployer pid {pid} stopped {cfg.deployer_stop_s:g}s with the approval of {t.id} on it; it {how}", t.id
     if kind.endswith("_deploying"):
-        t = c.deploy(f"approved{n}")
+        t = c.deploy(f"approved{n}", slo=NEW_MODEL_SLO)  # a new instance: DEPLOYING lasts its engine's start
         th = threading.Thread(target=lambda: _quiet(lambda: c.approve(t.id, timeout_s=120)), daemon=True)
         th.start()
         try:
-            wait_task_state(c, t.id, (DEPLOYING, ACTIVE, FAILED))
+            if wait_task_state(c, t.id, (DEPLOYING, ACTIVE, FAILED)) != DEPLOYING:
+                return "MISSED: the approval was past DEPLOYING before the fault", t.id
         except TimeoutError:
-            return "the approval never reached DEPLOYING", t.id
+            return "MISSED: the approval never reached DEPLOYING", t.id
         if kind == "etcd_stop_deploying":
             with etcd_stopped(stack):
                 time.sleep(cfg.etcd_stop_s)

@@ -19,6 +19,7 @@ import pytest
 from flowmaker.bench.faults import (
     ACTIVE,
     DEPLOYING,
+    NEW_MODEL_SLO,
     Client,
     Load,
     Supervisor,
@@ -204,11 +205,13 @@ def test_etcd_kill_aimed_at_deploying_ends_active(stack: LocalStack) -> None:
     with Supervisor(stack):
         ids = []
         for i in range(2):
-            pending = c.deploy(f"cut{i}")
+            # Each approval starts a new instance (the second asks for a model the first does not run), so the
+            # kill lands while its Deploy call is in flight.
+            pending = c.deploy(f"cut{i}", slo=NEW_MODEL_SLO) if i else c.deploy(f"cut{i}")
             th = threading.Thread(target=lambda tid=pending.id: _swallow(lambda: c.approve(tid, timeout_s=90)),
                                   daemon=True)
             th.start()
-            wait_task_state(c, pending.id, (DEPLOYING, ACTIVE))
+            assert wait_task_state(c, pending.id, (DEPLOYING, ACTIVE)) == DEPLOYING
             pid = stack.pid_of("etcd")
             assert pid
             os.kill(pid, 9)
