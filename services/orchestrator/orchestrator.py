@@ -133,9 +133,11 @@ def _slug(text: str, default: str) -> str:
     return "-".join(s.split("-")[:4])[:32].strip("-") or default
 
 
-# Failures that say "not now" rather than "not this": etcd or a service unreachable. A worker hitting one
-# leaves its task where it is, for the reconciler to carry on once the outage is over.
-_TRANSIENT_REASONS = frozenset({"ETCD_UNAVAILABLE", "UNAVAILABLE"})
+# Failures that say "not now" rather than "not this": etcd or a service unreachable, or a node whose key is
+# missing (its lease lapsed while etcd was down: it re-registers when etcd is back; one gone for good is the
+# reconciler's REPLAN_DEPLOY after the grace). A worker hitting one leaves its task where it is, for the
+# reconciler to carry on once the outage is over.
+_TRANSIENT_REASONS = frozenset({"ETCD_UNAVAILABLE", "UNAVAILABLE", "NODE_LOST"})
 
 
 def _is_transient(e: BaseException) -> bool:
