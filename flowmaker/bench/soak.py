@@ -11,7 +11,8 @@ every kind once per round in a shuffled order, so that a run long enough for one
 - faults aimed at an approval: a new task is approved and, once it is DEPLOYING, etcd is killed or stopped,
   the orchestrator killed, or the deployer stopped; it must end ACTIVE (and is deleted afterwards).
 Steady load runs throughout. Every second the invariants of `flowmaker.bench.faults` are checked (a violation
-counts when it persists over two checks: a process between its parent's death and its own is no orphan yet).
+counts when it persists over two checks: a process between its parent's death and its own is no orphan yet); once the faults are over, the
+settled invariants too (no leaked reservation or reference), given the reconciler's orphan grace to hold.
 
 Reported: goodput (requests answered OK / sent), requests lost (answered with an error), time to heal per
 fault, counted from the moment the fault began (until every task is ACTIVE again, not healing, an approved
@@ -79,6 +80,7 @@ class SoakConfig:
     engine_stop_s: float = 60.0  # the longest an engine stays stopped (its node agent should kill it first)
     time_scale: float = 20.0
     gpus: int = 4
+    settle_timeout_s: float = 90.0  # after the last fault, for the settled invariants (no leak) to hold
     tls: bool = True  # the shipped configuration (`flowmaker up`): mTLS, tokens, engine API keys
     fast: bool = False  # the self-healing tests' shorter lease and grace times instead of the defaults
     faults: tuple[str, ...] = FAULTS
@@ -106,6 +108,7 @@ class SoakResult:
     lost_after: dict[str, int] = field(default_factory=dict)  # requests lost, by the last fault before them
     invariant_checks: int = 0
     violations: list[str] = field(default_factory=list)
+    settled_violations: list[str] = field(default_factory=list)  # leaks left once the faults are over
     supervisor_events: list[str] = field(default_factory=list)
 
 
@@ -283,6 +286,15 @@ def run_soak(cfg: SoakConfig, out: Path, progress: Callable[[str], None] = lambd
                 load.stop()
                 stop.set()
                 th.join(5)
+                # Settled: no reservation or reference leaked by any fault (the approved tasks were deleted). A
+                # reference to no task is dropped after the reconciler's orphan grace, so give it that long.
+                progress("checking that nothing leaked (settled invariants)")
+                settle_end = time.monotonic() + cfg.settle_timeout_s
+                leaked = check_invariants(stack, settled=True)
+                while leaked and time.monotonic() < settle_end:
+                    time.sleep(1.0)
+                    leaked = check_invariants(stack, settled=True)
+                res.settled_violations = leaked
                 res.supervisor_events = [e for _, e in sup.events]
                 res.requests = dict(Counter(load.outcomes))
                 sent = load.sent
@@ -323,5 +335,7 @@ def render(res: SoakResult, console: Any) -> None:
         console.print("lost, by the fault before them: " + ", ".join(f"{k} {v}" for k, v in sorted(res.lost_after.items())))
     console.print(f"time to heal: p50 {res.heal_p50_s:.1f}s, max {res.heal_max_s:.1f}s; invariant checks "
                   f"{res.invariant_checks}, violations {len(res.violations)}")
+    console.print("settled at the end (no leaked reservation or reference): "
+                  + ("yes" if not res.settled_violations else f"[red]NO[/red]: {res.settled_violations[:5]}"))
     for v in res.violations[:10]:
         console.print(f"  [red]violation[/red] {v}", markup=True)

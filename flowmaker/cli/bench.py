@@ -86,7 +86,7 @@ def soak(duration: float = typer.Option(600.0, help="Seconds of faults under loa
     else:
         render(res, console)
         console.print(f"JSON: {out / 'soak.json'}")
-    if res.violations or not all(f.healed for f in res.faults):
+    if res.violations or res.settled_violations or not all(f.healed for f in res.faults):
         raise typer.Exit(1)
 
 
