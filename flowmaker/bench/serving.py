@@ -8,6 +8,7 @@ at staggered times, latency SLOs by rule (`flowmaker.eval.slo`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -19,11 +20,11 @@ from rich.console import Console
 from rich.table import Table
 
 from flowmaker.catalog import default_models, get_gpu_type, make_cluster
-from flowmaker.domain import Cluster, GpuType, Model, Profile
+from flowmaker.domain import Cluster, GpuType, Model, Profile, StageKind
 from flowmaker.errors import InvalidSpec
+from flowmaker.eval.experiment import Experiment, load_experiment
 from flowmaker.eval.policies import (
     ALL_POLICIES,
-    DEFAULT_UTILIZATION_CAP,
     LANGCHAIN_MODEL_RULES,
     ROUTELLM_SIZE_STAT,
     ROUTELLM_STRONG,
@@ -35,18 +36,9 @@ from flowmaker.eval.policies import (
     plan,
     simulated_monitor,
 )
-from flowmaker.eval.slo import REFERENCE_MODEL, REFERENCE_TP, with_rule_slos
-from flowmaker.eval.tasks import EVAL_TASKS, NOMINAL_STATS
+from flowmaker.eval.tasks import EVAL_TASKS, NOMINAL_STATS, EvalTask
 from flowmaker.eval.trace_stats import TRACE_KINDS
-from flowmaker.eval.traces import (
-    DEFAULT_SEGMENT_S,
-    DEPLOY_SPAN_FRACTION,
-    LOAD_LEVELS,
-    MONITOR_WINDOW_TRACE_S,
-    build_segment_workload,
-    find_trace,
-    get_trace,
-)
+from flowmaker.eval.traces import build_request_segment_workload, find_trace, get_trace
 from flowmaker.profiling.analytic import profiles_for
 from flowmaker.sim import COLOCATION_MODES, DEFAULT_COLOCATION, simulate
 
@@ -69,7 +61,6 @@ PUBLISHED: dict[str, dict[str, Any]] = {
     "reuse_vs_noreuse_low_load_cost": {"min": 1.47, "max": 1.73, "avg": None},
 }
 HIGH_LOADS = (0.75, 1.0)
-WARMUP_SEED_OFFSET = 1_000_003  # the monitor's window: far from any seed a user passes, so never the scored one
 LOW_LOADS = (0.25, 0.5)
 
 
@@ -210,36 +201,57 @@ def code_version() -> dict[str, Any]:
     return {"commit": head, "modified": dirty}
 
 
-def bench_cluster() -> tuple[tuple[Model, ...], GpuType, tuple[Profile, ...], Cluster, dict[str, Model]]:
+def bench_cluster(gpu_type: str = GPU_TYPE, gpus: int = GPUS_PER_NODE
+                  ) -> tuple[tuple[Model, ...], GpuType, tuple[Profile, ...], Cluster, dict[str, Model]]:
     """The simulated cluster every serving benchmark runs on: the catalog's models, the GPU type, their analytic
-    profiles on one node of GPUS_PER_NODE x GPU_TYPE, the empty cluster, and the models by id."""
+    profiles on one node of `gpus` x `gpu_type`, the empty cluster, and the models by id."""
     models = default_models()
-    gpu = get_gpu_type(GPU_TYPE)
-    profiles = profiles_for(models, gpu, max_gpus=GPUS_PER_NODE)
-    return (models, gpu, profiles, make_cluster(GPU_TYPE, nodes=1, gpus_per_node=GPUS_PER_NODE),
-            {m.id: m for m in models})
+    gpu = get_gpu_type(gpu_type)
+    profiles = profiles_for(models, gpu, max_gpus=gpus)
+    return (models, gpu, profiles, make_cluster(gpu_type, nodes=1, gpus_per_node=gpus), {m.id: m for m in models})
+
+
+BASELINE_WORKFLOWS = ("fixed", "single-stage")
+
+
+def single_stage_baselines(tasks: Sequence[EvalTask]) -> tuple[EvalTask, ...]:
+    """The tasks with the baselines' fixed workflow replaced by the candidate with the fewest LLM stages (ties:
+    the first listed): how much of FlowMaker's gain is workflow choice by construction."""
+    out = []
+    for t in tasks:
+        best = min(t.candidates, key=lambda c: sum(1 for s in c.stages if s.kind is StageKind.LLM))
+        out.append(dataclasses.replace(t, fixed_workflow=best.id,
+                                       fixed_rationale="sensitivity: the task's single-stage candidate"))
+    return tuple(out)
+
 
 def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None, seed: int = 0,
                       policies: Sequence[str] | None = None, loads: Sequence[float] | None = None,
                       traces: Sequence[str] = TRACE_KINDS, console: Console | None = None,
                       plots: bool = True, plan_tokens: str = "median", colocation: str = DEFAULT_COLOCATION,
-                      segment_s: float = DEFAULT_SEGMENT_S, langchain_rule: str = "smallest") -> dict[str, Any]:
+                      langchain_rule: str = "smallest", experiment: Experiment | None = None,
+                      segment_requests: int | None = None, baseline_workflow: str = "fixed",
+                      quiet: bool = False) -> dict[str, Any]:
     """Run the matrix, write `serving.json` (+ PNG plots) into `out_dir`, print the tables; return the report.
 
-    `traces_dir` holds AzureLLMInferenceTrace_{code,conv}.csv; a missing file is replaced by the synthetic
-    trace of that kind (the report says which was used). `plan_tokens`: the request every selector-based
-    policy sizes stages with ("median" or "mean"). `colocation`: how instances sharing a GPU share it in the
-    scored simulation (`flowmaker.sim.COLOCATION_MODES`, default "dynamic"). `segment_s`: trace seconds
-    replayed per load level. `langchain_rule`: how the LangChain baseline picks its model
-    (`LANGCHAIN_MODEL_RULES`). Every setup choice is recorded in the JSON's "setup".
+    `experiment`: the declared experiment (default: `flowmaker/eval/data/paper-scale.toml`): tasks' accuracy
+    targets, SLO rule, rates, the replayed segment's size, baseline sizing. `traces_dir` holds
+    AzureLLMInferenceTrace_{code,conv}.csv; a missing file is replaced by the synthetic trace of that kind
+    (the report says which was used). `plan_tokens`: the request every selector-based policy sizes stages
+    with ("median" or "mean"). `colocation`: how instances sharing a GPU share it in the scored simulation
+    (`flowmaker.sim.COLOCATION_MODES`, default "dynamic"). `segment_requests` overrides the experiment's
+    segment size (tests). `baseline_workflow`: "fixed" (the declared fixed workflows) or "single-stage" (a
+    sensitivity run). `langchain_rule`: how the LangChain baseline picks its model (`LANGCHAIN_MODEL_RULES`).
+    Every setup choice is recorded in the JSON's "setup", with the experiment file's SHA-256.
     """
     t_start = time.perf_counter()
+    exp = experiment or load_experiment()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pols = list(policies) if policies else list(ALL_POLICIES)
     for p in pols:
         get_policy(p)  # unknown name -> NotFound before any work
-    lvls = list(loads) if loads else list(LOAD_LEVELS)
+    lvls = list(loads) if loads else list(exp.loads)
     if plan_tokens not in NOMINAL_STATS:
         raise InvalidSpec(f"unknown statistic {plan_tokens!r}; known: {list(NOMINAL_STATS)}", field="plan_tokens")
     if colocation not in COLOCATION_MODES:
@@ -248,10 +260,14 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     if langchain_rule not in LANGCHAIN_MODEL_RULES:
         raise InvalidSpec(f"unknown LangChain model rule {langchain_rule!r}; known: {list(LANGCHAIN_MODEL_RULES)}",
                           field="langchain_rule")
-    if not segment_s > 0:
-        raise InvalidSpec(f"must be > 0, got {segment_s}", field="segment_s")
+    if baseline_workflow not in BASELINE_WORKFLOWS:
+        raise InvalidSpec(f"unknown baseline workflow {baseline_workflow!r}; known: {list(BASELINE_WORKFLOWS)}",
+                          field="baseline_workflow")
+    n_req = exp.segment_requests if segment_requests is None else segment_requests
+    if n_req < 1:
+        raise InvalidSpec(f"must be >= 1, got {n_req}", field="segment_requests")
     con = console or Console(width=200)
-    models, gpu, profiles, cluster, by_id = bench_cluster()
+    models, gpu, profiles, cluster, by_id = bench_cluster(exp.gpu_type, exp.gpus)
     rows: list[dict[str, Any]] = []
     ablation: list[dict[str, Any]] = []
     sources: dict[str, str] = {}
@@ -261,25 +277,33 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     for kind in traces:
         trace = get_trace(kind, traces_dir, seed)
         sources[kind] = trace.source if find_trace(kind, traces_dir) else f"{trace.source} (no file in {traces_dir})"
-        tasks = with_rule_slos(EVAL_TASKS, kind, profiles, by_id, gpu)
+        tasks = exp.tasks_for(kind, profiles, by_id, gpu)
+        if baseline_workflow == "single-stage":
+            tasks = single_stage_baselines(tasks)
+        ref_ctx, ref_gen = exp.reference_tokens(kind)
         slos[kind] = [{"task": t.name, "k": t.slo_k, "standalone_s": t.max_latency_s / t.slo_k,
                        "latency_slo_s": t.max_latency_s, "accuracy_slo": t.min_accuracy,
-                       "hand_set_latency_s": base.max_latency_s}
-                      for t, base in zip(tasks, EVAL_TASKS, strict=True)]
+                       "rate_100_rps": t.nominal_rate_rps, "fixed_workflow": t.fixed.id,
+                       "reference_request": [ref_ctx, ref_gen]} for t in tasks]
         for load in lvls:
             rates = [(t.name, t.nominal_rate_rps * load) for t in tasks]
-            wl = build_segment_workload(rates, trace, load, seed=seed, segment_s=segment_s)
+            wl = build_request_segment_workload(rates, trace, load, seed, n_req, exp.deploy_span_fraction,
+                                                exp.monitor_window_fraction)
             segments.append({"trace": kind, "load": load, "offset_s": wl.offset_s, "segment_s": wl.segment_s,
                              "scale": wl.scale, "replay_s": wl.duration_s, "segment_requests": wl.segment_requests,
                              "segment_rate_rps": wl.segment_rate_rps, "scored_requests": len(wl.arrivals),
                              "monitor_window_s": wl.window_s,
                              "deploy_s": [list(d) for d in wl.deploy_s],
                              "task_rates": [{"task": t.name, "target": r, "mean": wl.mean_rate(t.name),
-                                             "peak_minute": wl.peak_rate(t.name)}
+                                             "peak_window": wl.peak_rate(t.name),
+                                             "offline": wl.offline_rate(t.name),
+                                             "offline_peak": wl.offline_peak_rate(t.name)}
                                             for t, (_, r) in zip(tasks, rates, strict=True)]})
             monitor = simulated_monitor(wl, cluster.gpus, by_id, gpu, colocation)
             ctx = PolicyContext(tasks, kind, load, models, profiles, cluster, gpu, seed=seed, monitor=monitor,
-                                plan_tokens=plan_tokens, workload=wl, langchain_model=langchain_rule)
+                                plan_tokens=plan_tokens, workload=wl, langchain_model=langchain_rule,
+                                utilization_cap=exp.utilization_cap, baseline_sharing=True,
+                                routellm_rate="declared", routellm_gpu_budget_gb=exp.routellm_gpu_budget_gb)
             for pol in pols:
                 t0 = time.perf_counter()
                 pl = plan(pol, ctx)
@@ -333,26 +357,33 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
         "profiles": len(profiles), "loads": lvls, "policies": pols, "seed": seed, "trace_sources": sources,
         "code_version": code_version(),
         "seeds": {"run": seed,
-                  "segment_offset": f"random.Random('flowmaker-segment/<trace>/<load>/{seed}').uniform",
-                  "task_of_request": f"random.Random('flowmaker-assign/<trace>/<load>/{seed}/<i>')",
+                  "segment_start": f"random.Random('flowmaker-request-segment/<trace>/{seed}').randint (every load)",
+                  "task_of_request": f"random.Random('flowmaker-assign/<trace>/{seed}/<i>') (every load)",
                   "router_score": f"blake2b('{seed}/<request id>')",
                   "synthetic_trace": f"random.Random('flowmaker-trace/<trace>/{seed}') (only without the files)"},
-        "plan_tokens": plan_tokens, "colocation": colocation, "utilization_cap": DEFAULT_UTILIZATION_CAP,
-        "segment_s": segment_s, "monitor_window_trace_s": MONITOR_WINDOW_TRACE_S,
-        "deploy_span_fraction": DEPLOY_SPAN_FRACTION, "segments": segments,
-        "slo_reference_deployment": {"model": REFERENCE_MODEL, "tp": REFERENCE_TP, "pp": 1,
+        "experiment": {"name": exp.name, "sha256": exp.sha256, "source": exp.source, "settings": exp.as_json()},
+        "plan_tokens": plan_tokens, "colocation": colocation, "utilization_cap": exp.utilization_cap,
+        "segment_requests": n_req, "baseline_workflow": baseline_workflow,
+        "monitor_window_fraction": exp.monitor_window_fraction,
+        "deploy_span_fraction": exp.deploy_span_fraction, "segments": segments,
+        "slo_reference_deployment": {"model": exp.reference_model, "tp": exp.reference_tp, "pp": 1,
                                      "workflow": "each task's fixed workflow, one instance per LLM stage",
-                                     "request": "the trace's median request, alone"},
+                                     "request": f"the trace's {exp.reference_quantile} request shape, alone"},
         "slos": slos,
         "tasks": [{"task": t.name, "fixed_workflow": t.fixed.id, "fixed_rationale": t.fixed_rationale,
-                   "slo_k": t.slo_k, "slo_k_rationale": t.slo_k_rationale, "accuracy_slo": t.min_accuracy,
-                   "nominal_rate_rps": t.nominal_rate_rps,
-                   "langchain_model": langchain_model(t, models, langchain_rule)} for t in EVAL_TASKS],
+                   "slo_k": exp.slo_k[t.name], "slo_k_rationale": t.slo_k_rationale,
+                   "accuracy_slo": exp.accuracy[t.name],
+                   "langchain_model": langchain_model(dataclasses.replace(t, min_accuracy=exp.accuracy[t.name]),
+                                                      models, langchain_rule)} for t in EVAL_TASKS],
         "langchain_rule": langchain_rule,
         "routellm": {"strong": ROUTELLM_STRONG, "weak": ROUTELLM_WEAK, "strong_share": ROUTELLM_STRONG_SHARE,
                      "size_request": ROUTELLM_SIZE_STAT, "dispatch": "least outstanding work",
+                     "size_rate": "the declared rate (load x 100% rate)",
+                     "gpu_budget_gb": exp.routellm_gpu_budget_gb,
                      "tp": "smallest with which a lone request of every task meets its latency SLO"},
-        "murakkab": {"rate": "segment mean per task", "maxload_rate": "peak trace-minute rate per task"},
+        "murakkab": {"rate": "per task, its rate over the stretch of the trace just before the segment",
+                     "maxload_rate": "that stretch's peak monitor-window rate",
+                     "gpu_sharing": "the same contract as FlowMaker's"},
         "flowmaker": {"rate": "arrivals in the trace minute before its deploy",
                       "current_load": "simulated serving of the deployed tasks over the trace minute before"}},
               "rows": rows, "ratios": ratios, "reuse_ablation": ablation, "plots": files,
@@ -360,7 +391,8 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     jf = out / "serving.json"
     jf.write_text(json.dumps(_json_safe(report), indent=1))
     report["json"] = str(jf)
-    _print(con, rows, ratios, ablation, report)
+    if not quiet:
+        _print(con, rows, ratios, ablation, report)
     return report
 
 
@@ -436,5 +468,8 @@ def _print(con: Console, rows: Sequence[dict[str, Any]], ratios: dict[str, Any],
                               if (cl := cells.get((tr, pol, x))) else "-" for x in lv))
     con.print(at)
     tm = report["timing"]
+    e = report["setup"]["experiment"]
+    con.print(f"experiment {e['name']} sha256 {e['sha256'][:12]} ({e['source']}); seed {report['setup']['seed']}; "
+              f"colocation {report['setup']['colocation']}")
     con.print(f"wall {tm['wall_s']:.1f}s (planning {tm['planning_s']:.1f}s, simulation {tm['simulation_s']:.1f}s); "
               f"JSON {report['json']}; plots {', '.join(report['plots']) or '-'}")

@@ -122,6 +122,12 @@ class PolicyContext:
     # contract FlowMaker's policies select under (1: processor sharing, what the simulator does).
     capacity_model: CapacityModel = CapacityModel.BUSY_TIME
     interference: float = 1.0
+    # The declared experiment's baseline settings (flowmaker/eval/data/*.toml; the defaults are the older
+    # setup): Murakkab plans with the same GPU-sharing contract as FlowMaker; RouteLLM's pools are sized at
+    # the declared rate ("declared") or the segment's mean ("segment-mean"), within a GPU budget (0: none).
+    baseline_sharing: bool = False
+    routellm_rate: str = "segment-mean"
+    routellm_gpu_budget_gb: float = 0.0
 
     def deploy_time(self, task: EvalTask) -> float:
         return self.workload.deploy_time(task.name) if self.workload is not None else 0.0
@@ -147,6 +153,17 @@ class PolicyContext:
 
     def peak_rate(self, task: EvalTask) -> float:
         return self.workload.peak_rate(task.name) if self.workload is not None else self.nominal_rate(task)
+
+    def offline_rate(self, task: EvalTask) -> float:
+        """What an offline planner knows: the preceding stretch's rate when the replay has one (causal), else
+        the segment's own mean."""
+        return self.workload.offline_rate(task.name) if self.workload is not None else self.nominal_rate(task)
+
+    def offline_peak_rate(self, task: EvalTask) -> float:
+        return self.workload.offline_peak_rate(task.name) if self.workload is not None else self.nominal_rate(task)
+
+    def routellm_sizing_rate(self, task: EvalTask) -> float:
+        return self.nominal_rate(task) if self.routellm_rate == "declared" else self.mean_rate(task)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,11 +298,13 @@ def _stage_load(wf: Workflow, rate: float) -> dict[str, float]:
 
 def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                         rate: Callable[[EvalTask], float], fixed_workflow: bool, measured: bool,
-                        sharing: bool = True, capacity_model: CapacityModel | None = None) -> Plan:
+                        sharing: bool = True, capacity_model: CapacityModel | None = None,
+                        fallback: Callable[[EvalTask], float] | None = None) -> Plan:
     """Deploy tasks one after another with the selector; each sees what the earlier ones deployed.
 
     `measured`: before each deployment the running instances' loads are replaced by what
     `ctx.monitor` measures (the current load); otherwise they are the sums of the planned loads.
+    `fallback`: when nothing fits at `rate` and this rate is lower, the task is selected again at it.
     """
     st = _ClusterState(ctx)
     deployments: list[TaskDeployment] = []
@@ -315,6 +334,18 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                                    gpu_sharing=GpuSharing.INTERFERENCE if sharing else GpuSharing.IGNORE,
                                    interference=ctx.interference))
         res = select(req, strategy)
+        if res.variant is None and fallback is not None and fallback(task) < r:
+            # A burst measured before the deploy asked for more than fits: the task still gets the plan for the
+            # rate it declared (the load follower scales out if the burst lasts), rather than no plan at all.
+            r = max(fallback(task), 1e-6)
+            rates[-1] = (task.name, r)
+            slo = replace(task.slo(), arrival_rate_rps=r)
+            req = replace(req, slo=slo)
+            res = select(req, strategy)
+        if res.variant is None and fallback is not None and req.options.utilization_cap < 1.0:
+            # Still nothing: the headroom kept for bursts is given up before the task itself is.
+            req = replace(req, options=replace(req.options, utilization_cap=1.0))
+            res = select(req, strategy)
         if res.variant is None:
             why = res.reason.value if res.reason is not None else "INFEASIBLE"
             unplaced.append((task.name, f"{why}: {res.reason_detail}" if res.reason_detail else why))
@@ -400,20 +431,21 @@ def simulated_monitor(workload: SegmentWorkload, gpus: Sequence[Gpu], models: Ma
 @register("flowmaker")
 def flowmaker(ctx: PolicyContext) -> Plan:
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rate, fixed_workflow=False,
-                               measured=True)
+                               measured=True, fallback=ctx.nominal_rate)
 
 
 @register("flowmaker-paper")
 def flowmaker_paper(ctx: PolicyContext) -> Plan:
     """`flowmaker` under the paper-literal contract: output-token capacity, GPUs shared as if free."""
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rate, fixed_workflow=False,
-                               measured=True, sharing=False, capacity_model=CapacityModel.OUTPUT_TOKENS)
+                               measured=True, sharing=False, capacity_model=CapacityModel.OUTPUT_TOKENS,
+                               fallback=ctx.nominal_rate)
 
 
 @register("flowmaker-noreuse")
 def flowmaker_noreuse(ctx: PolicyContext) -> Plan:
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, rate=ctx.planning_rate, fixed_workflow=False,
-                               measured=True)
+                               measured=True, fallback=ctx.nominal_rate)
 
 
 @register("flowmaker-plannedload")
@@ -421,13 +453,13 @@ def flowmaker_plannedload(ctx: PolicyContext) -> Plan:
     """FlowMaker as the orchestrator records load today: an instance's load is the sum of the loads its tasks'
     selections planned (rho x output tokens at the median request), not a measurement."""
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rate, fixed_workflow=False,
-                               measured=False)
+                               measured=False, fallback=ctx.nominal_rate)
 
 
 @register("flowmaker-heuristic")
 def flowmaker_heuristic(ctx: PolicyContext) -> Plan:
     return _select_in_sequence(ctx, strategy="heuristic", allow_reuse=True, rate=ctx.planning_rate,
-                               fixed_workflow=False, measured=True)
+                               fixed_workflow=False, measured=True, fallback=ctx.nominal_rate)
 
 
 # ---- Murakkab ------------------------------------------------------------------------------------
@@ -435,16 +467,18 @@ def flowmaker_heuristic(ctx: PolicyContext) -> Plan:
 
 @register("murakkab")
 def murakkab(ctx: PolicyContext) -> Plan:
-    """Fixed workflow, per-stage model/config by the optimiser, reuse planned offline at the segment's mean rate."""
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.mean_rate, fixed_workflow=True,
-                               measured=False, sharing=False)
+    """Fixed workflow, per-stage model/config by the optimiser, reuse planned offline: at the preceding stretch's
+    rate (the declared experiment) or the segment's mean (the older setup)."""
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.offline_rate, fixed_workflow=True,
+                               measured=False, sharing=ctx.baseline_sharing)
 
 
 @register("murakkab-maxload")
 def murakkab_maxload(ctx: PolicyContext) -> Plan:
-    """Murakkab planned offline at each task's peak trace-minute rate of the segment."""
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.peak_rate, fixed_workflow=True,
-                               measured=False, sharing=False)
+    """Murakkab planned offline at each task's peak monitor-window rate (of the preceding stretch, or of the
+    segment in the older setup)."""
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.offline_peak_rate,
+                               fixed_workflow=True, measured=False, sharing=ctx.baseline_sharing)
 
 
 # ---- LangChain -----------------------------------------------------------------------------------
@@ -538,7 +572,7 @@ class _RouteLLMRouter:
         return min(pool, key=lambda ri: (outstanding(ri[1]), ri[0]))[0]
 
 
-def _busy_s(prof: Profile, wf: Workflow) -> float:
+def busy_seconds(prof: Profile, wf: Workflow) -> float:
     """Engine seconds a request's LLM calls take in a full batch: prefill stalls the batch, decode shares it."""
     return sum(s.calls_per_request * (prof.prefill_s_per_token * s.input_tokens
                                       + s.output_tokens / prof.pure_decode_tokens_per_s) for s in wf.llm_stages)
@@ -576,15 +610,20 @@ def _routellm(ctx: PolicyContext, setting: str) -> Plan:
     profs = {m: _routellm_profile(ctx, m, size_wf) for m in shares if shares[m] > 0}
     # Replicas per model: the busy time of its share of every task's requests at the segment's mean rate, under
     # the cap.
-    need = {m: sum(shares[m] * ctx.mean_rate(t) * _busy_s(profs[m], size_wf[t.name]) for t in ctx.tasks)
-            for m in profs}
+    need = {m: sum(shares[m] * ctx.routellm_sizing_rate(t) * busy_seconds(profs[m], size_wf[t.name])
+                   for t in ctx.tasks) for m in profs}
     want = {m: max(1, math.ceil(need[m] / ctx.utilization_cap)) for m in profs}
     pools: dict[str, list[SimInstance]] = {m: [] for m in profs}
+    budget = ctx.routellm_gpu_budget_gb or math.inf
+    capped = False
     progress = True
     while progress:  # place the pools alternately so that each gets replicas when memory runs out
         progress = False
         for mid in profs:
             if len(pools[mid]) < want[mid]:
+                if sum(i.memory_gb for i in st.instances) + profs[mid].total_memory_gb > budget + 1e-9 and pools[mid]:
+                    capped = True
+                    continue
                 inst = st.place(profs[mid], "routellm", 0.0, at)
                 if inst is not None:
                     pools[mid].append(inst)
@@ -610,7 +649,8 @@ def _routellm(ctx: PolicyContext, setting: str) -> Plan:
     return Plan("", tuple(st.instances), tuple(deployments), (), tuple(decisions),
                 notes=f"{share:.0%} of requests to {ROUTELLM_STRONG}; pools "
                       + ", ".join(f"{m} tp{profs[m].tp} x{len(pools[m])}" for m in profs)
-                      + (f"; short of {short} replicas (no GPU memory)" if short else ""))
+                      + (f"; short of {short} replicas ({'capped at the GPU budget' if capped else 'no GPU memory'})"
+                         if short else ""))
 
 
 @register("routellm-min-cost")

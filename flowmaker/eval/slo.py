@@ -26,19 +26,20 @@ REFERENCE_TP = 1
 SLO_K_RANGE = (2.0, 5.0)
 
 
-def reference_profile(profiles: Sequence[Profile]) -> Profile:
+def reference_profile(profiles: Sequence[Profile], model: str = REFERENCE_MODEL, tp: int = REFERENCE_TP) -> Profile:
     for p in profiles:
-        if p.model_id == REFERENCE_MODEL and (p.tp, p.pp) == (REFERENCE_TP, 1):
+        if p.model_id == model and (p.tp, p.pp) == (tp, 1):
             return p
-    raise InvalidSpec(f"no profile of the reference deployment {REFERENCE_MODEL} tp={REFERENCE_TP}",
-                      field="profiles")
+    raise InvalidSpec(f"no profile of the reference deployment {model} tp={tp}", field="profiles")
 
 
 def standalone_latency_s(task: EvalTask, trace_kind: str, profiles: Sequence[Profile], models: Mapping[str, Model],
-                         gpu_type: GpuType) -> float:
-    """Simulated latency of one median request of `trace_kind` alone on the reference deployment."""
-    prof = reference_profile(profiles)
-    ctx, gen = task.nominal_tokens(trace_kind, "median")
+                         gpu_type: GpuType, *, tokens: tuple[int, int] | None = None,
+                         reference: tuple[str, int] = (REFERENCE_MODEL, REFERENCE_TP)) -> float:
+    """Simulated latency of one request alone on the reference deployment: the trace's median request, or
+    `tokens` = (context, generated); `reference` = (model, tp) of the declared reference deployment."""
+    prof = reference_profile(profiles, *reference)
+    ctx, gen = tokens if tokens is not None else task.nominal_tokens(trace_kind, "median")
     wf = task.fixed.instantiate(ctx, gen)
     n = len(wf.llm_stages)
     cluster = make_cluster(gpu_type.name, nodes=1, gpus_per_node=max(1, n * prof.gpus))

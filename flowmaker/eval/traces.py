@@ -355,9 +355,21 @@ class SegmentWorkload:
     all_arrivals: tuple[Arrival, ...]
     segment_requests: int
     segment_rate_rps: float  # the trace's own mean rate over the segment
+    # What an offline planner knew (`build_request_segment_workload`): each task's mean and peak-window rate
+    # over the stretch of the trace just before the segment, time-scaled the same way (replay req/s).
+    offline_rates: tuple[tuple[str, float], ...] = ()
+    offline_peak_rates: tuple[tuple[str, float], ...] = ()
 
     def deploy_time(self, task: str) -> float:
         return dict(self.deploy_s)[task]
+
+    def offline_rate(self, task: str) -> float:
+        """The task's rate over the preceding stretch (causal offline planning); the segment mean without one."""
+        return dict(self.offline_rates)[task] if self.offline_rates else self.mean_rate(task)
+
+    def offline_peak_rate(self, task: str) -> float:
+        """The task's peak monitor-window rate over the preceding stretch; the segment's peak without one."""
+        return dict(self.offline_peak_rates)[task] if self.offline_peak_rates else self.peak_rate(task)
 
     def rate_in(self, task: str, t0: float, t1: float) -> float:
         """Requests/s of `task` arriving in [t0, t1) (before its deploy too)."""
@@ -444,3 +456,85 @@ def build_segment_workload(task_rates: Sequence[tuple[str, float]], trace: Trace
     scored = tuple(a for a in everything if a.time_s >= dep.get(a.task, 0.0))
     return SegmentWorkload(trace.kind, trace.source, load, off, segment_s, scale, segment_s * scale, deploy,
                            w * scale, scored, tuple(everything), len(seg), seg_rate)
+
+
+def _peak_count_rate(times: Sequence[float], t0: float, t1: float, w: float) -> float:
+    """Highest count / w over windows [a, a + w) inside [t0, t1], on a grid of w / 6."""
+    best, a, lo, hi = 0.0, t0, 0, 0
+    ts = sorted(times)
+    while a + w <= t1 + 1e-9:
+        while lo < len(ts) and ts[lo] < a:
+            lo += 1
+        while hi < len(ts) and ts[hi] < a + w:
+            hi += 1
+        best = max(best, (hi - lo) / w)
+        a += w / 6
+    return best
+
+
+def request_segment_start(trace: Trace, n_requests: int, seed: int) -> int:
+    """Index of the first request of the `n_requests`-request segment: seeded by trace kind and seed only (the
+    same segment for every load level), with a stretch of as many requests before it (offline planning)."""
+    if n_requests < 1:
+        raise InvalidSpec(f"must be >= 1, got {n_requests}", field="segment_requests")
+    if len(trace.requests) < 2 * n_requests + 1:
+        raise InvalidSpec(f"the trace has {len(trace.requests)} requests; a segment of {n_requests} needs "
+                          f"{2 * n_requests + 1} (a preceding stretch and the next arrival)", field="segment_requests")
+    rng = random.Random(f"flowmaker-request-segment/{trace.kind}/{seed}")
+    return rng.randint(n_requests, len(trace.requests) - n_requests - 1)
+
+
+def build_request_segment_workload(task_rates: Sequence[tuple[str, float]], trace: Trace, load: float, seed: int,
+                                   n_requests: int, deploy_span_fraction: float = DEPLOY_SPAN_FRACTION,
+                                   window_fraction: float = 0.1,
+                                   deploy_order: Sequence[str] | None = None) -> SegmentWorkload:
+    """Replay ONE segment of `n_requests` consecutive trace requests per trace and seed, at one time scale
+    per load level (the declared experiment's replay; see docs/evaluation.md).
+
+    The segment (`request_segment_start`) is the same at every load; its trace seconds run from its first
+    request to the request after its last, and one factor scales them so that its mean rate equals the sum
+    of `task_rates`. Request i goes to a task drawn (seeded by trace, seed and i, not by load) in
+    proportion to the rates, so every load level serves the same requests in the same order. The monitor
+    window is `window_fraction` of the segment; task k (of n, in `deploy_order`) is deployed at
+    W + k (span - W) / (n - 1), span = max(W, `deploy_span_fraction` x segment), in trace time. Offline
+    rates: the `n_requests` before the segment, time-scaled the same way, split by the task shares.
+    """
+    total = sum(r for _, r in task_rates)
+    if not total > 0 or any(not r >= 0 for _, r in task_rates):
+        raise InvalidSpec(f"task rates must be >= 0 with a positive sum, got {list(task_rates)}", field="rate")
+    reqs = trace.requests
+    i0 = request_segment_start(trace, n_requests, seed)
+    t0 = reqs[i0].arrival_s
+    seg_s = reqs[i0 + n_requests].arrival_s - t0
+    pre_t0 = reqs[i0 - n_requests].arrival_s
+    if not seg_s > 0 or not t0 > pre_t0:
+        raise InvalidSpec(f"the segment at request {i0} spans no time", field="trace")
+    seg_rate = n_requests / seg_s
+    scale = seg_rate / total
+    names = [n for n, _ in task_rates]
+    share = {n: r / total for n, r in task_rates}
+    cum, acc = [], 0.0
+    for _, rate in task_rates:
+        acc += rate / total
+        cum.append(acc)
+    order = list(deploy_order) if deploy_order is not None else names
+    n = len(order)
+    w = window_fraction * seg_s
+    span = max(w, deploy_span_fraction * seg_s)
+    deploy = tuple((name, (w + (k * (span - w) / (n - 1) if n > 1 else 0.0)) * scale) for k, name in enumerate(order))
+    dep = dict(deploy)
+    everything: list[Arrival] = []
+    for i, r in enumerate(reqs[i0:i0 + n_requests]):
+        u = random.Random(f"flowmaker-assign/{trace.kind}/{seed}/{i}").random()
+        ti = next((k for k, c in enumerate(cum) if u < c), len(names) - 1)
+        name = names[ti]
+        everything.append(Arrival((r.arrival_s - t0) * scale, name, f"{name}-{i:06d}", r.context_tokens,
+                                  r.generated_tokens))
+    everything.sort(key=lambda a: (a.time_s, a.task, a.req_id))
+    scored = tuple(a for a in everything if a.time_s >= dep.get(a.task, 0.0))
+    pre_total = n_requests / ((t0 - pre_t0) * scale)
+    pre_peak = _peak_count_rate([q.arrival_s for q in reqs[i0 - n_requests:i0]], pre_t0, t0, w) / scale
+    return SegmentWorkload(trace.kind, trace.source, load, t0 - reqs[0].arrival_s, seg_s, scale, seg_s * scale,
+                           deploy, w * scale, scored, tuple(everything), n_requests, seg_rate,
+                           offline_rates=tuple((nm, pre_total * share[nm]) for nm in names),
+                           offline_peak_rates=tuple((nm, pre_peak * share[nm]) for nm in names))

@@ -10,9 +10,9 @@ import pytest
 
 from flowmaker.catalog import default_models, get_gpu_type, make_cluster
 from flowmaker.errors import InvalidSpec, NotFound
+from flowmaker.eval.experiment import load_experiment
 from flowmaker.eval.policies import (
     ALL_POLICIES,
-    DEFAULT_UTILIZATION_CAP,
     LANGCHAIN_DEFAULT_MODEL,
     ROUTELLM_STRONG,
     ROUTELLM_STRONG_SHARE,
@@ -175,15 +175,19 @@ def test_serving_bench_small_matrix_records_the_setup(tmp_path: Path) -> None:
     from flowmaker.bench.serving import run_serving_bench
     rep = run_serving_bench(tmp_path, traces_dir=tmp_path / "none", policies=["flowmaker", "langchain",
                                                                               "flowmaker-noreuse", "murakkab"],
-                            loads=[0.25], traces=["conv"], segment_s=300.0)
+                            loads=[0.25], traces=["conv"], segment_requests=120)
     data = json.loads((tmp_path / "serving.json").read_text())
     assert len(data["rows"]) == 4
     setup = data["setup"]
     assert "synthetic" in setup["trace_sources"]["conv"]
     assert {t["task"]: t["fixed_workflow"] for t in setup["tasks"]} == {t.name: t.fixed_workflow for t in TASKS}
     assert all(2 <= t["slo_k"] <= 5 for t in setup["tasks"])
+    exp = load_experiment()
+    assert setup["experiment"]["sha256"] == exp.sha256 and len(exp.sha256) == 64
+    assert {t["task"]: t["accuracy_slo"] for t in setup["tasks"]} == dict(exp.accuracy)
     seg = setup["segments"][0]
-    assert seg["segment_s"] == 300.0 and seg["offset_s"] >= 0 and len(seg["deploy_s"]) == len(TASKS)
+    assert seg["segment_requests"] == 120 and seg["offset_s"] >= 0 and len(seg["deploy_s"]) == len(TASKS)
+    assert seg["scored_requests"] == data["rows"][0]["requests"] <= 120
     assert setup["seed"] == 0 and setup["colocation"] == "dynamic"
     for row in data["rows"]:
         assert 0.0 <= row["goodput"] <= 1.0 and 0.0 <= row["accuracy_hit_rate"] <= 1.0
@@ -242,7 +246,21 @@ def test_planned_loads_are_reported_and_capped() -> None:
     cap = {i.id: i.profile.max_output_tokens_per_s for i in p.instances}
     assert {i for i, _ in p.planned_loads} == set(cap)
     for iid, load in p.planned_loads:
-        assert 0 < load <= DEFAULT_UTILIZATION_CAP * cap[iid] + 1e-6
+        # within the cap, or within capacity where a task would otherwise get no plan at all (the fallback)
+        assert 0 < load <= cap[iid] + 1e-6
+
+
+def test_a_burst_that_fits_nowhere_falls_back_to_the_declared_rate() -> None:
+    from flowmaker.eval.policies import _select_in_sequence
+
+    ctx = _ctx(0.25)
+    huge = _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=lambda t: 1e6, fixed_workflow=False,
+                               measured=False)
+    assert len(huge.unplaced) == len(TASKS) and not huge.deployments
+    fb = _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=lambda t: 1e6, fixed_workflow=False,
+                             measured=False, fallback=ctx.nominal_rate)
+    assert not fb.unplaced and len(fb.deployments) == len(TASKS)
+    assert dict(fb.planned_rates) == pytest.approx({t.name: ctx.nominal_rate(t) for t in TASKS})
 
 
 def test_serving_bench_rejects_unknown_options(tmp_path: Path) -> None:
@@ -261,11 +279,11 @@ def test_cli_serving_options_reach_the_bench(tmp_path: Path) -> None:
     from flowmaker.cli.main import app
     r = CliRunner().invoke(app, ["bench", "serving", "--out", str(tmp_path), "--traces", str(tmp_path / "none"),
                                  "--loads", "0.25", "--trace-kinds", "conv", "--policies", "flowmaker,langchain",
-                                 "--segment-s", "300", "--colocation", "worst-case", "--plan-tokens", "mean",
+                                 "--segment-requests", "100", "--colocation", "worst-case", "--plan-tokens", "mean",
                                  "--langchain-model", "strong", "--seed", "3"], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     setup = json.loads((tmp_path / "serving.json").read_text())["setup"]
-    assert (setup["colocation"], setup["plan_tokens"], setup["segment_s"], setup["langchain_rule"], setup["seed"],
-            setup["loads"], setup["policies"]) == ("worst-case", "mean", 300.0, "strong", 3, [0.25],
-                                                   ["flowmaker", "langchain"])
-    assert "flowmaker-segment" in setup["seeds"]["segment_offset"]
+    assert (setup["colocation"], setup["plan_tokens"], setup["segment_requests"], setup["langchain_rule"],
+            setup["seed"], setup["loads"], setup["policies"]) == ("worst-case", "mean", 100, "strong", 3, [0.25],
+                                                                  ["flowmaker", "langchain"])
+    assert "flowmaker-request-segment" in setup["seeds"]["segment_start"]

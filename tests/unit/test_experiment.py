@@ -1,0 +1,127 @@
+"""The declared experiment (flowmaker/eval/data/paper-scale.toml) and the replay it asks for."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from flowmaker.bench.serving import bench_cluster, single_stage_baselines
+from flowmaker.domain import StageKind
+from flowmaker.errors import InvalidSpec, NotFound
+from flowmaker.eval.experiment import load_experiment, parse_experiment
+from flowmaker.eval.policies import ROUTELLM_STRONG, PolicyContext, plan
+from flowmaker.eval.tasks import EVAL_TASKS
+from flowmaker.eval.traces import Trace, TraceRequest, build_request_segment_workload, get_trace, synthesize
+
+EXP = load_experiment()
+MODELS, GPU, PROFILES, CLUSTER, BY_ID = bench_cluster()
+
+
+def _text() -> str:
+    return Path(EXP.source).read_text() if Path(EXP.source).is_file() else \
+        (Path(__file__).resolve().parents[2] / EXP.source).read_text()
+
+
+def test_the_shipped_experiment_is_hashed_and_complete() -> None:
+    text = _text()
+    assert parse_experiment(text, "x").sha256 == EXP.sha256
+    # a one-character change is a new experiment
+    assert parse_experiment(text.replace("segment_requests = 480", "segment_requests = 481"), "x").sha256 != EXP.sha256
+    assert set(EXP.accuracy) == set(EXP.slo_k) == set(EXP.weights) == {t.name for t in EVAL_TASKS}
+    assert 212 <= EXP.segment_requests * (1 - EXP.deploy_span_fraction / 2) and EXP.segment_requests <= 600
+
+
+@pytest.mark.parametrize(("old", "new", "field"), [
+    ("segment_requests = 480", "segment_requests = 0", "experiment.workload.segment_requests"),
+    ("segment_requests = 480", "segment_requests = 4.5", "experiment.workload.segment_requests"),
+    ('reference_quantile = "p90"', 'reference_quantile = "p42"', "experiment.slo.reference_quantile"),
+    ("chat = 3.0", "chat = 7.0", "experiment.slo.k.chat"),
+    ("extract = 0.15", "", "experiment.accuracy.targets"),
+    ("loads = [0.25, 0.5, 0.75, 1.0]", "loads = []", "experiment.workload.loads"),
+    ('rule = "routellm-max-quality-replicas"', 'rule = "guess"', "experiment.rate.rule"),
+    ("[seeds]", "[seedz]", "experiment.seeds.spread"),
+])
+def test_bad_experiment_files_name_the_key(old: str, new: str, field: str) -> None:
+    text = _text()
+    assert old in text
+    with pytest.raises(InvalidSpec) as e:
+        parse_experiment(text.replace(old, new, 1), "bad.toml")
+    assert e.value.field == field
+
+
+def test_not_toml_and_missing_file() -> None:
+    with pytest.raises(InvalidSpec, match="not valid TOML"):
+        parse_experiment("name = ", "bad.toml")
+    with pytest.raises(NotFound):
+        load_experiment("/nonexistent/experiment.toml")
+
+
+def test_tasks_follow_the_declared_rules() -> None:
+    for kind in ("code", "conv"):
+        tasks = EXP.tasks_for(kind, PROFILES, BY_ID, GPU)
+        assert {t.name: t.min_accuracy for t in tasks} == dict(EXP.accuracy)
+        # accuracy arithmetic of the file: the weak model meets exactly summarize and extract
+        weak = {t.name for t in tasks if t.min_accuracy <= BY_ID["Qwen2.5-7B-Instruct"].accuracy}
+        assert weak == {"summarize", "extract"}
+        assert all(t.min_accuracy <= BY_ID[ROUTELLM_STRONG].accuracy for t in tasks)
+        # rates split by the weights
+        total = sum(t.nominal_rate_rps for t in tasks)
+        wsum = sum(EXP.weights.values())
+        for t in tasks:
+            assert t.nominal_rate_rps == pytest.approx(total * EXP.weights[t.name] / wsum)
+        # the p90 reference request gives looser SLOs than the median one would
+        assert all(t.max_latency_s > 0 for t in tasks)
+
+
+def test_the_rate_rule_gives_routellm_max_quality_its_declared_replicas() -> None:
+    trace = synthesize("conv", 2000, seed=0)
+    tasks = EXP.tasks_for("conv", PROFILES, BY_ID, GPU)
+    for load, want in ((1.0, EXP.routellm_max_quality_replicas), (0.5, math.ceil(EXP.routellm_max_quality_replicas / 2))):
+        wl = build_request_segment_workload([(t.name, t.nominal_rate_rps * load) for t in tasks], trace, load, 0, 200)
+        ctx = PolicyContext(tasks, "conv", load, MODELS, PROFILES, CLUSTER, GPU, workload=wl, routellm_rate="declared",
+                            utilization_cap=EXP.utilization_cap)
+        p = plan("routellm-max-quality", ctx)
+        assert len(p.instances) == want, p.notes
+    # a GPU budget caps the pool, and the plan says so
+    ctx = PolicyContext(tasks, "conv", 1.0, MODELS, PROFILES, CLUSTER, GPU, workload=wl, routellm_rate="declared",
+                        routellm_gpu_budget_gb=100.0)
+    p = plan("routellm-max-quality", ctx)
+    assert sum(i.memory_gb for i in p.instances) <= 100.0 and "capped at the GPU budget" in p.notes
+
+
+def test_one_segment_for_every_load_only_the_clock_changes() -> None:
+    trace = get_trace("code", None, 0)
+    rates = [("a", 1.0), ("b", 3.0)]
+    ws = [build_request_segment_workload([(n, r * ld) for n, r in rates], trace, ld, 7, 150) for ld in (0.25, 1.0)]
+    a, b = (w.all_arrivals for w in ws)
+    assert len(a) == len(b) == 150
+    assert [(x.req_id, x.task, x.context_tokens, x.generated_tokens) for x in a] == \
+        [(x.req_id, x.task, x.context_tokens, x.generated_tokens) for x in b]
+    assert [x.time_s for x in a] == pytest.approx([4.0 * x.time_s for x in b])
+    assert ws[0].offset_s == ws[1].offset_s and ws[0].duration_s == pytest.approx(4 * ws[1].duration_s)
+    assert len(ws[1].all_arrivals) / ws[1].duration_s == pytest.approx(4.0)  # mean rate = sum of task rates
+    # another seed, another segment
+    assert build_request_segment_workload(rates, trace, 1.0, 8, 150).offset_s != ws[1].offset_s
+
+
+def test_offline_rates_come_only_from_before_the_segment() -> None:
+    reqs = [TraceRequest(float(i), 100, 10) for i in range(100)]  # 1 req/s
+    # the stretch before the segment is twice as dense
+    trace = Trace("conv", tuple(reqs), "hand")
+    w = build_request_segment_workload([("a", 1.0), ("b", 1.0)], trace, 1.0, 0, 10)
+    i0 = round(w.offset_s)
+    dense = [TraceRequest(r.arrival_s if r.arrival_s >= i0 else i0 - (i0 - r.arrival_s) / 2, 100, 10) for r in reqs]
+    w2 = build_request_segment_workload([("a", 1.0), ("b", 1.0)], Trace("conv", tuple(dense), "hand"), 1.0, 0, 10)
+    assert w2.arrivals == w.arrivals  # the scored replay does not change
+    assert w.offline_rate("a") == pytest.approx(1.0) and w2.offline_rate("a") == pytest.approx(2.0)
+
+
+def test_single_stage_baselines_pick_the_fewest_llm_stages() -> None:
+    def llm(c: object) -> int:
+        return sum(1 for s in c.stages if s.kind is StageKind.LLM)  # type: ignore[attr-defined]
+
+    for before, t in zip(EVAL_TASKS, single_stage_baselines(EVAL_TASKS), strict=True):
+        assert llm(t.fixed) == 1 == min(llm(c) for c in t.candidates)
+        assert llm(before.fixed) >= 2
