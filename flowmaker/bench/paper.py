@@ -11,6 +11,8 @@ the best other policy (its own ablations included). Every result carries the exp
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import statistics
@@ -24,13 +26,29 @@ from rich.table import Table
 
 from flowmaker.bench.serving import PUBLISHED, run_serving_bench
 from flowmaker.eval.experiment import Experiment, load_experiment
+from flowmaker.eval.tasks import EVAL_TASKS
 
-# The sensitivity settings: (label, run_serving_bench keyword arguments).
+# The sensitivity settings: (label, run_serving_bench keyword arguments); "experiment" entries are functions of
+# the declared experiment (a variant of it, recorded under its own name and hash).
 SENSITIVITY: tuple[tuple[str, dict[str, Any]], ...] = (
     ("colocation ignore", {"colocation": "ignore"}),
     ("colocation worst-case", {"colocation": "worst-case"}),
     ("single-stage baselines", {"baseline_workflow": "single-stage"}),
+    ("sharing-blind Murakkab", {"baseline_sharing": False}),
+    ("product accuracy targets", {"experiment": "product-targets"}),
+    ("loads x4", {"loads": "x4"}),
 )
+
+
+def variant(exp: Experiment, kind: str) -> Experiment:
+    """A sensitivity variant of the declared experiment: "product-targets" (the tasks' own accuracy targets,
+    flowmaker/eval/tasks.py, instead of the RouteLLM-derived ones)."""
+    if kind == "product-targets":
+        acc = {t.name: t.min_accuracy for t in EVAL_TASKS}
+        return dataclasses.replace(exp, name=f"{exp.name}+product-targets", accuracy=acc,
+                                   sha256=hashlib.sha256((exp.sha256 + json.dumps(acc, sort_keys=True)).encode())
+                                   .hexdigest())
+    raise ValueError(kind)
 DOMINANCE_TOLERANCE = 0.02  # issue 18: FlowMaker within 0.02 of the best other policy in every cell
 GOODPUT_TARGET = 0.90
 
@@ -114,13 +132,17 @@ def run_paper_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     runs: dict[str, list[dict[str, Any]]] = {}
     for label, kw in settings:
         runs[label] = []
+        args = dict(kw)
+        e = variant(exp, args.pop("experiment")) if "experiment" in args else exp
+        if args.get("loads") == "x4":
+            args["loads"] = [4 * x for x in exp.loads]
         for s in sd:
             con.print(f"[dim]{label}: seed {s} ...[/dim]")
             folder = out / label.replace(" ", "-") / f"seed-{s}"
-            runs[label].append(run_serving_bench(folder, traces_dir=traces_dir, seed=s, experiment=exp, plots=False,
-                                                 quiet=True, console=con, **kw))
+            runs[label].append(run_serving_bench(folder, traces_dir=traces_dir, seed=s, experiment=e, plots=False,
+                                                 quiet=True, console=con, **args))
     summary = {label: summarize_ratios(reps) for label, reps in runs.items()}
-    dom = {label: dominance(reps) for label, reps in runs.items() if "baselines" not in label}
+    dom = {label: dominance(reps) for label, reps in runs.items() if label.startswith(("default", "colocation"))}
     report = {"experiment": {"name": exp.name, "sha256": exp.sha256, "source": exp.source},
               "seeds": sd, "traces": {k: v for k, v in runs["default"][0]["setup"]["trace_sources"].items()},
               "comparisons": summary, "dominance": dom,

@@ -92,6 +92,11 @@ def compute_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     by = {(r["trace"], r["load"], r["policy"]): r for r in rows}
     cells = sorted({(r["trace"], r["load"]) for r in rows})
     out: dict[str, Any] = {}
+    # "Low" and "high" load: the lower and the upper half of the run's load levels (25-50% and 75-100% by
+    # default; 1-2x and 3-4x in a run at four times the load).
+    lv = sorted({r["load"] for r in rows})
+    low_loads, high_loads = (tuple(lv[:len(lv) // 2]), tuple(lv[len(lv) // 2:])) if len(lv) > 1 else (LOW_LOADS,
+                                                                                                    HIGH_LOADS)
 
     def series(name: str, base: str, metric: str, loads: Sequence[float] | None = None,
                ours: str = "flowmaker") -> None:
@@ -128,17 +133,19 @@ def compute_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     series("vs_langchain_cost", "langchain", "cost")
     series("vs_routellm_max_quality_cost", "routellm-max-quality", "cost")
     series("vs_routellm_max_quality_goodput_drop_pct", "routellm-max-quality", "drop")
-    series("vs_murakkab_high_load_goodput", "murakkab", "goodput", HIGH_LOADS)
-    series("vs_murakkab_high_load_cost", "murakkab", "cost", HIGH_LOADS)
-    series("vs_murakkab_maxload_high_load_goodput", "murakkab-maxload", "goodput", HIGH_LOADS)
-    series("vs_murakkab_maxload_high_load_cost", "murakkab-maxload", "cost", HIGH_LOADS)
-    series("vs_murakkab_low_load_goodput", "murakkab", "goodput", LOW_LOADS)
-    series("vs_murakkab_low_load_cost", "murakkab", "cost", LOW_LOADS)
-    series("noreuse_vs_murakkab_high_load_goodput", "murakkab", "goodput", HIGH_LOADS, ours="flowmaker-noreuse")
-    series("noreuse_vs_murakkab_high_load_cost", "murakkab", "cost", HIGH_LOADS, ours="flowmaker-noreuse")
-    series("noreuse_vs_murakkab_low_load_cost", "murakkab", "cost", LOW_LOADS, ours="flowmaker-noreuse")
-    series("reuse_vs_noreuse_low_load_cost", "flowmaker-noreuse", "cost", LOW_LOADS)
-    series("reuse_vs_noreuse_low_load_goodput", "flowmaker-noreuse", "goodput", LOW_LOADS)
+    series("vs_murakkab_high_load_goodput", "murakkab", "goodput", high_loads)
+    series("vs_murakkab_high_load_cost", "murakkab", "cost", high_loads)
+    series("vs_murakkab_maxload_high_load_goodput", "murakkab-maxload", "goodput", high_loads)
+    series("vs_murakkab_maxload_high_load_cost", "murakkab-maxload", "cost", high_loads)
+    series("vs_murakkab_low_load_goodput", "murakkab", "goodput", low_loads)
+    series("vs_murakkab_low_load_cost", "murakkab", "cost", low_loads)
+    series("noreuse_vs_murakkab_high_load_goodput", "murakkab", "goodput", high_loads, ours="flowmaker-noreuse")
+    series("noreuse_vs_murakkab_high_load_cost", "murakkab", "cost", high_loads, ours="flowmaker-noreuse")
+    series("noreuse_vs_murakkab_low_load_cost", "murakkab", "cost", low_loads, ours="flowmaker-noreuse")
+    series("noreuse_vs_murakkab_noreuse_high_load_cost", "murakkab-noreuse", "cost", high_loads,
+           ours="flowmaker-noreuse")
+    series("reuse_vs_noreuse_low_load_cost", "flowmaker-noreuse", "cost", low_loads)
+    series("reuse_vs_noreuse_low_load_goodput", "flowmaker-noreuse", "goodput", low_loads)
     for setting in ROUTELLM_STRONG_SHARE:
         pol = f"routellm-{setting}"
         series(f"vs_routellm_{setting.replace('-', '_')}_goodput", pol, "goodput")
@@ -231,7 +238,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
                       plots: bool = True, plan_tokens: str = "median", colocation: str = DEFAULT_COLOCATION,
                       langchain_rule: str = "smallest", experiment: Experiment | None = None,
                       segment_requests: int | None = None, baseline_workflow: str = "fixed",
-                      quiet: bool = False) -> dict[str, Any]:
+                      baseline_sharing: bool = True, quiet: bool = False) -> dict[str, Any]:
     """Run the matrix, write `serving.json` (+ PNG plots) into `out_dir`, print the tables; return the report.
 
     `experiment`: the declared experiment (default: `flowmaker/eval/data/paper-scale.toml`): tasks' accuracy
@@ -241,7 +248,8 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     with ("median" or "mean"). `colocation`: how instances sharing a GPU share it in the scored simulation
     (`flowmaker.sim.COLOCATION_MODES`, default "dynamic"). `segment_requests` overrides the experiment's
     segment size (tests). `baseline_workflow`: "fixed" (the declared fixed workflows) or "single-stage" (a
-    sensitivity run). `langchain_rule`: how the LangChain baseline picks its model (`LANGCHAIN_MODEL_RULES`).
+    sensitivity run). `baseline_sharing`: Murakkab plans under FlowMaker's GPU-sharing contract (the
+    declared setting) or sharing-blind (a sensitivity run). `langchain_rule`: how the LangChain baseline picks its model (`LANGCHAIN_MODEL_RULES`).
     Every setup choice is recorded in the JSON's "setup", with the experiment file's SHA-256.
     """
     t_start = time.perf_counter()
@@ -302,7 +310,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
             monitor = simulated_monitor(wl, cluster.gpus, by_id, gpu, colocation)
             ctx = PolicyContext(tasks, kind, load, models, profiles, cluster, gpu, seed=seed, monitor=monitor,
                                 plan_tokens=plan_tokens, workload=wl, langchain_model=langchain_rule,
-                                utilization_cap=exp.utilization_cap, baseline_sharing=True,
+                                utilization_cap=exp.utilization_cap, baseline_sharing=baseline_sharing,
                                 routellm_rate="declared", routellm_gpu_budget_gb=exp.routellm_gpu_budget_gb)
             for pol in pols:
                 t0 = time.perf_counter()
@@ -363,7 +371,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
                   "synthetic_trace": f"random.Random('flowmaker-trace/<trace>/{seed}') (only without the files)"},
         "experiment": {"name": exp.name, "sha256": exp.sha256, "source": exp.source, "settings": exp.as_json()},
         "plan_tokens": plan_tokens, "colocation": colocation, "utilization_cap": exp.utilization_cap,
-        "segment_requests": n_req, "baseline_workflow": baseline_workflow,
+        "segment_requests": n_req, "baseline_workflow": baseline_workflow, "baseline_sharing": baseline_sharing,
         "monitor_window_fraction": exp.monitor_window_fraction,
         "deploy_span_fraction": exp.deploy_span_fraction, "segments": segments,
         "slo_reference_deployment": {"model": exp.reference_model, "tp": exp.reference_tp, "pp": 1,
@@ -383,7 +391,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
                      "tp": "smallest with which a lone request of every task meets its latency SLO"},
         "murakkab": {"rate": "per task, its rate over the stretch of the trace just before the segment",
                      "maxload_rate": "that stretch's peak monitor-window rate",
-                     "gpu_sharing": "the same contract as FlowMaker's"},
+                     "gpu_sharing": "the same contract as FlowMaker's" if baseline_sharing else "ignored"},
         "flowmaker": {"rate": "arrivals in the trace minute before its deploy",
                       "current_load": "simulated serving of the deployed tasks over the trace minute before"}},
               "rows": rows, "ratios": ratios, "reuse_ablation": ablation, "plots": files,

@@ -481,6 +481,14 @@ def murakkab_maxload(ctx: PolicyContext) -> Plan:
                                fixed_workflow=True, measured=False, sharing=ctx.baseline_sharing)
 
 
+@register("murakkab-noreuse")
+def murakkab_noreuse(ctx: PolicyContext) -> Plan:
+    """Murakkab without reuse across tasks (a sensitivity baseline): every task's fixed workflow on instances of
+    its own, planned offline as `murakkab`."""
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, rate=ctx.offline_rate, fixed_workflow=True,
+                               measured=False, sharing=ctx.baseline_sharing)
+
+
 # ---- LangChain -----------------------------------------------------------------------------------
 
 
@@ -671,4 +679,4 @@ def routellm_max_quality(ctx: PolicyContext) -> Plan:
 ALL_POLICIES: tuple[str, ...] = ("flowmaker", "flowmaker-paper", "flowmaker-noreuse", "flowmaker-heuristic", "flowmaker-plannedload",
                                  "langchain",
                                  "routellm-min-cost", "routellm-balanced", "routellm-max-quality", "murakkab",
-                                 "murakkab-maxload")
+                                 "murakkab-maxload", "murakkab-noreuse")

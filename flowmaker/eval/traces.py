@@ -4,16 +4,16 @@ Format (AzurePublicDataset, `AzureLLMInferenceTrace_{code,conv}.csv`): a header
 `TIMESTAMP,ContextTokens,GeneratedTokens`, then one request per row, e.g.
 `2023-11-16 18:17:03.9799600,4808,10`.
 
-Load levels. A run serves all evaluation tasks at once; task i arrives at
-`load * nominal_rate_rps_i` (25/50/75/100%). Each task's requests are a window
-of consecutive trace requests (at a seeded offset, a different one per task)
-whose timestamps are *time-scaled* so that the window's mean rate equals the
-task's target rate: burstiness (inter-arrival CV) and the (context, generated)
-token pairs are kept, only the clock is stretched. The run lasts
-`max(base_duration_s, min_requests / total_rate)` seconds (30 s, 200
-requests by default), so with the default tasks (16.4 req/s at 100%) a run has
-about 200 / 245 / 370 / 490 requests at 25 / 50 / 75 / 100% -- the published runs
-had 212-484. No thinning: thinning would change the burstiness of the code trace.
+Replays. `build_request_segment_workload` is what `bench serving` runs (the declared experiment,
+flowmaker/eval/data/paper-scale.toml): ONE segment of N consecutive trace requests per trace and seed, the
+same at every load level, time-scaled by one factor per load so that its mean rate equals the sum of the
+task rates; each request goes to a task drawn in proportion to the rates (seeded per request, not per
+load), tasks are deployed at staggered times, and the N requests just before the segment give the offline
+(causal) rates a baseline plans with. Burstiness and the (context, generated) token pairs are kept; only
+the clock is stretched. `build_segment_workload` (a segment of fixed trace seconds at a seeded offset per
+load level) is the older replay, which `bench adapt` still uses; `build_workload` (a stationary window per
+task) serves unit tests and small checks. No thinning: thinning would change the burstiness of the code
+trace.
 
 Synthetic traces (machines without the files) match each trace's mean rate and
 inter-arrival CV with lognormal gaps (conv: CV 1.09, median gap 0.12 s as in
