@@ -413,6 +413,58 @@ def _multiplier(f: float, rho: float) -> float | None:
     return None if rho * f >= 1 else f * (1 - rho) / (1 - rho * f)
 
 
+TWIN_MODEL_S = 1200.0  # model seconds of Poisson load the twin serves (10x the default measured window)
+
+
+def twin_slowdowns(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str, Any],
+                   profiles: dict[tuple[str, int, int], Any]) -> dict[str, float]:
+    """Per instance, the call slowdown (latency at load over latency alone) the simulator predicts for this very
+    placement at the declared rates: the same engine model (continuous batching, prefill stalls, KV budget) and
+    the same processor sharing of a GPU's busy instances (`dynamic`) as the emulated node runs, fed Poisson
+    arrivals of each task's nominal request. What the selector's multiplier leaves out (an engine's own batching
+    and queueing at its load) is in it; it is the plan's digital twin, not a fit to the measurement."""
+    from flowmaker.catalog import default_models, get_gpu_type
+    from flowmaker.convert import profile_from_proto
+    from flowmaker.domain import Gpu
+    from flowmaker.eval.tasks import get_task
+    from flowmaker.eval.traces import Arrival
+    from flowmaker.orchestration.task import replicas_of
+    from flowmaker.sim import SimInstance, TaskDeployment, simulate
+    from flowmaker.sim.cluster import Route
+
+    gt = get_gpu_type(cfg.gpu_type)
+    gids = sorted({g for i in insts.values() for g in i.gpu_ids})
+    gpus = [Gpu(g, g.rsplit("/", 1)[0] if "/" in g else "node", gt.memory_gb, 0.0, gt.name) for g in gids]
+    sims = [SimInstance(i.id, profile_from_proto(profiles[(i.model_id, i.tp, i.pp)]), tuple(i.gpu_ids))
+            for i in insts.values() if (i.model_id, i.tp, i.pp) in profiles]
+    known = {x.id for x in sims}
+    deps, arrivals = [], []
+    rng = random.Random(f"flowmaker-twin/{cfg.seed}")
+    for run in runs:
+        if not run.active:
+            continue
+        et = get_task(run.name)
+        wf_id = run.task.variant.workflow_id
+        wf = et.candidate(wf_id)
+        pairs = tuple((st.id, iid) for st in wf.stages for iid in replicas_of(dict(run.task.stage_instances), st.id)
+                      if iid in known)
+        deps.append(TaskDeployment(et, (Route(wf_id, pairs),)))
+        ctx, gen = et.nominal_tokens()
+        t, k = 0.0, 0
+        while run.rate_rps > 0:
+            t += rng.expovariate(run.rate_rps)
+            if t >= TWIN_MODEL_S:
+                break
+            arrivals.append(Arrival(t, run.name, f"{run.name}-{k:06d}", ctx, gen))
+            k += 1
+    if not deps:
+        return {}
+    arrivals.sort(key=lambda a: (a.time_s, a.task, a.req_id))
+    res = simulate(sims, deps, arrivals, gpus, {m.id: m for m in default_models()}, gt, duration_s=TWIN_MODEL_S,
+                   measure_from_s=0.1 * TWIN_MODEL_S, colocation="dynamic")
+    return {m.id: m.slowdown for m in res.per_instance if m.slowdown > 0}
+
+
 # ---- the whole bench --------------------------------------------------------------------------------------
 
 async def _bench(stack: LocalStack, cfg: LiveSharingConfig, runs: list[TaskRun], progress: ProgressFn,
@@ -630,6 +682,19 @@ def _report(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str, Any], 
         s["engine_e2e_mean_s"] = x.get("engine_e2e_mean_s")  # the instance's, over every stage it serves
         s["overhead_per_call_s"] = x.get("overhead_per_call_s")
         s["backlog_grew"] = x.get("backlog_grew")
+    try:
+        twin = twin_slowdowns(cfg, runs, insts, profiles)
+    except Exception as e:  # a diagnostic: never lose the measurement for it
+        twin = {}
+        twin_error = f"{type(e).__name__}: {e}"
+    else:
+        twin_error = ""
+    for s in stages_out:
+        sd = twin.get(s["instance_id"])
+        pred = s["alone_nominal_s"] * sd if sd is not None and s["alone_nominal_s"] is not None else None
+        s["twin_slowdown"] = _r(sd)
+        s["twin_predicted_s"] = _r(pred)
+        s["ratio_measured_over_twin"] = _r(_div(s["measured_mean_s"], pred))
     stages_out.sort(key=lambda s: (not s["shared"], s["task"], s["stage_id"]))
 
     shared_stages = [s for s in stages_out if s["shared"] and s["ratio_measured_over_predicted"] is not None]
@@ -652,6 +717,12 @@ def _report(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str, Any], 
             "shared_ratio_max": _r(max(ratios) if ratios else None),
             "shared_within_25pct": sum(abs(x - 1) <= 0.25 for x in ratios),
             "unshared_ratio_mean": _r(_mean([s["ratio_measured_over_predicted"] for s in alone_stages])),
+            # The plan's digital twin (`twin_slowdowns`): the same placement and rates through the simulator.
+            "shared_twin_ratios": [s["ratio_measured_over_twin"] for s in shared_stages],
+            "shared_twin_within_25pct": sum(abs(s["ratio_measured_over_twin"] - 1) <= 0.25 for s in shared_stages
+                                            if s["ratio_measured_over_twin"] is not None),
+            "unshared_twin_ratios": [s["ratio_measured_over_twin"] for s in alone_stages],
+            "twin_error": twin_error,
             "load_avg_1m": _r(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
             "cpus": os.cpu_count(), "scrape_errors": sampler.errors,
         },
@@ -744,7 +815,7 @@ def render(res: dict[str, Any], console: Console) -> None:
     console.print(tt)
     st = Table(title="LLM stages: predicted (assignment latency_s) vs measured mean stage latency")
     for c in ("task/stage", "instance", "GPUs", "shared with", "n", "predicted", "measured", "ratio",
-              "alone nom/act", "mult pred/final/meas", "GPU slowdown busy"):
+              "twin", "ratio twin", "alone nom/act", "mult pred/final/meas", "GPU slowdown busy"):
         st.add_column(c, justify="left" if c in ("task/stage", "instance", "GPUs", "shared with") else "right")
     for s in res["stages"]:
         ratio = s["ratio_measured_over_predicted"]
@@ -756,7 +827,8 @@ def render(res: dict[str, Any], console: Console) -> None:
         st.add_row(f"{s['task']}/{s['stage_id']}", f"{s['instance_id']} {s['model_id']} {s['tp']}x{s['pp']}",
                    ",".join(s["gpu_ids"]), ",".join(s["co_residents"]) if s["shared"] else "[dim]alone[/dim]",
                    str(s["n"]), _fmt(s["predicted_latency_s"], ".2f", "s"), _fmt(s["measured_mean_s"], ".2f", "s"),
-                   rs, f"{_fmt(s['alone_nominal_s'])} / {_fmt(s['alone_actual_tokens_s'])}",
+                   rs, _fmt(s.get("twin_predicted_s"), ".2f", "s"), _fmt(s.get("ratio_measured_over_twin"), ".2f"),
+                   f"{_fmt(s['alone_nominal_s'])} / {_fmt(s['alone_actual_tokens_s'])}",
                    f"{_fmt(s['predicted_multiplier'])} / {_fmt(s['multiplier_predicted_final'])} / "
                    f"{_fmt(s['measured_multiplier'])}",
                    _fmt(s["gpu_slowdown_while_busy"]))
@@ -781,6 +853,9 @@ def render(res: dict[str, Any], console: Console) -> None:
     console.print(f"shared stages: {sm['shared_stages']}, measured/predicted mean {_fmt(sm['shared_ratio_mean'])} "
                   f"(min {_fmt(sm['shared_ratio_min'])}, max {_fmt(sm['shared_ratio_max'])}), within 25%: "
                   f"{sm['shared_within_25pct']}; unshared stages' mean ratio {_fmt(sm['unshared_ratio_mean'])}; "
+                  f"against the plan's simulated twin: shared stages within 25% "
+                  f"{sm.get('shared_twin_within_25pct')} / {sm['shared_stages']} (ratios {sm.get('shared_twin_ratios')}), "
+                  f"unshared {sm.get('unshared_twin_ratios')}{'; twin error ' + sm['twin_error'] if sm.get('twin_error') else ''}; "
                   f"tasks meeting the SLO at p95: {sm['tasks_meeting_slo_p95']} / {sm['tasks_active']}; "
                   f"load average {sm['load_avg_1m']} on {sm['cpus']} CPU(s); wall {res.get('wall_s', {})}",
                   highlight=False)
@@ -796,7 +871,8 @@ def summary_json(res: dict[str, Any]) -> dict[str, Any]:
                                      "slo_met")} for t in res["tasks"]],
         "shared_stages": [{k: s[k] for k in ("task", "stage_id", "instance_id", "model_id", "gpu_ids",
                                              "co_residents", "n", "predicted_latency_s", "measured_mean_s",
-                                             "ratio_measured_over_predicted")}
+                                             "ratio_measured_over_predicted", "twin_predicted_s",
+                                             "ratio_measured_over_twin")}
                           for s in res["stages"] if s["shared"]],
         "placement": {k: res["placement"][k] for k in ("instances", "shared_gpus", "sharing")},
         "summary": res["summary"], "wall_s": res.get("wall_s"), "json_path": res.get("json_path"),

@@ -84,10 +84,13 @@ def test_live_sharing_smoke(tmp_path: Path) -> None:
         assert s["n"] > 0, s
         assert s["predicted_latency_s"] > 0 and s["measured_mean_s"] > 0, s
         assert s["ratio_measured_over_predicted"] > 0, s
+        # the plan's simulated twin predicts every shared stage (a positive latency at load, >= alone)
+        assert s["twin_predicted_s"] is not None and s["twin_predicted_s"] >= 0.99 * s["alone_nominal_s"], s
     for i in res["instances"]:
         assert INSTANCE_FIELDS <= set(i), i
     assert all(i["shared"] for i in res["instances"])
     assert res["summary"]["shared_stages"] == len(shared)
+    assert not res["summary"]["twin_error"] and len(res["summary"]["shared_twin_ratios"]) == len(shared)
 
     # Everything the bench started (etcd, services, engines) is gone.
     assert not _stack_processes(work), "processes of the bench's stack still running"
