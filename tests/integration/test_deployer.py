@@ -165,6 +165,26 @@ async def test_deploy_ready_serves_chat_accounts_memory_and_release_frees_it(dep
     assert all(g.memory_used_gb == 0 for g in (await _gpus(d.store)).values())
 
 
+async def test_engines_inherit_nothing_of_the_suite(deployer: Deployer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's environment holds its own settings only: not the deployer's TLS key path, the etcd endpoints,
+    a token file or any other suite setting (issue 22: with the deployer's key an engine could write etcd)."""
+    suite = {"FLOWMAKER_DEPLOYER_TLS_KEY": "/etc/flowmaker/deployer.key", "FLOWMAKER_TLS_CA": "/etc/ca.pem",
+             "FLOWMAKER_ETCD_ENDPOINTS": "127.0.0.1:2379", "FLOWMAKER_TOKEN_FILE": "/root/tokens.json",
+             "OPENAI_API_KEY": "sk-not-for-engines"}
+    for k, v in suite.items():
+        monkeypatch.setenv(k, v)
+    inst = (await deployer.stub.Deploy(deployer_pb2.DeployRequest(model_id=MODEL, request_id="env-probe"))).instance
+    assert inst.state == cluster_pb2.Instance.STATE_READY
+    pid = deployer.agent.procs["env-probe"].pid
+    assert pid is not None
+    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
+    assert not set(suite) & set(env), sorted(env)
+    assert not [k for k in env if k.startswith("FLOWMAKER_") and not k.startswith(("FLOWMAKER_ENGINE_",
+                                                                                    "FLOWMAKER_STACK"))], sorted(env)
+    assert "PATH" in env and "HOME" in env  # what a process needs stays
+    await deployer.stub.Release(deployer_pb2.ReleaseRequest(instance_id="env-probe"))
+
+
 async def test_killed_engine_is_marked_failed_and_memory_freed(deployer: Deployer) -> None:
     d = deployer
     inst = (await d.stub.Deploy(deployer_pb2.DeployRequest(model_id=MODEL, tp=2, request_id="doomed"))).instance

@@ -123,8 +123,20 @@ def test_scrub_removes_keys() -> None:
 
 def test_engines_do_not_inherit_secrets() -> None:
     env = engine_base_env({"PATH": "/usr/bin", "FLOWMAKER_GENERATOR_LLM_API_KEY": "sk-x", "OPENAI_API_KEY": "k",
-                           "HF_TOKEN": "hf", "SOME_SECRET": "s", "HOME": "/root"})
-    assert env == {"PATH": "/usr/bin", "HF_TOKEN": "hf", "HOME": "/root"}
+                           "HF_TOKEN": "hf", "SOME_SECRET": "s", "HOME": "/root",
+                           # the suite's own settings name key files and endpoints: none of an engine's business
+                           "FLOWMAKER_DEPLOYER_TLS_KEY": "/etc/flowmaker/deployer.key",
+                           "FLOWMAKER_TLS_CA": "/etc/flowmaker/ca.pem", "FLOWMAKER_ETCD_ENDPOINTS": "127.0.0.1:2379",
+                           "FLOWMAKER_TOKEN_FILE": "/root/.flowmaker/tokens.json", "AWS_ACCESS_KEY_ID": "a",
+                           "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer x",
+                           # what an engine does read stays
+                           "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_LOGGING_LEVEL": "INFO", "LC_ALL": "C.UTF-8",
+                           "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
+                           "FLOWMAKER_ENGINE_GPU_SHARE_DIR": "/tmp/share", "FLOWMAKER_STACK": "/tmp/stack"})
+    assert env == {"PATH": "/usr/bin", "HF_TOKEN": "hf", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0,1",
+                   "VLLM_LOGGING_LEVEL": "INFO", "LC_ALL": "C.UTF-8",
+                   "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
+                   "FLOWMAKER_ENGINE_GPU_SHARE_DIR": "/tmp/share", "FLOWMAKER_STACK": "/tmp/stack"}
 
 
 @pytest.mark.parametrize("iid", ["../../tmp/x", "../..//../tmp/x", "..", ".hidden", "a/b"])

@@ -139,9 +139,20 @@ def parse_vllm_prometheus(text: str) -> dict[str, float]:
 
 ExitCallback = Callable[["EngineProcess", int], Awaitable[None] | None]
 
-# Environment variables an engine never gets: credentials of other components (the generator's LLM
-# API key, tokens of this suite). Engines that download weights keep the Hugging Face token.
-_SECRET_NAME = re.compile(r"(?i)(API_?KEY|SECRET|PASSWORD|TOKEN|CREDENTIAL|PRIVATE_?KEY)")
+# What an engine inherits from the deployer: only what a process, a GPU runtime or an inference engine reads
+# (an allowlist, so that a new suite setting -- a TLS key path, an etcd endpoint, a token file -- never reaches
+# an engine by default). Within it, credentials are still dropped by name, except the Hugging Face token of
+# engines that download weights. The engine's own settings come on its command line and in `build_env`.
+_ENGINE_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "LD_LIBRARY_PATH",
+    "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "XDG_CACHE_HOME",
+    # The local stack's marker (its work dir): how `flowmaker down` and the fault tools find its engines.
+    "FLOWMAKER_STACK",
+})
+_ENGINE_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "VLLM_",
+                        "TLLM_", "TRTLLM_", "TORCH_", "PYTORCH_", "OTEL_", "FLOWMAKER_ENGINE_")
+_SECRET_NAME = re.compile(r"(?i)(API_?KEY|SECRET|PASSWORD|TOKEN|CREDENTIAL|PRIVATE_?KEY|HEADERS)")
 _ENGINE_NEEDS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_TOKEN"})
 
 
@@ -149,9 +160,11 @@ ENGINE_API_KEY_VARS = ("FLOWMAKER_ENGINE_API_KEY", "VLLM_API_KEY")  # emulated e
 
 
 def engine_base_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The deployer's environment minus every secret an engine does not need."""
+    """What an engine inherits of the deployer's environment: the allowlisted names, minus credentials."""
     env = os.environ if environ is None else environ
-    return {k: v for k, v in env.items() if k in _ENGINE_NEEDS or not _SECRET_NAME.search(k)}
+    return {k: v for k, v in env.items()
+            if (k in _ENGINE_ENV_NAMES or k.startswith(_ENGINE_ENV_PREFIXES))
+            and (k in _ENGINE_NEEDS or not _SECRET_NAME.search(k))}
 
 
 def engine_log_path(log_dir: str, instance_id: str) -> str:
