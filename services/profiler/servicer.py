@@ -15,9 +15,10 @@ from flowmaker import convert
 from flowmaker.api.profiler.v1 import profiler_pb2, profiler_pb2_grpc
 from flowmaker.catalog import get_gpu_type, get_model, model_from_hf_config
 from flowmaker.domain import GpuType, Model
-from flowmaker.errors import FailedPrecondition, InvalidSpec
+from flowmaker.errors import FailedPrecondition, InvalidSpec, PermissionDenied
 from flowmaker.limits import check_hf_config, check_model
 from flowmaker.profiling.analytic import ConfigExcluded, explain_profile
+from flowmaker.rpc.auth import current_principal
 from services.profiler.jobs import ACTIVE_STATES, JobRunner, config_name, new_job
 from services.profiler.registry import Registry, profile_from_json
 
@@ -68,6 +69,13 @@ class ProfilerServicer(profiler_pb2_grpc.ProfilerServiceServicer):
                             context: grpc.aio.ServicerContext) -> profiler_pb2.RegisterModelResponse:
         origin = request.WhichOneof("origin")
         accuracy = _accuracy(request)
+        who = current_principal.get()
+        if (accuracy is not None or origin == "hf_config_json") and not who.admin:
+            # The selector trusts accuracy to meet users' SLOs: only the catalog's published figures may come
+            # from any component of the suite; a claimed accuracy is the admin's to make (issue 22).
+            raise PermissionDenied(f"{who.name[:64]!r} may register catalog models with their published accuracy "
+                                   "only; an accuracy claim (accuracy, or hf_config_json) needs the admin identity",
+                                   field="accuracy", reason="ACCURACY_NEEDS_ADMIN")
         model: Model
         if origin == "catalog_name":
             try:
@@ -102,7 +110,11 @@ class ProfilerServicer(profiler_pb2_grpc.ProfilerServiceServicer):
                                   field="hf_config_json") from None
         else:
             raise InvalidSpec("set catalog_name or hf_config_json", field="origin")
-        model = dataclasses.replace(model, hf_id=request.hf_id or model.hf_id, source=request.source or model.source)
+        source = request.source or model.source
+        if accuracy is not None:  # say whose figure it is, wherever the model is listed
+            source = f"accuracy {accuracy:g} claimed by {who.name or 'admin'} at registration" + (
+                f"; {request.source}" if request.source else "")
+        model = dataclasses.replace(model, hf_id=request.hf_id or model.hf_id, source=source)
         check_model(model, "model")  # nothing out of the limits table is ever stored
         await self.registry.register(model)
         log.info("registered model %s (accuracy %.4f, %.2fB params)", model.id, model.accuracy, model.params_b)

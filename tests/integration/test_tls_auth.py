@@ -155,6 +155,33 @@ async def test_deployer_writes_only_from_orchestrator_or_profiler(secure: Secure
         ("authorization", "Bearer alice-token-0123456789")])) == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_only_the_admin_claims_an_accuracy(secure: Secure) -> None:
+    """A suite certificate (here the generator's) registers catalog models with their published accuracy, but
+    cannot claim one: a Llama-3.2-1B clone at accuracy 1.0 once let tasks asking for 0.95 go ACTIVE (issue 22)."""
+    hf = json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                     "num_attention_heads": 4, "vocab_size": 1000})
+    claims = [profiler_pb2.RegisterModelRequest(hf_config_json=hf, model_id="clone-1", accuracy=1.0),
+              profiler_pb2.RegisterModelRequest(catalog_name="Llama-3.2-1B-Instruct", model_id="clone-2",
+                                                accuracy=1.0)]
+    for ident in ("generator", "selector", "orchestrator", "deployer", "profiler"):
+        stub = profiler_pb2_grpc.ProfilerServiceStub(secure.channel("profiler", ident))
+        for req in claims:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.RegisterModel(req)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, ident
+            assert "admin" in (e.value.details() or "")
+        # the catalog's own figure is fine from anyone in the suite
+        ok = await stub.RegisterModel(profiler_pb2.RegisterModelRequest(catalog_name="Llama-3.2-1B-Instruct",
+                                                                        model_id=f"llama-1b-by-{ident}"))
+        assert ok.model.accuracy < 0.2 and "claimed" not in ok.model.source
+    listed = await profiler_pb2_grpc.ProfilerServiceStub(secure.channel("profiler", "generator")).ListModels(
+        profiler_pb2.ListModelsRequest())
+    assert not {"clone-1", "clone-2"} & {m.id for m in listed.models}
+    admin = profiler_pb2_grpc.ProfilerServiceStub(secure.channel("profiler", "admin"))
+    m = (await admin.RegisterModel(claims[0])).model
+    assert m.accuracy == 1.0 and "claimed by admin" in m.source
+
+
 async def test_one_owner_cannot_touch_another_owners_task(secure: Secure) -> None:
     alice, a_md = secure.orch("alice-token-0123456789")
     bob, b_md = secure.orch("bob-token-0123456789")
