@@ -61,7 +61,13 @@ def load_tokens(path: str) -> dict[str, Principal]:
     for tok, who in raw.items():
         if not isinstance(who, dict) or not isinstance(who.get("user"), str) or not who["user"]:
             raise ValueError(f"{path}: every token needs a non-empty 'user'")
-        out[token_digest(tok)] = Principal(who["user"], admin=bool(who.get("admin", False)))
+        user, admin = who["user"], bool(who.get("admin", False))
+        # One namespace: owners are compared by name, so a user named after a service or the admin would own
+        # what they own (a non-admin "admin" once got every task the admin token deployed).
+        if user in SERVICES or (user == ADMIN and not admin):
+            raise ValueError(f"{path}: user {user[:64]!r} is reserved for the suite (its services and the admin); "
+                             "give this token another user name")
+        out[token_digest(tok)] = Principal(user, admin=admin)
     return out
 
 
