@@ -417,9 +417,9 @@ TWIN_MODEL_S = 1200.0  # model seconds of Poisson load the twin serves (10x the 
 
 
 def twin_slowdowns(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str, Any],
-                   profiles: dict[tuple[str, int, int], Any]) -> dict[str, float]:
-    """Per instance, the call slowdown (latency at load over latency alone) the simulator predicts for this very
-    placement at the declared rates: the same engine model (continuous batching, prefill stalls, KV budget) and
+                   profiles: dict[tuple[str, int, int], Any]) -> dict[tuple[str, str, str], float]:
+    """Per (instance, task, stage), the call slowdown (latency at load over latency alone) the simulator predicts
+    for this very placement at the declared rates: the same engine model (continuous batching, prefill stalls, KV budget) and
     the same processor sharing of a GPU's busy instances (`dynamic`) as the emulated node runs, fed Poisson
     arrivals of each task's nominal request. What the selector's multiplier leaves out (an engine's own batching
     and queueing at its load) is in it; it is the plan's digital twin, not a fit to the measurement."""
@@ -462,7 +462,7 @@ def twin_slowdowns(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str,
     arrivals.sort(key=lambda a: (a.time_s, a.task, a.req_id))
     res = simulate(sims, deps, arrivals, gpus, {m.id: m for m in default_models()}, gt, duration_s=TWIN_MODEL_S,
                    measure_from_s=0.1 * TWIN_MODEL_S, colocation="dynamic")
-    return {m.id: m.slowdown for m in res.per_instance if m.slowdown > 0}
+    return {(m.id, task, stage): sd for m in res.per_instance for task, stage, sd in m.stage_slowdowns if sd > 0}
 
 
 # ---- the whole bench --------------------------------------------------------------------------------------
@@ -690,7 +690,7 @@ def _report(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str, Any], 
     else:
         twin_error = ""
     for s in stages_out:
-        sd = twin.get(s["instance_id"])
+        sd = twin.get((s["instance_id"], s["task"], s["stage_id"]))
         pred = s["alone_nominal_s"] * sd if sd is not None and s["alone_nominal_s"] is not None else None
         s["twin_slowdown"] = _r(sd)
         s["twin_predicted_s"] = _r(pred)

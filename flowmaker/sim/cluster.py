@@ -168,6 +168,9 @@ class InstanceMetrics:
     # Call-seconds per second offered over the window at each call's latency alone (what a GPU-sharing planner
     # reads: busy share = 1 - exp(-offered), flowmaker.sharing.occupancy).
     offered: float = 0.0
+    # Per (task, stage) served here: the window's finished calls' end-to-end time over their time alone. Calls of
+    # different shapes see different slowdowns on one engine (a short call waits for others' prefills).
+    stage_slowdowns: tuple[tuple[str, str, float], ...] = ()
     residence_s: float = 0.0
     cost_usd: float = 0.0
 
@@ -300,6 +303,7 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     # measure_from_s on, over what each takes alone on the instance's profile.
     win_lat = {i: 0.0 for i in order}
     win_lone = {i: 0.0 for i in order}
+    stage_lat: dict[tuple[str, str, str], list[float]] = {}  # (instance, task, stage) -> [latency, alone] sums
     submitted: dict[str, float] = {}
     last_done = {i: 0.0 for i in order}
     deps = {d.task.name: d for d in deployments}
@@ -403,7 +407,12 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
             rid, sid, call = c.req_id.rsplit("|", 2)
             rq = reqs[rid]
             if c.req_id in submitted:
-                win_lat[iid] += c.finish_time - submitted.pop(c.req_id)
+                lat = c.finish_time - submitted.pop(c.req_id)
+                win_lat[iid] += lat
+                st = rq.wf.stage(sid)
+                acc = stage_lat.setdefault((iid, rq.task.name, sid), [0.0, 0.0])
+                acc[0] += lat
+                acc[1] += engines[iid].profile.call_latency_s(st.input_tokens, st.output_tokens)
             last_done[iid] = max(last_done[iid], c.finish_time)
             if int(call) + 1 < rq.wf.stage(sid).calls_per_request:
                 submit_call(rq, sid, int(call) + 1, c.finish_time)
@@ -526,6 +535,9 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
                                         busy / window, busy_fraction=eng.busy_s / resid[iid] if resid[iid] > 0 else 0.0,
                                         slowdown=win_lat[iid] / win_lone[iid] if win_lone[iid] > 0 else 0.0,
                                         offered=win_lone[iid] / window,
+                                        stage_slowdowns=tuple((t, sid, a[0] / a[1])
+                                                              for (i, t, sid), a in sorted(stage_lat.items())
+                                                              if i == iid and a[1] > 0),
                                         residence_s=resid[iid],
                                         cost_usd=inst_by_id[iid].memory_gb * resid[iid] * price))
     return SimResult(

@@ -201,6 +201,26 @@ def test_instance_metrics_report_the_load_actually_carried() -> None:
     assert (idle.calls, idle.busy_equiv_tokens_per_s) == (0, 0.0)
 
 
+def test_stage_slowdowns_per_task_and_stage() -> None:
+    """A lone call runs at its profile latency (slowdown 1); on a busy engine a short call waits for others'
+    prefills, so its slowdown exceeds a long call's on the same instance."""
+    p = _prof("Qwen2.5-7B-Instruct")
+    inst = [SimInstance("a", p, ("node0-gpu0",))]
+    _, lone = _one("chat", "chat-direct", inst, {"respond": "a"})
+    assert lone.per_instance[0].stage_slowdowns == (("chat", "respond", pytest.approx(1.0, rel=1e-9)),)
+    chat, code = get_task("chat"), get_task("code")
+    deps = [TaskDeployment(chat, (Route("chat-direct", (("respond", "a"),)),)),
+            TaskDeployment(code, (Route("code-direct", (("complete", "a"),)),))]
+    arr = sorted([Arrival(0.05 * i, "chat", f"c{i}", 4000, 300) for i in range(60)]
+                 + [Arrival(0.05 * i + 0.01, "code", f"k{i}", 200, 8) for i in range(60)])
+    r = simulate(inst, deps, arr, CLUSTER.gpus, BY_ID, GPU, duration_s=10.0)
+    sd = {(t, s): x for t, s, x in r.per_instance[0].stage_slowdowns}
+    assert set(sd) == {("chat", "respond"), ("code", "complete")}
+    assert sd[("code", "complete")] > sd[("chat", "respond")] > 1.0
+    # the instance's own figure lies between its stages'
+    assert sd[("chat", "respond")] <= r.per_instance[0].slowdown <= sd[("code", "complete")]
+
+
 _DIGEST = """
 import hashlib, sys
 from flowmaker.catalog import default_models, get_gpu_type, make_cluster
