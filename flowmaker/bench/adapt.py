@@ -57,6 +57,7 @@ from flowmaker.domain import (
     Variant,
 )
 from flowmaker.errors import InvalidSpec
+from flowmaker.eval.experiment import Experiment
 from flowmaker.eval.policies import DEFAULT_UTILIZATION_CAP, alone_latency, planned_load, simulated_monitor
 from flowmaker.eval.slo import with_rule_slos
 from flowmaker.eval.tasks import EVAL_TASKS, NOMINAL_STATS, EvalTask
@@ -67,6 +68,7 @@ from flowmaker.eval.traces import (
     Arrival,
     SegmentWorkload,
     Trace,
+    build_request_segment_workload,
     build_segment_workload,
     find_trace,
     get_trace,
@@ -277,13 +279,16 @@ class _Controller:
                      for i in hold if i.id in refs and i.id not in hide and i.end_s > t)
         return Cluster(gpus, inst)
 
-    def _select(self, task: EvalTask, rate: float, cluster: Cluster, *, scale_out: bool = False) -> Variant | None:
+    def _select(self, task: EvalTask, rate: float, cluster: Cluster, *, scale_out: bool = False,
+                cap: float | None = None) -> Variant | None:
         """The selector's answer; deploys (both policies alike) as the `flowmaker` policy of bench serving,
-        re-selections (`scale_out`) may also scale a stage out to replicas."""
+        re-selections (`scale_out`) may also scale a stage out to replicas. `cap`: utilization cap (default the
+        config's)."""
         slo = replace(task.slo(), arrival_rate_rps=max(rate, 1e-6))
         req = SelectionRequest(slo=slo, workflows=task.nominal_workflows(self.kind, self.cfg.plan_tokens),
                                models=self.models, profiles=self.profiles, cluster=cluster,
-                               options=SelectionOptions(utilization_cap=self.cfg.utilization_cap, allow_reuse=True,
+                               options=SelectionOptions(utilization_cap=cap or self.cfg.utilization_cap,
+                                                        allow_reuse=True,
                                                         seed=self.cfg.seed,
                                                         max_replicas=self.cfg.max_replicas if scale_out else 1,
                                                         capacity_model=CapacityModel[self.cfg.capacity_model.upper()],
@@ -342,7 +347,14 @@ class _Controller:
         # As PolicyContext.planning_rate: the rate measured before the deploy, never below the declared one.
         rate = max(self.wl.rate_in(task.name, max(0.0, at - self.wl.window_s), at),
                    task.nominal_rate_rps * self.load, 1e-6)
-        v = self._select(task, rate, self.cluster(at, loads, busy=busy))
+        cluster = self.cluster(at, loads, busy=busy)
+        v = self._select(task, rate, cluster)
+        declared = max(task.nominal_rate_rps * self.load, 1e-6)
+        if v is None and declared < rate:  # as the policy: a burst that fits nowhere, then the declared rate
+            rate = declared
+            v = self._select(task, rate, cluster)
+        if v is None and self.cfg.utilization_cap < 1.0:  # ... and then without the burst headroom
+            v = self._select(task, rate, cluster, cap=1.0)
         if v is None:
             self.events.append({"t": at, "task": task.name, "kind": "deploy", "outcome": "UNPLACED", "rate": rate})
             return
@@ -533,12 +545,28 @@ def _row(kind: str, load: float, pol: str, res: SimResult, wl: SegmentWorkload, 
     }
 
 
+def experiment_clock(cfg: AdaptConfig, wl: SegmentWorkload, exp: Experiment) -> AdaptConfig:
+    """The controller's clock on the declared experiment's replay, whose segments hold a fixed number of requests
+    (tens to hundreds of trace seconds): period and window = the experiment's monitor window; hold-down and ready
+    in the same proportions to it as the defaults' (30 s and 15 s to a 60 s window)."""
+    w = exp.monitor_window_fraction * wl.segment_s
+    return replace(cfg, period_trace_s=w, window_trace_s=w, hold_down_trace_s=w * cfg.hold_down_trace_s / 60.0,
+                   ready_trace_s=w * cfg.ready_trace_s / 60.0, utilization_cap=exp.utilization_cap)
+
+
 def run_cell(tasks: Sequence[EvalTask], kind: str, trace: Trace, load: float, models: tuple[Model, ...],
              profiles: tuple[Profile, ...], gpus: tuple[Gpu, ...], gpu_type: GpuType, cfg: AdaptConfig,
-             policies: Sequence[str] = POLICIES) -> tuple[SegmentWorkload, list[dict[str, Any]]]:
-    """Both policies on one (trace, load) replay; rows as in the JSON."""
+             policies: Sequence[str] = POLICIES, experiment: Experiment | None = None
+             ) -> tuple[SegmentWorkload, list[dict[str, Any]]]:
+    """Both policies on one (trace, load) replay; rows as in the JSON. With `experiment`, the replay is the declared
+    experiment's (one request segment per trace, this load's time scale) and the controller's clock follows it."""
     rates = [(t.name, t.nominal_rate_rps * load) for t in tasks]
-    wl = build_segment_workload(rates, trace, load, seed=cfg.seed, segment_s=cfg.segment_s)
+    if experiment is not None:
+        wl = build_request_segment_workload(rates, trace, load, cfg.seed, experiment.segment_requests,
+                                            experiment.deploy_span_fraction, experiment.monitor_window_fraction)
+        cfg = experiment_clock(cfg, wl, experiment)
+    else:
+        wl = build_segment_workload(rates, trace, load, seed=cfg.seed, segment_s=cfg.segment_s)
     by_id = {m.id: m for m in models}
     rows = []
     for pol in policies:
@@ -619,13 +647,15 @@ def _plots(rows: Sequence[dict[str, Any]], out: Path) -> list[str]:
 
 def run_adapt_bench(out_dir: str | Path, traces_dir: str | Path | None = None, cfg: AdaptConfig | None = None,
                     loads: Sequence[float] | None = None, traces: Sequence[str] = TRACE_KINDS,
-                    console: Console | None = None, plots: bool = True) -> dict[str, Any]:
-    """Every (trace, load) cell with both policies; writes `adapt.json` (+ PNG per cell), prints the table."""
+                    console: Console | None = None, plots: bool = True,
+                    experiment: Experiment | None = None) -> dict[str, Any]:
+    """Every (trace, load) cell with both policies; writes `adapt.json` (+ PNG per cell), prints the table.
+    `experiment`: run the declared experiment's replay, tasks, SLOs and rates (else the older replay)."""
     t_start = time.perf_counter()
     cfg = (cfg or AdaptConfig()).validate()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lvls = list(loads) if loads else list(LOAD_LEVELS)
+    lvls = list(loads) if loads else list(experiment.loads if experiment is not None else LOAD_LEVELS)
     con = console or Console(width=200)
     models, gpu, profiles, cluster, by_id = bench_cluster()
     rows: list[dict[str, Any]] = []
@@ -634,9 +664,11 @@ def run_adapt_bench(out_dir: str | Path, traces_dir: str | Path | None = None, c
     for kind in traces:
         trace = get_trace(kind, traces_dir, cfg.seed)
         sources[kind] = trace.source if find_trace(kind, traces_dir) else f"{trace.source} (no file in {traces_dir})"
-        tasks = with_rule_slos(EVAL_TASKS, kind, profiles, by_id, gpu)
+        tasks = experiment.tasks_for(kind, profiles, by_id, gpu) if experiment is not None else \
+            with_rule_slos(EVAL_TASKS, kind, profiles, by_id, gpu)
         for load in lvls:
-            wl, rs = run_cell(tasks, kind, trace, load, models, profiles, cluster.gpus, gpu, cfg)
+            wl, rs = run_cell(tasks, kind, trace, load, models, profiles, cluster.gpus, gpu, cfg,
+                              experiment=experiment)
             rows.extend(rs)
             segments.append({"trace": kind, "load": load, "offset_s": wl.offset_s, "segment_s": wl.segment_s,
                              "scale": wl.scale, "replay_s": wl.duration_s, "segment_requests": wl.segment_requests,
@@ -667,6 +699,10 @@ def run_adapt_bench(out_dir: str | Path, traces_dir: str | Path | None = None, c
                             "task_of_request": f"random.Random('flowmaker-assign/<trace>/<load>/{cfg.seed}/<i>')",
                             "synthetic_trace": f"random.Random('flowmaker-trace/<trace>/{cfg.seed}') "
                                                "(only without the files)"},
+                  "experiment": None if experiment is None else {"name": experiment.name,
+                                                                  "sha256": experiment.sha256,
+                                                                  "clock": "period = window = the monitor window; "
+                                                                           "hold-down and ready scaled alike"},
                   "deploy_once": "the `flowmaker` policy of bench serving (selected once, at each task's deploy)",
                   "adaptive": "the same deploys; every period: ArrivalMeter + drifted(LoadPolicy) + the "
                               "orchestrator's keep-vs-fresh re-selection, make-before-break",

@@ -128,3 +128,25 @@ def test_cli_writes_json_and_plots_on_the_synthetic_trace(tmp_path: Any) -> None
     assert rep["setup"]["config"]["band"] == 2.0 and rep["setup"]["segments"][0]["offset_s"] >= 0
     assert {r["policy"] for r in rep["rows"]} == {"deploy-once", "adaptive"}
     assert (tmp_path / "adapt_code_25.png").stat().st_size > 10_000
+
+
+def test_on_the_declared_experiment_the_clock_follows_its_monitor_window() -> None:
+    """`bench adapt --replay experiment`: the experiment's request segment, and the controller's period and
+    window equal to the experiment's monitor window (hold-down and ready in the defaults' proportions)."""
+    from dataclasses import replace
+
+    from flowmaker.bench.adapt import experiment_clock
+    from flowmaker.eval.experiment import load_experiment
+
+    exp = replace(load_experiment(), segment_requests=120)
+    tasks = exp.tasks_for("conv", PROFILES, BY_ID, GPU)[:2]
+    wl, rows = run_cell(tasks, "conv", synthesize("conv", 2000, seed=0), 0.5, MODELS, PROFILES, CLUSTER.gpus, GPU,
+                        AdaptConfig(), experiment=exp)
+    assert wl.segment_requests == 120 and len(wl.all_arrivals) == 120
+    c = experiment_clock(AdaptConfig(), wl, exp)
+    w = exp.monitor_window_fraction * wl.segment_s
+    assert (c.period_trace_s, c.window_trace_s) == (w, w)
+    assert c.hold_down_trace_s == pytest.approx(w / 2) and c.ready_trace_s == pytest.approx(w / 4)
+    by = {r["policy"]: r for r in rows}
+    assert by["adaptive"]["lost"] == by["deploy-once"]["lost"] == 0
+    assert by["deploy-once"]["reselections"] == 0
