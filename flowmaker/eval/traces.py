@@ -410,6 +410,42 @@ def segment_offset(trace: Trace, segment_s: float, seed: int, load: float) -> fl
     return rng.uniform(0.0, room)
 
 
+def _check_rates(task_rates: Sequence[tuple[str, float]]) -> float:
+    total = sum(r for _, r in task_rates)
+    if not total > 0 or any(not r >= 0 for _, r in task_rates):
+        raise InvalidSpec(f"task rates must be >= 0 with a positive sum, got {list(task_rates)}", field="rate")
+    return total
+
+
+def _replay(seg: Sequence[TraceRequest], t0: float, scale: float, task_rates: Sequence[tuple[str, float]],
+            assign_key: str, window_trace_s: float, span_trace_s: float, deploy_order: Sequence[str] | None
+            ) -> tuple[tuple[tuple[str, float], ...], tuple[Arrival, ...], tuple[Arrival, ...]]:
+    """The replay of trace requests `seg` from trace time `t0` at `scale` replay s per trace s: request i goes to a
+    task drawn in proportion to the rates (`random.Random(f"{assign_key}/{i}")`); task k of n (in `deploy_order`)
+    is deployed at W + k (span - W) / (n - 1) trace seconds. Returns (deploy times, scored arrivals -- those at or
+    after their task's deploy --, every arrival), times in replay seconds."""
+    total = sum(r for _, r in task_rates)
+    names = [n for n, _ in task_rates]
+    cum, acc = [], 0.0
+    for _, rate in task_rates:
+        acc += rate / total
+        cum.append(acc)
+    order = list(deploy_order) if deploy_order is not None else names
+    n = len(order)
+    w, span = window_trace_s, max(window_trace_s, span_trace_s)
+    deploy = tuple((name, (w + (k * (span - w) / (n - 1) if n > 1 else 0.0)) * scale) for k, name in enumerate(order))
+    dep = dict(deploy)
+    everything: list[Arrival] = []
+    for i, r in enumerate(seg):
+        u = random.Random(f"{assign_key}/{i}").random()
+        name = names[next((k for k, c in enumerate(cum) if u < c), len(names) - 1)]
+        everything.append(Arrival((r.arrival_s - t0) * scale, name, f"{name}-{i:06d}", r.context_tokens,
+                                  r.generated_tokens))
+    everything.sort(key=lambda a: (a.time_s, a.task, a.req_id))
+    scored = tuple(a for a in everything if a.time_s >= dep.get(a.task, 0.0))
+    return deploy, scored, tuple(everything)
+
+
 def build_segment_workload(task_rates: Sequence[tuple[str, float]], trace: Trace, load: float, seed: int = 0,
                            segment_s: float = DEFAULT_SEGMENT_S,
                            deploy_order: Sequence[str] | None = None) -> SegmentWorkload:
@@ -424,9 +460,7 @@ def build_segment_workload(task_rates: Sequence[tuple[str, float]], trace: Trace
     """
     if not trace.requests:
         raise InvalidSpec("trace has no requests", field="trace")
-    total = sum(r for _, r in task_rates)
-    if not total > 0 or any(not r >= 0 for _, r in task_rates):
-        raise InvalidSpec(f"task rates must be >= 0 with a positive sum, got {list(task_rates)}", field="rate")
+    total = _check_rates(task_rates)
     off = segment_offset(trace, segment_s, seed, load)
     t0 = trace.requests[0].arrival_s + off
     seg = [r for r in trace.requests if t0 <= r.arrival_s < t0 + segment_s]
@@ -434,28 +468,11 @@ def build_segment_workload(task_rates: Sequence[tuple[str, float]], trace: Trace
         raise InvalidSpec(f"no request in the trace segment [{off:.0f}, {off + segment_s:.0f}) s", field="trace")
     seg_rate = len(seg) / segment_s
     scale = seg_rate / total  # replay s per trace s: the scaled mean rate is `total`
-    names = [n for n, _ in task_rates]
-    cum, acc = [], 0.0
-    for _, rate in task_rates:
-        acc += rate / total
-        cum.append(acc)
-    order = list(deploy_order) if deploy_order is not None else names
-    n = len(order)
     w = MONITOR_WINDOW_TRACE_S
-    span = max(w, DEPLOY_SPAN_FRACTION * segment_s)
-    deploy = tuple((name, (w + (k * (span - w) / (n - 1) if n > 1 else 0.0)) * scale) for k, name in enumerate(order))
-    dep = dict(deploy)
-    everything: list[Arrival] = []
-    for i, r in enumerate(seg):
-        u = random.Random(f"flowmaker-assign/{trace.kind}/{load:g}/{seed}/{i}").random()
-        ti = next((k for k, c in enumerate(cum) if u < c), len(names) - 1)
-        name = names[ti]
-        everything.append(Arrival((r.arrival_s - t0) * scale, name, f"{name}-{i:06d}", r.context_tokens,
-                                  r.generated_tokens))
-    everything.sort(key=lambda a: (a.time_s, a.task, a.req_id))
-    scored = tuple(a for a in everything if a.time_s >= dep.get(a.task, 0.0))
+    deploy, scored, everything = _replay(seg, t0, scale, task_rates, f"flowmaker-assign/{trace.kind}/{load:g}/{seed}",
+                                         w, DEPLOY_SPAN_FRACTION * segment_s, deploy_order)
     return SegmentWorkload(trace.kind, trace.source, load, off, segment_s, scale, segment_s * scale, deploy,
-                           w * scale, scored, tuple(everything), len(seg), seg_rate)
+                           w * scale, scored, everything, len(seg), seg_rate)
 
 
 def _peak_count_rate(times: Sequence[float], t0: float, t1: float, w: float) -> float:
@@ -499,9 +516,7 @@ def build_request_segment_workload(task_rates: Sequence[tuple[str, float]], trac
     W + k (span - W) / (n - 1), span = max(W, `deploy_span_fraction` x segment), in trace time. Offline
     rates: the `n_requests` before the segment, time-scaled the same way, split by the task shares.
     """
-    total = sum(r for _, r in task_rates)
-    if not total > 0 or any(not r >= 0 for _, r in task_rates):
-        raise InvalidSpec(f"task rates must be >= 0 with a positive sum, got {list(task_rates)}", field="rate")
+    total = _check_rates(task_rates)
     reqs = trace.requests
     i0 = request_segment_start(trace, n_requests, seed)
     t0 = reqs[i0].arrival_s
@@ -511,30 +526,14 @@ def build_request_segment_workload(task_rates: Sequence[tuple[str, float]], trac
         raise InvalidSpec(f"the segment at request {i0} spans no time", field="trace")
     seg_rate = n_requests / seg_s
     scale = seg_rate / total
-    names = [n for n, _ in task_rates]
     share = {n: r / total for n, r in task_rates}
-    cum, acc = [], 0.0
-    for _, rate in task_rates:
-        acc += rate / total
-        cum.append(acc)
-    order = list(deploy_order) if deploy_order is not None else names
-    n = len(order)
     w = window_fraction * seg_s
-    span = max(w, deploy_span_fraction * seg_s)
-    deploy = tuple((name, (w + (k * (span - w) / (n - 1) if n > 1 else 0.0)) * scale) for k, name in enumerate(order))
-    dep = dict(deploy)
-    everything: list[Arrival] = []
-    for i, r in enumerate(reqs[i0:i0 + n_requests]):
-        u = random.Random(f"flowmaker-assign/{trace.kind}/{seed}/{i}").random()
-        ti = next((k for k, c in enumerate(cum) if u < c), len(names) - 1)
-        name = names[ti]
-        everything.append(Arrival((r.arrival_s - t0) * scale, name, f"{name}-{i:06d}", r.context_tokens,
-                                  r.generated_tokens))
-    everything.sort(key=lambda a: (a.time_s, a.task, a.req_id))
-    scored = tuple(a for a in everything if a.time_s >= dep.get(a.task, 0.0))
+    deploy, scored, everything = _replay(reqs[i0:i0 + n_requests], t0, scale, task_rates,
+                                         f"flowmaker-assign/{trace.kind}/{seed}", w, deploy_span_fraction * seg_s,
+                                         deploy_order)
     pre_total = n_requests / ((t0 - pre_t0) * scale)
     pre_peak = _peak_count_rate([q.arrival_s for q in reqs[i0 - n_requests:i0]], pre_t0, t0, w) / scale
     return SegmentWorkload(trace.kind, trace.source, load, t0 - reqs[0].arrival_s, seg_s, scale, seg_s * scale,
-                           deploy, w * scale, scored, tuple(everything), n_requests, seg_rate,
-                           offline_rates=tuple((nm, pre_total * share[nm]) for nm in names),
-                           offline_peak_rates=tuple((nm, pre_peak * share[nm]) for nm in names))
+                           deploy, w * scale, scored, everything, n_requests, seg_rate,
+                           offline_rates=tuple((nm, pre_total * x) for nm, x in share.items()),
+                           offline_peak_rates=tuple((nm, pre_peak * x) for nm, x in share.items()))
