@@ -11,6 +11,12 @@ Three experiments, one run, written as JSON + a table + PNG plots:
    30-95% load, near-identical model clones, all-reuse optima, unplaceable stages, utilization cap 0.5
    and latency SLOs at the edge of feasibility; reports time, whether optimality was proven, and the
    proven gap.
+5. hard (not in the default run: `--section hard`) — fresh instances of the randomized hard families of
+   `flowmaker/bench/selector_hard.py` (long chains with many clones, wide fans, fragmented 8x8 clusters, DAG
+   mixes, exact memory ties), `hard_count` per family from seed `seed`, `exact` in-process under
+   `hard_budget_s`: the share proven within 1 s and 2 s, the gap of the unproven, the worst case, per family,
+   with the load average; `hard_burn` busy processes load the machine meanwhile, and `answers_digest`
+   lets two runs (at two loads) be compared answer for answer.
 """
 
 from __future__ import annotations
@@ -68,6 +74,10 @@ class BenchConfig:
     adversarial_per_kind: int = 4  # seeded instances per adversarial kind (0: skip the section)
     adversarial_budget_s: float = 1.9  # exact's time budget on them (the answer must come within 2 s)
     sections: tuple[str, ...] = ("paper", "depth", "catalog", "adversarial")
+    hard_count: int = 20  # instances per hard family (`--section hard`)
+    hard_budget_s: float = 2.0  # exact's time budget on them
+    hard_burn: int = 0  # busy-loop processes that load the machine during the hard section
+    hard_families: tuple[str, ...] = ()  # empty: all of selector_hard.HARD_FAMILIES
     # The selection contract of every request: "ignore" (the paper's, the base contract) or "interference"
     # (docs/selection-spec.md, "Extension: GPU sharing").
     gpu_sharing: str = "ignore"
@@ -546,6 +556,10 @@ def run_selector_bench(out_dir: str | Path = "out/bench-selector", cfg: BenchCon
         result["catalog"] = catalog(cfg, progress)
     if "adversarial" in cfg.sections and cfg.adversarial_per_kind > 0:
         result["adversarial"] = adversarial(cfg, progress)
+    if "hard" in cfg.sections and cfg.hard_count > 0:
+        from flowmaker.bench.selector_hard_run import hard
+
+        result["hard"] = hard(cfg, progress)
     result["wall_s"] = time.perf_counter() - started
     result["plots"] = _plots(result, out)
     (out / "selector.json").write_text(json.dumps(_finite(result), indent=1, allow_nan=False))
@@ -584,6 +598,10 @@ def render(result: dict[str, Any], console: Any) -> None:
         _render_catalog(result, console)
     if "adversarial" in result:
         _render_adversarial(result, console)
+    if "hard" in result:
+        from flowmaker.bench.selector_hard_run import render_hard
+
+        render_hard(result, console)
     console.print(f"wall time {result['wall_s']:.0f} s" + (f"; plots: {', '.join(result['plots'])}"
                                                            if result["plots"] else ""))
 

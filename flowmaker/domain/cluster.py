@@ -191,8 +191,9 @@ class Cluster:
             ids.add(g.id)
             if not g.node:
                 raise InvalidSpec(f"GPU {g.id!r}: must not be empty", field=f"{path}.gpus[{i}].node")
-            if not g.memory_total_gb > 0:
-                raise InvalidSpec(f"GPU {g.id!r}: must be > 0", field=f"{path}.gpus[{i}].memory_total_gb")
+            if not (g.memory_total_gb > 0 and math.isfinite(g.memory_total_gb)):  # placement counts it in units
+                raise InvalidSpec(f"GPU {g.id!r}: must be a finite number > 0, got {g.memory_total_gb}",
+                                  field=f"{path}.gpus[{i}].memory_total_gb")
             if not 0 <= g.memory_used_gb <= g.memory_total_gb * (1 + 1e-9):
                 raise InvalidSpec(f"GPU {g.id!r}: must be within [0, memory_total_gb], got {g.memory_used_gb}",
                                   field=f"{path}.gpus[{i}].memory_used_gb")

@@ -26,15 +26,19 @@ variant of the workflow.
 from __future__ import annotations
 
 import heapq
+import math
 import time
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from flowmaker.selection.problem import INF, NEW, REUSE, PWorkflow, better, leq
+from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
 
 if TYPE_CHECKING:
     from flowmaker.selection.milp import Front, RelaxedModel
 
-NODE_LIMIT = 200_000  # depth-first nodes per multiset; past it the multiset keeps its weaker bound
+NODE_LIMIT = 1_000  # depth-first nodes per multiset; past it the packing is solved as a MILP
+MILP_GAP = 0.0  # solved to optimality: the walk's tie-break argument needs the least L of every multiset
+MILP_NODES = 500  # branch-and-bound nodes of HiGHS for one packing; past it the multiset keeps its bound
 
 
 def is_chain(pw: PWorkflow) -> bool:
@@ -50,11 +54,12 @@ def is_chain(pw: PWorkflow) -> bool:
     return all(c <= 1 for c in succ)
 
 
-def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, int] | None) -> Front:
+def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, int] | None,
+               max_points: int = 0, max_milps: int = 0) -> Front:
     """The front of a chain workflow (module docstring); `model` is its `milp.RelaxedModel` (options,
     packing into slots and `realize`). Returns a `milp.Front` whose `complete` means proven as described."""
+    from flowmaker.selection.milp import CHAIN_NODES, CHAIN_POINTS, _tol
     from flowmaker.selection.milp import Front as Front_
-    from flowmaker.selection.milp import _tol
 
     fr = Front_()
     fr.exact_ties = True
@@ -171,6 +176,12 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             return True
 
         done = go(0, tool)
+        work[0] += nodes[0]
+        if not done:  # the depth-first search gave up: the same question as a MILP (HiGHS)
+            milps[0] += 1
+            got = _least_l_milp(pb, [pw.load[s] for s in llm], so, y, profs, pos, tool, cap_l, deadline)
+            if got is not None:
+                return got
         return best_l[0], best_a[0], done
 
     inc = best[0] if best else INF
@@ -179,6 +190,8 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     y0 = tuple([0] * P)
     heap: list[tuple[float, int, tuple[int, ...], int, bool]] = []
     tick = 0
+    work = [0]  # depth-first nodes of every multiset so far
+    milps = [0]  # packings solved as MILPs so far
 
     def push_eval(y: tuple[int, ...]) -> None:
         nonlocal tick
@@ -204,8 +217,9 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         key, _, y, i, expand = heap[0]
         if key > inc * (1 + 1e-9):
             break
-        if time.perf_counter() > deadline:
-            stopped = True
+        if time.perf_counter() > deadline or fr.solves >= (max_points or CHAIN_POINTS) or work[0] > CHAIN_NODES \
+                or (max_milps and milps[0] >= max_milps):
+            stopped = True  # the final deadline, or the work this walk may do
             break
         heapq.heappop(heap)
         if expand:
@@ -227,13 +241,16 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         if a is None:
             continue  # nothing fits y within cap_l: every variant with these instances costs more than inc
         val = m * L
-        lb = min(lb, val)
         assign = {llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)}
         inst = {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW}
         cand = model.realize(assign, inst)
         if cand is None:
+            if never_places(pb, [pi for pi, c in zip(profs, y, strict=True) for _ in range(c)]):
+                continue  # no variant has exactly these new instances: the point bounds nothing
             unplaced = min(unplaced, val)
+            lb = min(lb, val)
             continue
+        lb = min(lb, val)
         fr.candidates.append(cand)
         sc = cand[0]
         if better(sc[0], sc[1], sc[2], best):
@@ -245,6 +262,133 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     fr.complete = not stopped and not gave_up and (rest > inc * (1 + 1e-9) or not heap) \
         and unplaced > inc * (1 + 2e-9)
     return fr
+
+
+def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, str, int]]], y: tuple[int, ...],
+                  profs: list[int], pos: dict[int, int], tool: float, cap_l: float,
+                  deadline: float) -> tuple[float, list[tuple[str, int, int]] | None, bool] | None:
+    """`least_l` as a MILP: each stage j (load loads[j], options so[j] = (latency, kind, ref)) on one running
+    instance with room or one of the y[p] instances of each new profile p (bins, identical: ordered by load to
+    break their symmetry), every bin within its capacity, least total latency <= cap_l. Returns (L, assignment,
+    True), (cap_l, None, True) when nothing fits within cap_l, or None when HiGHS did not settle it."""
+    from flowmaker.selection.milp import _CORE, MIP_TOL, _tol
+
+    if _CORE is None:
+        return None
+    core = _CORE
+    cols: list[tuple[int, str, int, int, float]] = []  # (stage, kind, ref, bin, latency)
+    for j, opts in enumerate(so):
+        for lat, k, ref in opts:
+            if k == REUSE:
+                cols.append((j, k, ref, 0, lat))
+            else:
+                cols.extend((j, k, ref, b, lat) for b in range(y[pos[ref]]))
+    rows_lo: list[float] = []
+    rows_hi: list[float] = []
+    entries: list[list[tuple[int, float]]] = [[] for _ in cols]
+    assign_row = []
+    for _ in so:
+        assign_row.append(len(rows_lo))
+        rows_lo.append(1.0)
+        rows_hi.append(1.0)
+    cap_row: dict[tuple[str, int, int], int] = {}
+    for key in dict.fromkeys((k, ref, b) for _, k, ref, b, _ in cols):  # in column order: deterministic
+        cap_row[key] = len(rows_lo)
+        rows_lo.append(-math.inf)
+        # as `leq` admits it: the running load plus what is added within the capacity's tolerance
+        rows_hi.append(_tol(pb.p_cap[pb.r_prof[key[1]]]) - pb.r_load0[key[1]] if key[0] == REUSE
+                       else _tol(pb.p_cap[key[1]]))
+    sym: dict[tuple[int, int], int] = {}  # bin b of profile p carries at least the load of bin b + 1
+    for pi in profs:
+        for b in range(y[pos[pi]] - 1):
+            sym[(pi, b)] = len(rows_lo)
+            rows_lo.append(0.0)
+            rows_hi.append(math.inf)
+    lat_row = len(rows_lo)
+    rows_lo.append(-math.inf)
+    rows_hi.append((cap_l - tool) * (1 + 1e-12) + 1e-12)
+    for c, (j, k, ref, b, lat) in enumerate(cols):
+        e = entries[c]
+        e.append((assign_row[j], 1.0))
+        e.append((cap_row[(k, ref, b)], loads[j]))
+        e.append((lat_row, lat))
+        if k == NEW:
+            if (ref, b) in sym:
+                e.append((sym[(ref, b)], loads[j]))
+            if (ref, b - 1) in sym:
+                e.append((sym[(ref, b - 1)], -loads[j]))
+    from flowmaker.selection.exact import _core_lp
+
+    lp = _core_lp([0.0] * len(cols), [1.0] * len(cols), [c[4] for c in cols], entries, rows_lo, rows_hi)
+    lp.integrality_ = [core.HighsVarType.kInteger] * len(cols)
+    h = core._Highs()
+    for opt, val in (("output_flag", False), ("threads", 1), ("mip_rel_gap", MILP_GAP), ("mip_abs_gap", 0.0),
+                     ("mip_feasibility_tolerance", MIP_TOL), ("primal_feasibility_tolerance", MIP_TOL),
+                     ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", MILP_NODES)):
+        h.setOptionValue(opt, val)
+    left = deadline - time.perf_counter()
+    if left <= 0:
+        return None
+    h.setOptionValue("time_limit", left)  # the final deadline only; the work limit is mip_max_nodes
+    h.passModel(lp)
+    h.run()
+    name = h.modelStatusToString(h.getModelStatus())
+    if name == "Infeasible":
+        return cap_l, None, True
+    if name != "Optimal":
+        return None
+    val = h.getSolution().col_value
+    out: list[tuple[str, int, int]] = [(REUSE, 0, 0)] * len(so)
+    L = tool
+    for c, (j, k, ref, b, lat) in enumerate(cols):
+        if val[c] > 0.5:
+            out[j] = (k, ref, b)
+            L += lat
+    # The point's value is the proven bound (at most L; equal up to HiGHS' tolerances), the assignment the best
+    # found (its candidate variant is scored from scratch).
+    info = h.getInfo()
+    db = getattr(info, "mip_dual_bound", None)
+    if db is not None and math.isfinite(db):
+        L = min(L, tool + db * (1 - 1e-12))
+    return L, out, True
+
+
+ORDER_NODES = 2_000  # placements tried per multiset by `never_places`; past it the multiset counts as placeable
+
+
+def never_places(pb: Problem, insts: list[int]) -> bool:
+    """True when the new instances `insts` (profile indices, a multiset; a replica group places its replicas
+    one after another) cannot all be placed in ANY order by the spec's rule on the request's cluster, so that
+    no variant has exactly these new instances. False when some order places them, or when deciding it took
+    more than ORDER_NODES placements (conservative)."""
+    counts: dict[int, int] = {}
+    for pi in insts:
+        counts[pi] = counts.get(pi, 0) + 1
+    work = [0]
+
+    def go(free: dict[str, int], occ: dict[str, Fraction]) -> bool | None:
+        """True: some order of what is left places; False: none; None: gave up."""
+        if not any(counts.values()):
+            return True
+        unknown = False
+        for pi in sorted(counts):
+            if not counts[pi]:
+                continue
+            work[0] += 1
+            if work[0] > ORDER_NODES:
+                return None
+            f2, o2 = dict(free), dict(occ)
+            if all(pb.place_new(f2, o2, pi) is not None for _ in range(pb.p_reps[pi])):
+                counts[pi] -= 1
+                r = go(f2, o2)
+                counts[pi] += 1
+                if r is None:
+                    unknown = True
+                elif r:
+                    return True
+        return None if unknown else False
+
+    return go(dict(pb.free0), dict(pb.occ0)) is False
 
 
 def _prices(so: list[list[tuple[float, str, int]]], loads: list[float], room: dict[tuple[str, int], float]

@@ -1,14 +1,17 @@
 """`exact` (default): depth-first branch-and-bound that returns a minimum-cost variant, anytime.
 
 Two phases when the first does not settle it (`flowmaker/selection/milp.py`, `select_hybrid`): the
-branch and bound below runs alone for 8% of the time budget (at most 0.25 s), which answers most requests.
+branch and bound below runs alone for a number of search nodes (`milp.FIRST_NODES`; phases switch by work
+done, never by the clock, so the machine's load does not change the path), which answers most requests.
 If it has not finished by then, the (memory, latency) Pareto front of every workflow is walked with
 mixed-integer programs over instance counts and stage assignments with placement relaxed (HiGHS; see the
 milp module; a chain workflow's front is walked over instance multisets instead, see the chain module). Its points become incumbents once their instances are packed and placed exactly as the
 spec places them, and the walk proves a lower bound of every variant; when the best placed variant costs
 that bound, it is the optimum (ties: the least latency is on the walked front, the fewest new GPUs is one
-more MILP). Otherwise the branch and bound runs again from the best variant known, for the rest of the
-budget, and an interrupted run reports the larger of its frontier bound and the walk's.
+more MILP). Otherwise the branch and bound runs again from the best variant known, until the deadline,
+and an interrupted run reports the larger of its frontier bound and the walk's. A proven optimum is then
+replaced by the canonical variant among those that tie it (`canonical`: the spec's order beyond cost, L
+and new GPUs).
 
 Search: LLM stages are decided in the spec's topological order, so new
 instances are placed exactly when the spec places them (in order of their
@@ -73,7 +76,6 @@ from typing import Any
 
 from flowmaker.domain import SelectionRequest, SelectionResult
 from flowmaker.errors import DeadlineExceeded
-from flowmaker.selection.placement import EPS_GB
 from flowmaker.selection.problem import (
     EPS,
     INF,
@@ -126,21 +128,22 @@ class _Static:
     cov_ratio: list[list[float]]  # [decision j][n] least memory per capacity among cov[j][:n + 1]
 
 
-def _dominated(pb: Problem) -> list[bool]:
+def _dominated(pb: Problem, by_earlier: bool = False) -> list[bool]:
     """Profiles another usable profile dominates: same GPU count and memory per GPU (so the same
-    placement), capacity at least as high, latency coefficients no higher (ties: the lower index wins)."""
+    placement), capacity at least as high, latency coefficients no higher (ties: the lower index wins).
+    `by_earlier`: only a dominating profile earlier in the request counts."""
     profs = pb.profiles
     n = len(profs)
     out = [False] * n
-    groups: dict[tuple[int, float, int], list[int]] = {}
-    for i, prof in enumerate(profs):
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i in range(n):
         if pb.p_ok[i]:
-            groups.setdefault((pb.p_k[i], prof.memory_gb_per_gpu, pb.p_reps[i]), []).append(i)
+            groups.setdefault((pb.p_k[i], pb.p_need[i], pb.p_reps[i]), []).append(i)
     for ids in groups.values():
         for q in ids:
             pq = profs[q]
             for p in ids:
-                if p == q:
+                if p == q or (by_earlier and p > q):
                     continue
                 pp = profs[p]
                 le = (pb.p_cap[p] >= pb.p_cap[q] and pp.fixed_s <= pq.fixed_s
@@ -159,19 +162,19 @@ def _dominated(pb: Problem) -> list[bool]:
 
 def _placeable(pb: Problem) -> list[bool]:
     """Profiles that fit on the cluster at least alone: some node has tp*pp GPUs with enough free memory."""
-    kth: dict[int, float] = {}
+    kth: dict[int, int] = {}
     for ids in pb.layout.gpus_by_node:
         free = sorted((pb.free0[g] for g in ids), reverse=True)
         for k in range(1, len(free) + 1):
-            kth[k] = max(kth.get(k, -INF), free[k - 1])
-    out = [pb.profiles[i].memory_gb_per_gpu - EPS_GB <= kth.get(pb.p_k[i], -INF) for i in range(len(pb.profiles))]
+            kth[k] = max(kth.get(k, -1), free[k - 1])
+    out = [pb.p_need[i] <= kth.get(pb.p_k[i], -1) for i in range(len(pb.profiles))]
     for i, reps in enumerate(pb.p_reps):  # a replica group must fit replica after replica
         if reps > 1 and out[i]:
             if pb.sharing:  # the load-aware rule may choose other GPUs for the earlier replicas
                 free_s, occ = dict(pb.free0), dict(pb.occ0)
                 out[i] = all(pb.place_new(free_s, occ, i) is not None for _ in range(reps))
             else:
-                out[i] = _place_group(pb.layout, dict(pb.free0), pb.p_k[i], pb.profiles[i].memory_gb_per_gpu,
+                out[i] = _place_group(pb.layout, dict(pb.free0), pb.p_k[i], pb.p_need[i],
                                       reps) is not None
     return out
 
@@ -291,7 +294,7 @@ class _Search:
 
     def __init__(self, pb: Problem, *, check_cap: bool = True, check_place: bool = True,
                  stop_first: bool = False, deadline: float = INF, grace: float = INF,
-                 max_nodes: int | None = None) -> None:
+                 max_nodes: int | None = None, canonical: tuple[float, float, int] | None = None) -> None:
         self.pb = pb
         self.check_cap = check_cap
         self.check_place = check_place
@@ -299,6 +302,11 @@ class _Search:
         self.deadline = deadline
         self.grace = grace
         self.max_nodes = max_nodes  # a deterministic deadline (tests): stop after this many nodes
+        # The canonical pass: `canonical` is the proven optimum's (cost, L, new GPUs); the search visits the
+        # variants in the spec's canonical order and stops at the first that ties it (`_canonical`).
+        self.canonical = canonical
+        self.canon_wf = -1  # the known optimum's workflow and encoding (canonical pass; see `canonical`)
+        self.canon_enc: tuple[tuple[int, int], ...] | None = None
         self.best: tuple[float, float, int] | None = None
         self.best_at: tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]] | None = None
         self.nodes = 0
@@ -316,18 +324,24 @@ class _Search:
     def run(self) -> None:
         pb = self.pb
         usable = list(pb.p_ok)
-        dom = _dominated(pb)
+        # The canonical pass keeps a dominated profile unless a profile earlier in the request dominates it
+        # (a tie with the dominated one would come first in the canonical order).
+        dom = _dominated(pb, by_earlier=self.canonical is not None)
         place = _placeable(pb) if self.check_place else [True] * len(pb.profiles)
         usable = [u and not d and pl for u, d, pl in zip(usable, dom, place, strict=True)]
+        if self.canonical is not None:
+            self.best = self.canonical  # the bounds prune by it; `leaf` keeps the first variant that ties it
         searches = []
         for pw in pb.workflows:
+            if self.canon_enc is not None and pw.index > self.canon_wf:
+                continue  # after the known optimum's workflow: later in the canonical order
             st = _static(pb, pw, self.check_cap, usable)
             if not st.feasible:
                 continue
             root_lb, go = self._workflow(st, pw)
             searches.append((root_lb, pw.index, go))
-        # Workflows with the smallest root bound first.
-        searches.sort(key=lambda x: (x[0], x[1]))
+        # Workflows with the smallest root bound first (the canonical pass: in the request's order).
+        searches.sort(key=lambda x: (x[1],) if self.canonical is not None else (x[0], x[1]))
         for root_lb, _, go in searches:
             if self.done:
                 break
@@ -355,9 +369,17 @@ class _Search:
         load = pw.load
         tool_lat = pw.tool_lat
         lam = pb.lam
-        p_cap, p_mem, p_k, p_reps = pb.p_cap, pb.p_mem, pb.p_k, pb.p_reps
+        # The canonical pass looks only for variants that tie the optimum (cost c*, latency L*, G* new GPUs): their
+        # latency is at most L* and their new memory is c* / L*, so every partial latency above L*, memory above
+        # c* / L* or new GPUs above G* is pruned (each only grows down the tree).
+        mem_cap, gpu_cap = INF, 1 << 62
+        if self.canonical is not None:
+            c_t, l_t, g_t = self.canonical
+            lam = min(lam, l_t * (1 + REL_TOL) + 1e-300)
+            mem_cap = (c_t / l_t if l_t > 0 else 0.0) * (1 + 1e-9) + 1e-12
+            gpu_cap = g_t
+        p_cap, p_mem, p_k, p_reps, p_need, p_gpus = pb.p_cap, pb.p_mem, pb.p_k, pb.p_reps, pb.p_need, pb.p_gpus
         r_prof, r_load0 = pb.r_prof, pb.r_load0
-        profiles = pb.profiles
         layout = pb.layout
         free = dict(pb.free0)
         occ = dict(pb.occ0)  # GPU sharing: busy occupancy that load-aware placement reads
@@ -747,6 +769,8 @@ class _Search:
             # Completions that could tie the incumbent's cost: their latency is at least Lt.
             return best_t, (Lt if Lt > Lb else Lb)
 
+        canon = search.canonical is not None
+
         def prune(lb: float, Lb: float) -> bool:
             best = search.best
             if lb == INF:
@@ -754,6 +778,8 @@ class _Search:
             if best is None:
                 return False
             bc, bl, _ = best
+            if canon:  # only completions that tie the optimum are looked for
+                return lb > bc * (1 + REL_TOL) + 1e-300 or Lb > bl * (1 + REL_TOL) + 1e-300
             if lb > bc * (1 + REL_TOL) + 1e-300:
                 return True
             # A completion of equal cost is only worth finding for a strictly shorter latency.
@@ -772,6 +798,11 @@ class _Search:
                 L = pb.longest_path(pw, pb.stage_latencies(pw, choice, slots, factors))
                 if not leq(L, lam):
                     return
+            if canon:
+                if _ties(M * L, L, gpus_now[0], search.best):
+                    search.best_at = (pw, list(choice), list(slots), list(places))
+                    search.done = True
+                return
             if better(M * L, L, gpus_now[0], search.best):
                 search.best = (M * L, L, gpus_now[0])
                 search.best_at = (pw, list(choice), list(slots), list(places))
@@ -864,6 +895,17 @@ class _Search:
                 return True
             return False
 
+        # The canonical pass visits children in the spec's canonical order: running instances by position,
+        # then open new instances by slot, then new profiles by position (and replica count).
+        canon_reuse = [sorted(x) for x in reuse_opts]
+        canon_new = [sorted(x) for x in st.new_opts]
+        # Only variants before the known optimum in the canonical order are looked for: in its workflow, a
+        # child after its choice at a stage whose prefix equals its prefix ends the node (eqd: how many leading
+        # stages of the current choice equal its).
+        restrict = canon and search.canon_enc is not None and pw.index == search.canon_wf
+        enc = search.canon_enc or ()
+        eqd = [0]
+
         def rec(j: int, parent_lb: float) -> None:
             if search.done:
                 return
@@ -890,7 +932,10 @@ class _Search:
             ld = load[s]
             # 1. reuse a running instance
             seen: set[tuple[int, int]] = set()
-            for r in reuse_opts[s]:
+            peq = restrict and eqd[0] == j  # the canonical pass: the prefix equals the known optimum's
+            for r in (canon_reuse[s] if canon else reuse_opts[s]):
+                if peq and (0, r) > enc[j]:
+                    return  # every later child comes after the known optimum in the canonical order
                 pi = r_prof[r]
                 used = r_load0[r] + r_add[r]
                 if check_cap and not leq(used + ld, p_cap[pi]):
@@ -904,7 +949,10 @@ class _Search:
                     continue
                 r_add[r] += ld
                 choice.append((REUSE, r))
+                if peq and (0, r) == enc[j]:
+                    eqd[0] = j + 1
                 descend(j, lb)
+                eqd[0] = j
                 choice.pop()
                 r_add[r] -= ld
                 assigned[s] = False
@@ -913,6 +961,8 @@ class _Search:
             # 2. join a new instance opened earlier in this variant
             seen.clear()
             for k in range(len(slots)):
+                if peq and (1, k) > enc[j]:
+                    return
                 pi = slots[k]
                 if check_cap and not leq(slot_load[k] + ld, p_cap[pi]):
                     continue
@@ -925,16 +975,23 @@ class _Search:
                     continue
                 slot_load[k] += ld
                 choice.append((NEW, k))
+                if peq and (1, k) == enc[j]:
+                    eqd[0] = j + 1
                 descend(j, lb)
+                eqd[0] = j
                 choice.pop()
                 slot_load[k] -= ld
                 assigned[s] = False
                 if search.done or halted(lb):
                     return
             # 3. open a new instance; placement depends only on k = tp*pp for this state
-            place_cache: dict[int, tuple[float, str, tuple[str, ...]] | None] = {}
-            for pi in st.new_opts[s]:
+            place_cache: dict[int, tuple[int, str, tuple[str, ...]] | None] = {}
+            for pi in (canon_new[s] if canon else st.new_opts[s]):
+                if peq and (2, pi) > enc[j]:
+                    return
                 m = p_mem[pi]
+                if mem_now[0] + m > mem_cap or gpus_now[0] + p_gpus[pi] > gpu_cap:
+                    continue  # the canonical pass: more memory or GPUs than the optimum it must tie
                 if search.best is not None:
                     # Cheap pre-check before placing: (M + m) * (latency so far) already too much?
                     f = max((fin[p] for p in preds[s]), default=0.0) + lat_new[s][pi]
@@ -942,11 +999,10 @@ class _Search:
                         continue
                 if not set_fin(s, lat_new[s][pi]):
                     continue
-                mpg = profiles[pi].memory_gb_per_gpu
+                mpg = p_need[pi]  # in the spec's unit: exact
                 k = p_k[pi]
                 reps = p_reps[pi]
-                # Free memory is restored from this snapshot, not by adding back: float sums drift after
-                # backtracking (28 - 7.1e-15 GB), and the spec's exact ties between GPUs and nodes then break.
+                # Free memory (integers in the spec's unit, so no drift) is restored from this snapshot.
                 snap = list(free.items()) if check_place else []
                 group: list[tuple[str, tuple[str, ...]]] = []
                 node: str = ""
@@ -975,7 +1031,7 @@ class _Search:
                     if k not in place_cache:
                         place_cache[k] = _best_node(layout, free, k)
                     pl = place_cache[k]
-                    if pl is None or pl[0] < mpg - EPS_GB:
+                    if pl is None or pl[0] < mpg:
                         assigned[s] = False
                         continue
                     node, gids = pl[1], pl[2]
@@ -992,7 +1048,10 @@ class _Search:
                 mem_now[0] += m
                 gpus_now[0] += k * reps
                 choice.append((NEW, len(slots) - 1))
+                if peq and (2, pi) == enc[j]:
+                    eqd[0] = j + 1
                 descend(j, lb)
+                eqd[0] = j
                 choice.pop()
                 gpus_now[0] -= k * reps
                 mem_now[0] -= m
@@ -1148,14 +1207,14 @@ def _core_lp(cols_lo: list[float], cols_hi: list[float], cost: list[float], entr
     return lp
 
 
-def _place_group(layout, free: dict[str, float], k: int, mpg: float, reps: int
+def _place_group(layout, free: dict[str, int], k: int, mpg: int, reps: int
                  ) -> list[tuple[str, tuple[str, ...]]] | None:
-    """Place `reps` replicas of k GPUs x `mpg` GB one after another (LeastLoaded each), taking their
+    """Place `reps` replicas of k GPUs x `mpg` units one after another (LeastLoaded each), taking their
     memory from `free`; None (and `free` as it was) when one does not fit."""
     out: list[tuple[str, tuple[str, ...]]] = []
     for _ in range(reps):
         pl = _best_node(layout, free, k)
-        if pl is None or pl[0] < mpg - EPS_GB:
+        if pl is None or pl[0] < mpg:
             for _, gids in out:
                 for g in gids:
                     free[g] += mpg
@@ -1166,14 +1225,14 @@ def _place_group(layout, free: dict[str, float], k: int, mpg: float, reps: int
     return out
 
 
-def _restore(free: dict[str, float], snap: list[tuple[str, float]]) -> None:
+def _restore(free: dict[str, int], snap: list[tuple[str, int]]) -> None:
     """Free memory exactly as it was before a placement (no float drift from adding back)."""
     for g, v in snap:
         free[g] = v
 
 
-def _unplace(placed: list[tuple[str, tuple[str, ...]]], free: dict[str, float], occ: dict[str, Any],
-             snap: list[tuple[str, float]], u: Any) -> None:
+def _unplace(placed: list[tuple[str, tuple[str, ...]]], free: dict[str, int], occ: dict[str, Any],
+             snap: list[tuple[str, int]], u: Any) -> None:
     """Undo `Problem.place_new` for these replicas (GPU sharing): free memory from the snapshot, occupancy
     (exact rationals) by subtraction."""
     _restore(free, snap)
@@ -1182,10 +1241,10 @@ def _unplace(placed: list[tuple[str, tuple[str, ...]]], free: dict[str, float], 
             occ[g] -= u
 
 
-def _best_node(layout, free: dict[str, float], k: int) -> tuple[float, str, tuple[str, ...]] | None:
+def _best_node(layout, free: dict[str, int], k: int) -> tuple[int, str, tuple[str, ...]] | None:
     """The LeastLoaded choice for k GPUs in the current state, whatever the memory asked:
     the node whose k-th freest GPU has the most free memory (a node fits iff that one fits)."""
-    best: tuple[float, str, tuple[str, ...]] | None = None
+    best: tuple[int, str, tuple[str, ...]] | None = None
     for node, ids in zip(layout.nodes, layout.gpus_by_node, strict=True):
         if len(ids) < k:
             continue
@@ -1196,9 +1255,57 @@ def _best_node(layout, free: dict[str, float], k: int) -> tuple[float, str, tupl
     return best
 
 
+def _ties(cost: float, lat: float, gpus: int, key: tuple[float, float, int] | None) -> bool:
+    """The spec's tie with the optimum `key`: cost and L equal within 1e-12 relative, the same new GPUs."""
+    if key is None:
+        return False
+    c, L, g = key
+    return gpus == g and abs(cost - c) <= REL_TOL * abs(c) and abs(lat - L) <= REL_TOL * abs(L)
+
+
+BestAt = tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]
+
+
+CANON_NODES = 2_500  # search nodes of the canonical pass (work, not time: the same answer at any load)
+NOT_CANONICAL = ("proven optimal; the tie-break beyond (cost, L, new GPUs) was not settled within the canonical "
+                 "search's work limit, so this may not be the canonical variant among equally good ones")
+
+
+def canonical(pb: Problem, key: tuple[float, float, int], at: BestAt, deadline: float) -> tuple[BestAt, bool]:
+    """The canonical variant among those that tie the proven optimum `key` (docs/selection-spec.md, "Cost"):
+    the first of them in the canonical order, found by a branch and bound that visits children in that order
+    and prunes every subtree that cannot tie; and True. (`at`, False) when CANON_NODES nodes or the deadline
+    pass first."""
+    s = _Search(pb, canonical=key, deadline=deadline, grace=0.0, max_nodes=CANON_NODES)
+    s.canon_wf, s.canon_enc = at[0].index, _encoding(at[1], at[2])
+    s.run()
+    if s.done and s.best_at is not None:
+        return s.best_at, True
+    if not s.stopped:  # searched everything before `at` in the canonical order: `at` is the canonical one
+        return at, True
+    return at, False
+
+
+def _encoding(choice: list[Choice], slots: list[int]) -> tuple[tuple[int, int], ...]:
+    """A choice in the canonical order's terms (docs/selection-spec.md, "Cost"), with the search's indices, whose
+    order is the request's: (0, reused instance), (1, slot joined), (2, profile of a slot it opens)."""
+    out: list[tuple[int, int]] = []
+    opened = 0
+    for kind, ref in choice:
+        if kind == REUSE:
+            out.append((0, ref))
+        elif ref == opened:
+            out.append((2, slots[ref]))
+            opened += 1
+        else:
+            out.append((1, ref))
+    return tuple(out)
+
+
 def solve(pb: Problem, *, deadline: float = INF, grace: float = INF, max_nodes: int | None = None,
-          **kw: bool) -> _Search:
-    s = _Search(pb, deadline=deadline, grace=grace, max_nodes=max_nodes, **kw)
+          check_cap: bool = True, check_place: bool = True, stop_first: bool = False) -> _Search:
+    s = _Search(pb, deadline=deadline, grace=grace, max_nodes=max_nodes, check_cap=check_cap,
+                check_place=check_place, stop_first=stop_first)
     s.run()
     return s
 
@@ -1246,16 +1353,19 @@ def finish(pb: Problem, strategy: str, search: _Search, started: float, budget: 
             return replace(res, reason_detail=res.reason_detail + " (the time budget ran out before the "
                            "tightest reason was established: it may be an earlier constraint)")
         return infeasible_result(pb, strategy, level, started, search.leaves, optimal=True)
-    return pb.result(strategy, search.best_at, started, search.leaves, timed_out=search.stopped,
-                     optimal=not search.stopped, lower_bound=search.lower_bound)
+    at, canon = search.best_at, True
+    if not search.stopped and search.best is not None:
+        at, canon = canonical(pb, search.best, at, started + GRACE_SHARE * budget)
+    res = pb.result(strategy, at, started, search.leaves, timed_out=search.stopped,
+                    optimal=not search.stopped, lower_bound=search.lower_bound)
+    return res if canon else replace(res, reason_detail=NOT_CANONICAL)
 
 
 @register("exact")
 def select_exact(req: SelectionRequest) -> SelectionResult:
-    from flowmaker.selection.milp import FIRST_MAX_S, FIRST_SHARE, select_hybrid
+    from flowmaker.selection.milp import first_nodes, select_hybrid
 
-    budget = req.options.time_budget_s or DEFAULT_BUDGET_S
-    return select_hybrid(req, "exact", min(FIRST_MAX_S, FIRST_SHARE * budget))
+    return select_hybrid(req, "exact", first_nodes(req.options.time_budget_s or DEFAULT_BUDGET_S))
 
 
-__all__ = ["finish", "make_search", "select_exact", "solve", "tightest_reason", "usable_profiles"]
+__all__ = ["NOT_CANONICAL", "canonical", "finish", "make_search", "select_exact", "solve", "tightest_reason", "usable_profiles"]

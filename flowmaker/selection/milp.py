@@ -40,7 +40,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flowmaker.domain import SelectionRequest, SelectionResult
@@ -293,14 +293,16 @@ class RelaxedModel:
         return inst, None
 
     def cut(self, pi: int, stages: list[int], nbins: int) -> None:
-        """Valid for every variant: when all of `stages` run on profile pi, it has at least nbins instances."""
+        """Valid for every variant: y[pi] >= nbins - (stages of `stages` not on pi). When all of `stages` run on
+        profile pi it needs nbins instances, and each stage left out lowers that need by at most one (it could
+        have had an instance of its own), so any part T of them on pi needs at least nbins - |stages - T|."""
         idx = [self.y[pi]]
         val = [1.0]
         for s in stages:
             o = next(i for i, (k, ref, _) in enumerate(self.opts[s]) if k == NEW and ref == pi)
             idx.append(self.x[s][o])
-            val.append(-float(nbins))
-        self.h.addRow(-float(nbins) * (len(stages) - 1), math.inf, len(idx), idx, val)
+            val.append(-1.0)
+        self.h.addRow(float(nbins - len(stages)), math.inf, len(idx), idx, val)
 
     def realize(self, assign: dict[int, tuple[str, int]], inst: dict[int, int]
                 ) -> tuple[tuple[float, float, int], list[Choice], list[int], list[tuple[str, tuple[str, ...]]]] | None:
@@ -325,7 +327,7 @@ class RelaxedModel:
             return None
         return pb.score(pw, choice, slots, places), choice, slots, places
 
-    def walk(self, deadline: float, best: tuple[float, float, int] | None) -> Front:
+    def walk(self, deadline: float, best: tuple[float, float, int] | None, max_solves: int = 0) -> Front:
         """The Pareto walk, from the top (module docstring). `best`: the incumbent (cost, L, GPUs) across
         workflows. Lmin (least L) and Mmin (least M) first; then, with b = incumbent / Lmin, repeatedly the
         least L subject to M <= b and L <= incumbent / Mmin: its point (M', L') costs what every variant with
@@ -355,6 +357,8 @@ class RelaxedModel:
         heap: list[tuple[float, float, float, float, bool]] = [
             (Mmin * Lmin, Mmin, inc0 / Lmin if Lmin > 0 else INF, Lmin, False)]
         while heap:
+            if self.solves >= (max_solves or WALK_SOLVES):  # work done, not time: open intervals keep their bounds
+                break
             key, a, b, lo_l, whole = heapq.heappop(heap)
             inc = best[0] * (1 + 1e-9) if best else INF
             if key > inc:  # (equal: a variant of equal cost may still be faster)
@@ -443,17 +447,32 @@ def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
 
 # ---------------------------------------------------------------- the strategy: MILP front, then branch and bound
 
-FIRST_SHARE = 0.08  # `exact`: share of the budget for the branch and bound alone (most requests end here)
-FIRST_MAX_S = 0.25
-MILP_SHARE = 0.82  # the Pareto walks end by this share of the budget; the branch and bound has the rest
+# Phases switch by work done, never by the clock (issue 24: the same answer at any machine load); the clock
+# only enforces the caller's final deadline. `exact`: the branch and bound alone for FIRST_NODES search nodes
+# (most requests end there; fewer for a small budget, scaled by a fixed reference rate, not a measured one),
+# then the Pareto walks, each for at most WALK_SOLVES MILPs (chains: CHAIN_POINTS multisets), then the branch
+# and bound again until the final deadline.
+FIRST_NODES = 5_000
+REF_NODES_PER_S = 20_000  # this machine's rate, measured once; only scales FIRST_NODES down for small budgets
+FIRST_SHARE = 0.08
+WALK_SOLVES = 400
+CHAIN_POINTS_FIRST = 60  # a chain's multiset walk visits this many multisets before its MILP walk,
+CHAIN_MILPS_FIRST = 4  # or solves this many of their packings as MILPs
+CHAIN_POINTS = 5_000
+CHAIN_NODES = 3_000_000  # depth-first nodes of a chain walk's packings, all multisets together
 
 Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]]
 
 
-def select_hybrid(req: SelectionRequest, strategy: str, first_s: float | None) -> SelectionResult:
-    """Branch and bound for `first_s` (None: the whole budget, no MILP); if that does not settle it, the
-    Pareto walks of every workflow (incumbents and a lower bound, or the proof), then branch and bound again
-    from the best variant known, for the rest of the budget."""
+def first_nodes(budget_s: float) -> int:
+    """Search nodes of `exact`'s first branch and bound for a request with this time budget."""
+    return max(200, min(FIRST_NODES, int(REF_NODES_PER_S * FIRST_SHARE * budget_s)))
+
+
+def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> SelectionResult:
+    """Branch and bound for `first` search nodes (None: until the deadline, no MILP); if that does not settle
+    it, the Pareto walks of every workflow (incumbents and a lower bound, or the proof), then branch and bound
+    again from the best variant known, until the deadline."""
     from flowmaker.selection import exact as ex
     from flowmaker.selection.chain import is_chain, walk_chain
 
@@ -462,19 +481,19 @@ def select_hybrid(req: SelectionRequest, strategy: str, first_s: float | None) -
     pb = Problem(req)
     deadline = started + ex.SEARCH_SHARE * budget
     grace = started + ex.GRACE_SHARE * budget
-    if first_s is None or _CORE is None:
+    if first is None or _CORE is None:
         return ex.finish(pb, strategy, ex.solve(pb, deadline=deadline, grace=grace), started, budget)
     search = None
-    if first_s > 0:
-        d1 = min(deadline, started + first_s)
-        search = ex.solve(pb, deadline=d1, grace=d1)
+    if first > 0:
+        # `grace=started`: a search stopped for its node count leaves its frontier as is (the walk follows).
+        search = ex.solve(pb, deadline=deadline, grace=started, max_nodes=first)
         if not search.stopped:
             return ex.finish(pb, strategy, search, started, budget)
     best: Best | None = None
     if search is not None and search.best is not None and search.best_at is not None:
         best = (search.best, search.best_at)
     usable = ex.usable_profiles(pb)
-    d2 = started + MILP_SHARE * budget
+    d2 = deadline  # the walks stop by work done (WALK_SOLVES, CHAIN_POINTS), or at the final deadline
     lb = INF
     complete = True
     evaluated = search.leaves if search is not None else 0  # variants looked at: leaves and front points
@@ -483,10 +502,21 @@ def select_hybrid(req: SelectionRequest, strategy: str, first_s: float | None) -
     for pw in pb.workflows:
         m = RelaxedModel(pb, pw, usable)
         models[pw.index] = m
-        # Chains: the multiset walk, unless all reuse is known to be optimal (cost 0: only the least latency
-        # of all-reuse assignments is left, which the MILP finds faster than a search over the running ones).
-        chain = is_chain(pw) and not (best is not None and best[0][0] <= 0.0)
-        fr = walk_chain(m, d2, best[0] if best else None) if chain else m.walk(d2, best[0] if best else None)
+        chain = is_chain(pw)
+        if chain:
+            # Chains: the multiset walk for a bounded amount of work, then (unless it settled the workflow) the
+            # MILP walk from the best variant known. Both bounds hold for every variant: the larger one is kept.
+            fr = walk_chain(m, d2, best[0] if best else None, CHAIN_POINTS_FIRST, CHAIN_MILPS_FIRST)
+        else:
+            fr = m.walk(d2, best[0] if best else None)
+        for sc, choice, slots, places in fr.candidates:
+            if best is None or better(*sc, best[0]):
+                best = (sc, (pw, choice, slots, places))
+        if chain and not (fr.complete and best is not None and best[0][0] <= fr.lower_bound * (1 + 2e-9)):
+            fr2 = m.walk(d2, best[0] if best else None)
+            fr2.candidates = fr.candidates + fr2.candidates
+            fr2.lower_bound = max(fr2.lower_bound, fr.lower_bound)
+            fr = fr2
         exact_ties[pw.index] = fr.exact_ties
         lb = min(lb, fr.lower_bound)
         complete = complete and fr.complete
@@ -500,12 +530,12 @@ def select_hybrid(req: SelectionRequest, strategy: str, first_s: float | None) -
         # Proven (placement relaxed, so a fortiori). Tie-break: fewest new GPUs at this cost and latency.
         pw = best[1][0]
         if exact_ties.get(pw.index):
-            return pb.result(strategy, best[1], started, evaluated, optimal=True)
-        alt = models[pw.index].fewest_gpus(sum(pb.p_mem[p] for p in best[1][2]), best[0][1], d2 + 0.05 * budget)
+            return _canonical_result(pb, strategy, best, started, evaluated, grace)
+        alt = models[pw.index].fewest_gpus(sum(pb.p_mem[p] for p in best[1][2]), best[0][1], grace)
         if alt is not None and better(*alt[0], best[0]):
             best = (alt[0], (pw, alt[1], alt[2], alt[3]))
         if alt is not None:
-            return pb.result(strategy, best[1], started, evaluated, optimal=True)
+            return _canonical_result(pb, strategy, best, started, evaluated, grace)
     if complete and best is None and lb == INF:
         # Nothing is feasible even with placement relaxed: the branch and bound names the reason.
         return ex.finish(pb, strategy, ex.solve(pb, deadline=deadline, grace=grace), started, budget)
@@ -519,10 +549,20 @@ def select_hybrid(req: SelectionRequest, strategy: str, first_s: float | None) -
     return ex.finish(pb, strategy, s3, started, budget)
 
 
+def _canonical_result(pb: Problem, strategy: str, best: Best, started: float, evaluated: int,
+                      deadline: float) -> SelectionResult:
+    """The answer for a proven optimum: the canonical variant among its ties when the canonical pass settles it."""
+    from flowmaker.selection import exact as ex
+
+    at, canon = ex.canonical(pb, best[0], best[1], deadline)
+    res = pb.result(strategy, at, started, evaluated, optimal=True)
+    return res if canon else replace(res, reason_detail=ex.NOT_CANONICAL)
+
+
 @register("milp")
 def select_milp(req: SelectionRequest) -> SelectionResult:
     """The Pareto walk first (no branch-and-bound head start), branch and bound for what it leaves open."""
-    return select_hybrid(req, "milp", 0.0)
+    return select_hybrid(req, "milp", 0)
 
 
 __all__ = ["RelaxedModel", "select_hybrid", "select_milp"]

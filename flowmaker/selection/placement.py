@@ -2,6 +2,9 @@
 
 Shared by the selector (during search), the deployer (when it really starts the
 instance) and the simulator, so all three agree on which GPUs an instance gets.
+Memory is compared in whole units of 1e-6 GB (docs/selection-spec.md, Feasibility 4): binary floats such as
+7.1 GB drift by 1e-15 after a few sums, and the spec's ties between GPUs and nodes with equal free memory
+must not depend on that.
 """
 
 from __future__ import annotations
@@ -12,9 +15,15 @@ from fractions import Fraction
 
 from flowmaker.domain import Gpu
 
-# Memory comparisons tolerate float noise from summing many per-GPU figures.
+# Memory comparisons outside placement (commit, simulator) tolerate float noise from summing per-GPU figures.
 EPS_GB = 1e-9
+UNITS_PER_GB = 1_000_000  # the spec's memory unit: 1e-6 GB
 _ZERO = Fraction(0)
+
+
+def gb_units(gb: float) -> int:
+    """A memory figure in the spec's integer unit (1e-6 GB): round(gb * 1e6), half to even."""
+    return round(gb * UNITS_PER_GB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,23 +42,19 @@ class NodeGpus:
         return NodeGpus(nodes, tuple(tuple(sorted(by[n])) for n in nodes))
 
 
-def place_least_loaded(layout: NodeGpus, free_gb: Mapping[str, float], k: int,
-                       memory_gb_per_gpu: float) -> tuple[str, tuple[str, ...]] | None:
-    """Choose (node, gpu_ids) for an instance needing k GPUs with `memory_gb_per_gpu` each.
-
-    On each node take the k GPUs with the most free memory (ties: smaller GPU id);
-    among nodes where those k all fit, pick the node whose k-th chosen GPU has the
-    most free memory (ties: smaller node id). None when no node fits.
-    """
-    best: tuple[float, str, tuple[str, ...]] | None = None
-    need = memory_gb_per_gpu - EPS_GB
+def place_units(layout: NodeGpus, free_u: Mapping[str, int], k: int, need_u: int
+                ) -> tuple[str, tuple[str, ...]] | None:
+    """LeastLoaded on free memory in units (exact): on each node the k GPUs with the most free memory (ties:
+    smaller GPU id); among nodes where those k all have >= need_u, the node whose k-th chosen GPU has the most
+    (ties: smaller node id). None when no node fits."""
+    best: tuple[int, str, tuple[str, ...]] | None = None
     for node, ids in zip(layout.nodes, layout.gpus_by_node, strict=True):
         if len(ids) < k:
             continue
         # ids are sorted, and sorted() is stable, so equal free memory keeps the smaller id first.
-        chosen = sorted(ids, key=lambda g: -free_gb[g])[:k]
-        kth = free_gb[chosen[-1]]
-        if kth < need:
+        chosen = sorted(ids, key=lambda g: -free_u[g])[:k]
+        kth = free_u[chosen[-1]]
+        if kth < need_u:
             continue
         if best is None or kth > best[0]:  # strict: an equal k-th keeps the smaller node id
             best = (kth, node, tuple(chosen))
@@ -58,28 +63,39 @@ def place_least_loaded(layout: NodeGpus, free_gb: Mapping[str, float], k: int,
     return best[1], best[2]
 
 
+def place_least_loaded(layout: NodeGpus, free_gb: Mapping[str, float], k: int,
+                       memory_gb_per_gpu: float) -> tuple[str, tuple[str, ...]] | None:
+    """Choose (node, gpu_ids) for an instance needing k GPUs with `memory_gb_per_gpu` each, free memory given
+    in GB (each figure rounded to the spec's unit; `place_units` for callers that keep units)."""
+    return place_units(layout, {g: gb_units(v) for g, v in free_gb.items()}, k, gb_units(memory_gb_per_gpu))
+
+
 def free_memory(gpus: Sequence[Gpu]) -> dict[str, float]:
     return {g.id: g.memory_total_gb - g.memory_used_gb for g in gpus}
 
 
-def place_least_busy(layout: NodeGpus, free_gb: Mapping[str, float], busy: Mapping[str, Fraction], k: int,
-                     memory_gb_per_gpu: float) -> tuple[str, tuple[str, ...]] | None:
-    """Load-aware LeastLoaded (docs/selection-spec.md, "Extension: GPU sharing").
+def free_units(gpus: Sequence[Gpu]) -> dict[str, int]:
+    """Free memory per GPU in the spec's unit: each figure rounded first, then subtracted exactly."""
+    return {g.id: gb_units(g.memory_total_gb) - gb_units(g.memory_used_gb) for g in gpus}
+
+
+def place_least_busy(layout: NodeGpus, free_u: Mapping[str, int], busy: Mapping[str, Fraction], k: int,
+                     need_u: int) -> tuple[str, tuple[str, ...]] | None:
+    """Load-aware LeastLoaded (docs/selection-spec.md, "Extension: GPU sharing"), free memory in units.
 
     On each node the candidates are the GPUs where the memory fits; take the k of them with the least busy
     share (ties: more free memory, then smaller GPU id). Among nodes with k candidates, pick the node whose
     k-th chosen GPU is best by the same order (least busy, then most free memory; ties: smaller node id).
-    With every busy share equal this is exactly `place_least_loaded`. None when no node fits.
+    With every busy share equal this is exactly `place_units`. None when no node fits.
     """
-    need = memory_gb_per_gpu - EPS_GB
-    best: tuple[Fraction, float, str, tuple[str, ...]] | None = None
+    best: tuple[Fraction, int, str, tuple[str, ...]] | None = None
     for node, ids in zip(layout.nodes, layout.gpus_by_node, strict=True):
-        cand = [g for g in ids if free_gb[g] >= need]
+        cand = [g for g in ids if free_u[g] >= need_u]
         if len(cand) < k:
             continue
-        chosen = sorted(cand, key=lambda g: (busy.get(g, _ZERO), -free_gb[g]))[:k]  # stable: smaller id first
+        chosen = sorted(cand, key=lambda g: (busy.get(g, _ZERO), -free_u[g]))[:k]  # stable: smaller id first
         kth = chosen[-1]
-        key = (busy.get(kth, _ZERO), free_gb[kth])
+        key = (busy.get(kth, _ZERO), free_u[kth])
         if best is None or key[0] < best[0] or (key[0] == best[0] and key[1] > best[1]):
             best = (key[0], key[1], node, tuple(chosen))
     if best is None:

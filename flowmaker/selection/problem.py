@@ -27,7 +27,7 @@ from flowmaker.domain import (
     Variant,
     Workflow,
 )
-from flowmaker.selection.placement import NodeGpus, free_memory, place_least_busy, place_least_loaded
+from flowmaker.selection.placement import NodeGpus, free_units, gb_units, place_least_busy, place_units
 from flowmaker.sharing import add_offered, busy_share, gpu_totals, multiplier, occupancy, speed_factor
 
 # Relative tolerance for comparing costs and latencies (spec: answers equal within 1e-9).
@@ -96,7 +96,9 @@ class Problem:
         self.r_prof = tuple(self.prof_by_key[i.key] for i in self.reusable)
         self.r_load0 = tuple(i.load_output_tokens_per_s for i in self.reusable)
         self.layout = NodeGpus.of(req.cluster.gpus)
-        self.free0 = free_memory(req.cluster.gpus)
+        # Free memory in the spec's integer unit (1e-6 GB): its ties are exact whatever the search did before.
+        self.free0 = free_units(req.cluster.gpus)
+        self.p_need = tuple(gb_units(p.memory_gb_per_gpu) for p in self.profiles)  # per GPU, in units
         # GPU sharing (docs/selection-spec.md, "Extension: GPU sharing"; model in flowmaker.sharing): per running
         # instance its compute share rho0 (load / capacity; capacity restated under BUSY_TIME) and busy share
         # (measured, else rho0), per GPU their exact sums.
@@ -149,16 +151,16 @@ class Problem:
                 lat[s] *= factors[j]
         return lat
 
-    def place_new(self, free: dict[str, float], occ: dict[str, Fraction], pi: int
+    def place_new(self, free: dict[str, int], occ: dict[str, Fraction], pi: int
                   ) -> tuple[str, tuple[str, ...]] | None:
-        """Place ONE instance of profile pi on the state (free memory, busy occupancy) and update both; the
+        """Place ONE instance of profile pi on the state (free memory in units, busy occupancy) and update both; the
         base contract's LeastLoaded, or the load-aware one under GPU sharing (a new instance of the variant
         occupies u of each of its GPUs: its final share is not known when it is placed)."""
-        mpg = self.profiles[pi].memory_gb_per_gpu
+        mpg = self.p_need[pi]
         if self.sharing:
             pl = place_least_busy(self.layout, free, occ, self.p_k[pi], mpg)
         else:
-            pl = place_least_loaded(self.layout, free, self.p_k[pi], mpg)
+            pl = place_units(self.layout, free, self.p_k[pi], mpg)
         if pl is None:
             return None
         for g in pl[1]:

@@ -71,3 +71,25 @@ def test_synthetic_catalog_is_deterministic_and_leaderboard_like() -> None:
     assert a == b
     assert len({m.id for m in a}) == 40
     assert all(0.05 <= m.accuracy <= 0.5 for m in a)
+
+
+def test_hard_section_reports_shares_gaps_and_a_digest(tmp_path: Path) -> None:
+    cfg = BenchConfig(sections=("hard",), hard_count=1, hard_budget_s=1.0, seed=24)
+    res = run_selector_bench(tmp_path, cfg)
+    saved = json.loads((tmp_path / "selector.json").read_text())
+    from flowmaker.bench.selector_hard import HARD_FAMILIES
+    from flowmaker.bench.selector_hard_run import answers_digest
+
+    hard = saved["hard"]
+    assert [r["family"] for r in hard["rows"]] == list(HARD_FAMILIES)
+    assert set(hard["summary"]) == {*HARD_FAMILIES, "all"}
+    sm = hard["summary"]["all"]
+    assert sm["instances"] == len(HARD_FAMILIES)
+    assert sm["proven_within_1s"] <= sm["proven_within_2s"] <= sm["proven"] <= sm["instances"]
+    assert sm["proven"] + sm["unproven"] == sm["instances"]
+    for r in hard["rows"]:
+        assert r["recipe"]["family"] == r["family"] and r["seed"] == 24
+        if r["answer"] == "feasible":
+            assert r["lower_bound"] <= r["cost"] * (1 + 1e-9)
+            assert r["gap"] == 0.0 if r["optimal"] else 0.0 <= r["gap"] <= 1.0
+    assert hard["answers_digest"] == answers_digest(res["hard"]["rows"])

@@ -47,7 +47,7 @@ def tie_requests(draw: st.DrawFn) -> SelectionRequest:
             profiles.append(Profile(m.id, tp, 1, draw(st.sampled_from(MEMS)), 0.01,
                                     draw(st.sampled_from([1e-4, 2e-4])) / tp,
                                     draw(st.sampled_from([0.01, 0.02])) / tp, 400.0 * tp))
-    instances = ()
+    instances: tuple[Instance, ...] = ()
     if draw(st.booleans()):
         p = draw(st.sampled_from(profiles))
         instances = (Instance("run0", p.model_id, p.tp, p.pp, tuple(g.id for g in gpus[:p.tp]),

@@ -100,7 +100,7 @@ def _hot_stage(rate: float, reps: int, free_gpus: int = 4) -> SelectionRequest:
 def test_a_stage_beyond_one_instance_scales_out_to_the_fewest_replicas() -> None:
     # 2.5 req/s x 100 tokens = 250 tok/s: one instance carries 100, so three replicas, each at a third.
     base = select(_hot_stage(2.5, 1), "exact")
-    assert base.variant is None and base.reason.name == "NO_CAPACITY"
+    assert base.variant is None and base.reason is not None and base.reason.name == "NO_CAPACITY"
     res = select(_hot_stage(2.5, 4), "exact")
     v = res.variant
     assert v is not None and res.optimal
@@ -113,7 +113,7 @@ def test_a_stage_beyond_one_instance_scales_out_to_the_fewest_replicas() -> None
 
 def test_replicas_that_do_not_fit_are_no_gpu_memory_and_one_replica_is_the_base_answer() -> None:
     res = select(_hot_stage(2.5, 4, free_gpus=2), "exact")
-    assert res.variant is None and res.reason.name == "NO_GPU_MEMORY"
+    assert res.variant is None and res.reason is not None and res.reason.name == "NO_GPU_MEMORY"
     one = select(_hot_stage(0.5, 4), "exact").variant
     assert one is not None and one.new_instances[0].key == "new-0" and one.assignments[0].replica_keys == ()
     assert one == select(_hot_stage(0.5, 1), "exact").variant

@@ -122,11 +122,22 @@ def longest(wf: Workflow, lat: dict[str, float]) -> float:
     return max(fin.values())
 
 
-def spec_place(gpus: list[Gpu], free: dict[str, float], k: int, mem: float) -> tuple[str, list[str]] | None:
+def units(gb: float) -> int:
+    """The spec's memory unit, 1e-6 GB: every memory figure is rounded to the nearest one first."""
+    return round(gb * 1_000_000)
+
+
+def spec_free(req: SelectionRequest) -> dict[str, int]:
+    return {g.id: units(g.memory_total_gb) - units(g.memory_used_gb) for g in req.cluster.gpus}
+
+
+def spec_place(gpus: list[Gpu], free: dict[str, int], k: int, mem: float) -> tuple[str, list[str]] | None:
+    """LeastLoaded (Feasibility 4) on free memory in units; `mem` in GB."""
+    need = units(mem)
     cands = []
     for node in sorted({g.node for g in gpus}):
         ids = sorted((g.id for g in gpus if g.node == node), key=lambda i: (-free[i], i))[:k]
-        if len(ids) == k and all(free[i] >= mem - 1e-9 for i in ids):
+        if len(ids) == k and all(free[i] >= need for i in ids):
             cands.append((-free[ids[-1]], node, ids))
     if not cands:
         return None
@@ -152,16 +163,42 @@ def existing(req: SelectionRequest, wf: Workflow, p: Profile, load: float) -> fl
     return load * capacity(req, wf, p) / p.max_output_tokens_per_s
 
 
+Encoding = tuple[int, tuple[tuple[int, ...], ...]]  # (workflow position, per LLM stage its entry)
+
+
 def brute_force(req: SelectionRequest) -> tuple[tuple[float, float, int] | None, int]:
     """((cost, L, new GPUs) of the optimum or None, tightest failed constraint 1..4 / 5 feasible)."""
+    best, level, _ = brute_force_canonical(req)
+    return best, level
+
+
+def canonical_of(feasible: list[tuple[float, float, int, Encoding]]) -> Encoding | None:
+    """The spec's canonical answer among feasible variants (listed in any order): c* the least cost; among
+    costs within 1e-12 relative of it the least L; among those also within 1e-12 of L* the fewest new GPUs;
+    of the variants left, the least (workflow position, encoding)."""
+    if not feasible:
+        return None
+    c = min(f[0] for f in feasible)
+    a = [f for f in feasible if f[0] <= c * (1 + 1e-12)]
+    L = min(f[1] for f in a)
+    b = [f for f in a if f[1] <= L * (1 + 1e-12)]
+    g = min(f[2] for f in b)
+    return min(f[3] for f in b if f[2] == g)
+
+
+def brute_force_canonical(req: SelectionRequest) -> tuple[tuple[float, float, int] | None, int, Encoding | None]:
+    """`brute_force`, and the canonical variant's encoding (docs/selection-spec.md, "Cost")."""
     R = req.options.max_replicas
+    pos_i = {i.id: n for n, i in enumerate(req.cluster.instances)}
+    pos_p = {(p.model_id, p.tp, p.pp): n for n, p in enumerate(req.profiles)}
+    feasible: list[tuple[float, float, int, Encoding]] = []
     prof = {(p.model_id, p.tp, p.pp): p for p in req.profiles if p.model_id in {m.id for m in req.models}}
     acc = {m.id: m.accuracy for m in req.models}
     reuse = [i for i in req.cluster.instances if (i.model_id, i.tp, i.pp) in prof] if req.options.allow_reuse else []
     groups_of = [(p, r) for p in prof.values() for r in range(1, R + 1)]
     best: tuple[float, float, int] | None = None
     level = 1
-    for wf in req.workflows:
+    for wi, wf in enumerate(req.workflows):
         llm = [s for s in topo(wf) if s.is_llm]
 
         def gen(j: int, ch: list, n_open: int, llm: list[Stage] = llm):
@@ -214,7 +251,7 @@ def brute_force(req: SelectionRequest) -> tuple[tuple[float, float, int] | None,
             if not ok:
                 continue
             level = max(level, 4)
-            free = {g.id: g.memory_total_gb - g.memory_used_gb for g in req.cluster.gpus}
+            free = spec_free(req)
             for p, n in groups:
                 for _ in range(n):  # replica after replica, in the group's place in the order
                     pl = spec_place(list(req.cluster.gpus), free, p.tp * p.pp, p.memory_gb_per_gpu)
@@ -222,7 +259,7 @@ def brute_force(req: SelectionRequest) -> tuple[tuple[float, float, int] | None,
                         ok = False
                         break
                     for g in pl[1]:
-                        free[g] -= p.memory_gb_per_gpu
+                        free[g] -= units(p.memory_gb_per_gpu)
                 if not ok:
                     break
             if not ok:
@@ -231,11 +268,41 @@ def brute_force(req: SelectionRequest) -> tuple[tuple[float, float, int] | None,
             cost = sum(n * p.memory_gb_per_gpu * p.tp * p.pp for p, n in groups) * L
             gpus = sum(n * p.tp * p.pp for p, n in groups)
             key = (cost, L, gpus)
+            enc = tuple((0, pos_i[reuse[ref].id]) if kind == "R" else (1, ref) if kind == "J"
+                        else (2, pos_p[(ref[0].model_id, ref[0].tp, ref[0].pp)], ref[1]) for kind, ref in ch)
+            if best is None or cost <= best[0] * (1 + 1e-9):
+                feasible.append((cost, L, gpus, (wi, enc)))
             if (best is None or cost < best[0] - REL * max(1, cost)
                     or (close(cost, best[0]) and (L < best[1] - REL * max(1, L)
                                                   or (close(L, best[1]) and gpus < best[2])))):
                 best = key
-    return best, level
+    if best is not None:
+        feasible = [f for f in feasible if f[0] <= best[0] * (1 + 1e-9)]
+    return best, level, canonical_of(feasible)
+
+
+def encoding(req: SelectionRequest, v: Variant) -> Encoding:
+    """A returned variant in the canonical order's terms: per LLM stage in topological order (0, position of
+    the reused instance), (1, group number) for a new instance opened earlier, (2, profile position, replicas)
+    for a new one it opens."""
+    wi = next(n for n, w in enumerate(req.workflows) if w.id == v.workflow_id)
+    pos_i = {i.id: n for n, i in enumerate(req.cluster.instances)}
+    pos_p = {(p.model_id, p.tp, p.pp): n for n, p in enumerate(req.profiles)}
+    by_stage = {a.stage_id: a for a in v.assignments}
+    groups: dict[str, int] = {}
+    out: list[tuple[int, ...]] = []
+    for s in topo(req.workflows[wi]):
+        a = by_stage.get(s.id)
+        if a is None:
+            continue
+        if a.reused:
+            out.append((0, pos_i[a.instance_id]))
+        elif a.new_key in groups:
+            out.append((1, groups[a.new_key]))
+        else:
+            groups[a.new_key] = len(groups)
+            out.append((2, pos_p[(a.model_id, a.tp, a.pp)], len(a.replica_keys) or 1))
+    return wi, tuple(out)
 
 
 def recheck(req: SelectionRequest, v: Variant) -> None:
@@ -285,22 +352,23 @@ def recheck(req: SelectionRequest, v: Variant) -> None:
     # Placement order: groups by first use in topological order, each group's replicas consecutively.
     order: list[str] = []
     for s in topo(wf):
-        a = by_stage.get(s.id)
-        if a is not None and not a.reused and a.new_key not in order:
-            order.extend(a.replica_keys or (a.new_key,))
+        got = by_stage.get(s.id)
+        if got is not None and not got.reused and got.new_key not in order:
+            order.extend(got.replica_keys or (got.new_key,))
     assert order == [n.key for n in v.new_instances]
-    free = {g.id: g.memory_total_gb - g.memory_used_gb for g in req.cluster.gpus}
-    for key in order:
+    free = spec_free(req)
+    for key in order:  # every placement re-derived from the spec's LeastLoaded, GPU for GPU
         n = news[key]
         pl = spec_place(list(req.cluster.gpus), free, n.tp * n.pp, n.memory_gb_per_gpu)
         assert pl is not None and (pl[0], tuple(pl[1])) == (n.node, n.gpu_ids)
         for g in pl[1]:
-            free[g] -= n.memory_gb_per_gpu
+            free[g] -= units(n.memory_gb_per_gpu)
     mem = sum(n.memory_gb_per_gpu * n.tp * n.pp for n in v.new_instances)
     assert close(mem, v.new_memory_gb) and close(mem * L, v.cost)
     assert v.new_gpus == sum(n.tp * n.pp for n in v.new_instances)
 
 
+CANONICAL = ("exact", "milp", "exhaustive")  # the strategies that return the canonical optimum
 LEVEL = {1: Infeasibility.NO_MODEL_MEETS_ACCURACY, 2: Infeasibility.NO_LATENCY, 3: Infeasibility.NO_CAPACITY,
          4: Infeasibility.NO_GPU_MEMORY}
 
@@ -309,7 +377,7 @@ def agree(req: SelectionRequest, strategies: tuple[str, ...] = ("exact", "exhaus
           proven: bool = False) -> None:
     """Each strategy's answer has the brute force's (cost, L, new GPUs), or the same reason; `proven`: it
     also says it proved it (optimal, lower bound = cost)."""
-    want, level = brute_force(req)
+    want, level, canon = brute_force_canonical(req)
     for name in strategies:
         res = select(req, name)
         assert res.optimal or not proven, name
@@ -323,6 +391,8 @@ def agree(req: SelectionRequest, strategies: tuple[str, ...] = ("exact", "exhaus
         assert v.new_gpus == want[2], (name, v.new_gpus, want)
         assert close(res.lower_bound, v.cost) or not proven, (name, res.lower_bound, v.cost)
         recheck(req, v)
+        if res.optimal and name in CANONICAL:  # ties beyond (cost, L, new GPUs): the canonical variant
+            assert encoding(req, v) == canon, (name, encoding(req, v), canon)
 
 
 
