@@ -115,14 +115,23 @@ def occupancy0(req: SelectionRequest, s0: dict[str, Shares]) -> dict[str, Fracti
     return occ
 
 
-def place(gpus: tuple[Gpu, ...], free: dict[str, float], occ: dict[str, Fraction], k: int,
+def mu(gb: float) -> int:
+    """Feasibility 4's memory unit: round(x * 1e6) in double precision (Python's round: half to even)."""
+    return round(gb * 1e6)
+
+
+def free_units(gpus: tuple[Gpu, ...]) -> dict[str, int]:
+    return {g.id: mu(g.memory_total_gb) - mu(g.memory_used_gb) for g in gpus}
+
+
+def place(gpus: tuple[Gpu, ...], free: dict[str, int], occ: dict[str, Fraction], k: int,
           mem: float) -> tuple[str, tuple[str, ...]] | None:
-    """The extension's placement of one instance of k GPUs x mem GB: candidates F_g >= m - 1e-9; per node the
-    k candidates by (least O_g, most F_g, smaller GPU id); the node whose k-th chosen GPU is first by (least
-    O_g, most F_g), then smaller node id."""
-    best: tuple[tuple[Fraction, float, str], str, tuple[str, ...]] | None = None
+    """The extension's placement of one instance of k GPUs x mem GB: candidates F_g >= m (integer units); per
+    node the k candidates by (least O_g, most F_g, smaller GPU id); the node whose k-th chosen GPU is first by
+    (least O_g, most F_g), then smaller node id."""
+    best: tuple[tuple[Fraction, int, str], str, tuple[str, ...]] | None = None
     for node in sorted({g.node for g in gpus}):
-        cands = [g.id for g in gpus if g.node == node and free[g.id] >= mem - 1e-9]
+        cands = [g.id for g in gpus if g.node == node and free[g.id] >= mu(mem)]
         if len(cands) < k:
             continue
         chosen = tuple(sorted(cands, key=lambda i: (occ[i], -free[i], i))[:k])
@@ -321,7 +330,7 @@ def brute_force(req: SelectionRequest, prune: bool = True) -> Outcome:
             if prune and out.best is not None and M * L > out.best[0] * (1 + 1e-9) + 1e-12:
                 continue
             # 4. placement, replica by replica, in order of the groups' first stages
-            free = {g.id: g.memory_total_gb - g.memory_used_gb for g in req.cluster.gpus}
+            free = free_units(req.cluster.gpus)
             occ = dict(occ0)
             used: dict[str, tuple[tuple[str, ...], Shares]] = {}
             for gi, (p, n) in enumerate(groups):
@@ -332,7 +341,7 @@ def brute_force(req: SelectionRequest, prune: bool = True) -> Outcome:
                         ok = False
                         break
                     for g in pl[1]:
-                        free[g] -= p.memory_gb_per_gpu
+                        free[g] -= mu(p.memory_gb_per_gpu)
                         occ[g] += u
                     used[f"new/{gi}/{rep}"] = (pl[1], sh)
                 if not ok:
@@ -436,7 +445,7 @@ def recheck(req: SelectionRequest, v: Variant) -> dict[str, float]:
             o.utilization_cap * capacity(req, wf, p) * (1 + 1e-9) + 1e-9)
     # placement by the load-aware rule, replica after replica
     u = Fraction(o.utilization_cap)
-    free = {g.id: g.memory_total_gb - g.memory_used_gb for g in req.cluster.gpus}
+    free = free_units(req.cluster.gpus)
     occ = occupancy0(req, s0)
     group_of = {k: ks for ks in groups for k in ks}
     used: dict[str, tuple[tuple[str, ...], Shares]] = {}
@@ -447,7 +456,7 @@ def recheck(req: SelectionRequest, v: Variant) -> dict[str, float]:
         pl = place(req.cluster.gpus, free, occ, n.tp * n.pp, n.memory_gb_per_gpu)
         assert pl is not None and (pl[0], pl[1]) == (n.node, n.gpu_ids), (key, pl, n)
         for g in pl[1]:
-            free[g] -= n.memory_gb_per_gpu
+            free[g] -= mu(n.memory_gb_per_gpu)
             occ[g] += u
         ks = group_of[key]
         used[key] = (pl[1], replica_shares(req, wf, p, len(ks), groups[ks], busy[ks]))
