@@ -61,6 +61,7 @@ from flowmaker.domain import (
 from flowmaker.errors import InvalidSpec
 from flowmaker.orchestration.dag import Execution, StageResult
 from flowmaker.orchestration.task import Failure, TaskRecord, TaskState
+from flowmaker.sampling import Sampling
 from flowmaker.state.records import GpuRecord, InstanceRecord, InstanceState
 
 DEFAULT_STRATEGY = "exact"
@@ -796,3 +797,15 @@ def stage_result_to_proto(r: StageResult) -> orchestrator_pb2.StageOutput:
 def execution_to_proto(ex: Execution, request_id: str) -> orchestrator_pb2.InvokeResponse:
     return orchestrator_pb2.InvokeResponse(output=ex.output, latency_s=ex.latency_s,
                                            stages=[stage_result_to_proto(s) for s in ex.stages], request_id=request_id)
+
+
+def sampling_from_proto(m: orchestrator_pb2.Sampling, prefix: str = "sampling.") -> Sampling | None:
+    """InvokeRequest.sampling as the domain's, checked (InvalidSpec naming e.g. "sampling.temperature"); None
+    when nothing is set."""
+    s = Sampling(**{f: getattr(m, f) for f in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                                               "seed") if m.HasField(f)}, stop=tuple(m.stop))
+    return s.check(prefix) if s.is_set else None
+
+
+def sampling_to_proto(s: Sampling | None) -> orchestrator_pb2.Sampling:
+    return orchestrator_pb2.Sampling(**s.body()) if s is not None else orchestrator_pb2.Sampling()

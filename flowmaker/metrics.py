@@ -13,6 +13,11 @@ match the Grafana dashboard in `compose/grafana/flowmaker-dashboard.json`:
 | `flowmaker_instance_load_output_tokens_per_second` | instance, model, node, kind=planned/observed | load |
 | `flowmaker_instance_headroom_output_tokens_per_second` | instance, model, node | capacity left |
 | `flowmaker_instance_queue_requests` | instance, model, node, state=running/waiting | the engine's queue |
+| `flowmaker_leader` | service | 1 while this replica is the elected leader (it reconciles), else 0 |
+| `flowmaker_task_requests_total` | task, outcome=ok/error/cancelled | Invoke requests per task (each orchestrator replica counts its own) |
+| `flowmaker_task_slo_met_requests_total` | task | requests answered within the task's latency SLO (attainment = this / requests ok+error) |
+| `flowmaker_task_latency_seconds` | task | end-to-end latency of a request answered, model seconds (wall seconds on real GPUs) (histogram) |
+| `flowmaker_task_tokens_total` | task, kind=prompt/completion | tokens of the task's LLM calls, as the engines counted them |
 
 Each process serves them on `FLOWMAKER_<SVC>_METRICS_PORT` (`flowmaker.settings.ServiceSettings.metrics_port`;
 -1 = off, 0 = any free port) at `/metrics`, with the process and Python collectors of prometheus-client.
@@ -49,6 +54,18 @@ INSTANCE_HEADROOM = Gauge("flowmaker_instance_headroom_output_tokens_per_second"
                           ["instance", "model", "node"])
 INSTANCE_QUEUE = Gauge("flowmaker_instance_queue_requests", "Requests in the engine: running or waiting.",
                        ["instance", "model", "node", "state"])
+
+TASK_REQUESTS = Counter("flowmaker_task_requests", "Invoke requests per task, by outcome (ok, error, cancelled).",
+                        ["task", "outcome"])
+TASK_SLO_MET = Counter("flowmaker_task_slo_met_requests", "Requests answered within the task's latency SLO.", ["task"])
+TASK_LATENCY = Histogram("flowmaker_task_latency_seconds", "End-to-end latency of a request answered, model seconds.",
+                         ["task"], buckets=RPC_BUCKETS)
+TASK_TOKENS = Counter("flowmaker_task_tokens", "Tokens of a task's LLM calls (prompt, completion).", ["task", "kind"])
+LEADER = Gauge("flowmaker_leader", "1 while this process is its service's elected leader, else 0.", ["service"])
+
+
+def set_leader(service: str, leading: bool) -> None:
+    LEADER.labels(service).set(1 if leading else 0)
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> int:
@@ -158,6 +175,31 @@ def time_reconcile(service: str = "orchestrator") -> Iterator[None]:
 def observe_selection(strategy: str, feasible: bool, elapsed_s: float) -> None:
     """One selection, with the solver's own elapsed time."""
     SELECTION_DURATION.labels(strategy, "true" if feasible else "false").observe(max(0.0, elapsed_s))
+
+
+def observe_task_request(task_id: str, outcome: str, *, latency_s: float = 0.0, slo_s: float = 0.0,
+                         prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+    """One Invoke of a task: its outcome and, when answered, its latency (model seconds) against the latency SLO
+    `slo_s`, and its tokens."""
+    TASK_REQUESTS.labels(task_id, outcome).inc()
+    if outcome != "ok":
+        return
+    TASK_LATENCY.labels(task_id).observe(max(0.0, latency_s))
+    if latency_s <= slo_s:
+        TASK_SLO_MET.labels(task_id).inc()
+    TASK_TOKENS.labels(task_id, "prompt").inc(prompt_tokens)
+    TASK_TOKENS.labels(task_id, "completion").inc(completion_tokens)
+
+
+def forget_task(task_id: str) -> None:
+    """Drop a deleted task's series (their label values would otherwise stay for the life of the process)."""
+    for metric, extra in ((TASK_REQUESTS, ("ok", "error", "cancelled")), (TASK_TOKENS, ("prompt", "completion"))):
+        for x in extra:
+            with contextlib.suppress(KeyError):
+                metric.remove(task_id, x)
+    for single in (TASK_SLO_MET, TASK_LATENCY):
+        with contextlib.suppress(KeyError):
+            single.remove(task_id)
 
 
 def set_instance_load(records: Iterable[Any], *, capacity: Callable[[Any], float | None] = lambda r: None,

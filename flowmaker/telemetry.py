@@ -48,6 +48,18 @@ GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+# The request's sampling parameters, by their OpenAI names (`SAMPLING_ATTRIBUTES`).
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_REQUEST_PRESENCE_PENALTY = "gen_ai.request.presence_penalty"
+GEN_AI_REQUEST_FREQUENCY_PENALTY = "gen_ai.request.frequency_penalty"
+GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
+GEN_AI_REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
+SAMPLING_ATTRIBUTES = {"temperature": GEN_AI_REQUEST_TEMPERATURE, "top_p": GEN_AI_REQUEST_TOP_P,
+                       "presence_penalty": GEN_AI_REQUEST_PRESENCE_PENALTY,
+                       "frequency_penalty": GEN_AI_REQUEST_FREQUENCY_PENALTY, "seed": GEN_AI_REQUEST_SEED,
+                       "stop": GEN_AI_REQUEST_STOP_SEQUENCES}
 SERVER_ADDRESS = "server.address"
 # FlowMaker's own attributes, namespaced so they never clash with the conventions.
 FLOWMAKER_TASK = "flowmaker.task"
@@ -170,6 +182,31 @@ def llm_span(model: str, *, operation: str = "chat", input_tokens: int | None = 
         attrs[SERVER_ADDRESS] = server_address
     attrs.update(attributes or {})
     with tracer(tracer_provider).start_as_current_span(f"{operation} {model}", kind=SpanKind.CLIENT,
+                                                       attributes=attrs) as span:
+        yield span
+
+
+def sampling_attributes(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The `gen_ai.request.*` attributes of the sampling fields of an OpenAI request body (those set)."""
+    out: dict[str, Any] = {}
+    for name, attr in SAMPLING_ATTRIBUTES.items():
+        v = fields.get(name)
+        if v is not None and v != []:
+            out[attr] = [v] if isinstance(v, str) else v
+    return out
+
+
+@contextlib.contextmanager
+def engine_span(model: str, headers: Mapping[str, str], *, operation: str = "chat",
+                attributes: Mapping[str, Any] | None = None,
+                tracer_provider: trace.TracerProvider | None = None) -> Iterator[Span]:
+    """The SERVER span of one model call at an engine, named "<operation> <model>", a child of the caller's span
+    when `headers` carry a W3C `traceparent` (the orchestrator's `chat` CLIENT span sends one), else a root.
+    Record the answer's usage with `record_llm_usage`, as on the client's span."""
+    attrs: dict[str, Any] = {GEN_AI_OPERATION_NAME: operation, GEN_AI_REQUEST_MODEL: model,
+                             GEN_AI_PROVIDER_NAME: "openai", **(attributes or {})}
+    ctx = propagate.extract(headers)
+    with tracer(tracer_provider).start_as_current_span(f"{operation} {model}", context=ctx, kind=SpanKind.SERVER,
                                                        attributes=attrs) as span:
         yield span
 

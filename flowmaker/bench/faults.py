@@ -156,9 +156,12 @@ class Client:
         self.reconnect()
 
     def reconnect(self) -> None:
-        addr = self.stack.addresses["orchestrator"]
+        from flowmaker.rpc.channels import target_options
+
+        # Every orchestrator replica ("a,b"): round robin, idempotent calls retried on UNAVAILABLE.
+        addr, options = target_options(self.stack.addresses["orchestrator"], secure=self.stack.pki_dir is not None)
         if self.stack.pki_dir is None:
-            self.channel = grpc.insecure_channel(addr)
+            self.channel = grpc.insecure_channel(addr, options=options)
         else:  # the shipped configuration: mTLS with the admin's certificate, and the admin's bearer token
             from flowmaker.launcher.stack import admin_token
             from flowmaker.rpc.tls import ADMIN, channel_credentials, pki_files
@@ -166,7 +169,7 @@ class Client:
             creds = grpc.composite_channel_credentials(
                 channel_credentials(pki_files(self.stack.pki_dir, ADMIN)),
                 grpc.access_token_call_credentials(admin_token(self.stack.pki_dir)))
-            self.channel = grpc.secure_channel(addr, creds)
+            self.channel = grpc.secure_channel(addr, creds, options=options)
         self.stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self.channel)
 
     def close(self) -> None:
@@ -273,6 +276,50 @@ def kill_service(stack: LocalStack, name: str) -> int | None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return pid
+
+
+def leader_record(stack: LocalStack) -> dict[str, Any] | None:
+    """The elected orchestrator replica's key in etcd ({"replica", "address", "pid", "since"}); None when no
+    replica leads (or etcd does not answer)."""
+    try:
+        found = etcd_snapshot(stack.etcd_endpoint, keys.ORCHESTRATOR_LEADER, pki_dir=stack.pki_dir)
+    except OSError:
+        return None
+    v = found.get(keys.ORCHESTRATOR_LEADER)
+    return v if isinstance(v, dict) and v.get("replica") else None
+
+
+def orchestrator_leader(stack: LocalStack) -> str | None:
+    """The child name ("orchestrator", "orchestrator-2", ...) of the elected orchestrator replica (the launcher
+    names each replica's REPLICA_ID after its child); None when no replica leads."""
+    v = leader_record(stack)
+    return str(v["replica"]) if v else None
+
+
+def wait_new_leader(stack: LocalStack, old_pid: int | None, timeout_s: float = 30.0) -> tuple[str, float] | None:
+    """Wait until a replica other than the process `old_pid` holds the leader key: (its name, seconds waited);
+    None on timeout."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        v = leader_record(stack)
+        if v is not None and v.get("pid") != old_pid:
+            return str(v["replica"]), time.monotonic() - t0
+        time.sleep(0.05)
+    return None
+
+
+def orchestrator_replicas(stack: LocalStack) -> list[str]:
+    return [n for n in ("orchestrator", *(f"orchestrator-{i}" for i in range(2, 17))) if stack.pid_of(n)]
+
+
+def kill_orchestrator(stack: LocalStack, *, leader: bool) -> tuple[str, int | None]:
+    """kill -9 the leading orchestrator replica (`leader`), or one that does not lead; (its name, its pid)."""
+    lead = orchestrator_leader(stack)
+    names = orchestrator_replicas(stack)
+    pick = lead if leader else next((n for n in names if n != lead), None)
+    if pick is None or pick not in names:
+        return "", None
+    return pick, kill_service(stack, pick)
 
 
 @contextlib.contextmanager

@@ -4,12 +4,14 @@ By default the stack is the shipped configuration: mTLS between the services, be
 the default lease, grace and liveness timings (`--fast` shortens the reconciler's, as the self-healing tests do).
 Faults, drawn with a seeded RNG one after the other (the next only once the last has healed, or timed out),
 every kind once per round in a shuffled order, so that a run long enough for one round covers them all:
-- crashes: kill -9 of an engine, of the deployer, of the orchestrator, of etcd (the launcher's supervisor
-  restarts the processes, as `flowmaker up` does);
+- crashes: kill -9 of an engine, of the deployer, of the orchestrator (replica 1), of an orchestrator replica
+  that does not lead, of etcd (the launcher's supervisor restarts the processes, as `flowmaker up` does);
 - hangs: SIGSTOP of an engine (until its node agent kills it, at most `engine_stop_s`), of the deployer
   (`deployer_stop_s`, past its lease and the grace), of etcd (`etcd_stop_s`);
 - faults aimed at an approval: a new task is approved and, once it is DEPLOYING, etcd is killed or stopped,
-  the orchestrator killed, or the deployer stopped; it must end ACTIVE (and is deleted afterwards).
+  the orchestrator killed, the deployer stopped, or the elected orchestrator replica killed (`orchestrator_leader`:
+  the time until another replica holds the leader key is reported against the lease TTL); it must end ACTIVE (and
+  is deleted afterwards).
 Steady load runs throughout. Every second the invariants of `flowmaker.bench.faults` are checked (a violation
 counts when it persists over two checks: a process between its parent's death and its own is no orphan yet); once the faults are over, the
 settled invariants too (no leaked reservation or reference), given the reconciler's orphan grace to hold.
@@ -50,14 +52,18 @@ from flowmaker.bench.faults import (
     engine_pid,
     etcd_stopped,
     kill_engine,
+    kill_orchestrator,
     kill_service,
+    leader_record,
     stopped,
+    wait_new_leader,
     wait_task_state,
 )
 from flowmaker.launcher.stack import LocalStack, StackConfig
 
 FAULTS = ("engine", "deployer", "orchestrator", "etcd_kill", "etcd_stop", "engine_stop", "deployer_stop",
-          "etcd_kill_deploying", "etcd_stop_deploying", "orchestrator_kill_deploying", "deployer_stop_deploying")
+          "etcd_kill_deploying", "etcd_stop_deploying", "orchestrator_kill_deploying", "deployer_stop_deploying",
+          "orchestrator_replica", "orchestrator_leader")
 FAST_ENV = {
     "FLOWMAKER_ORCHESTRATOR_RECONCILE_INTERVAL_S": "1",
     "FLOWMAKER_ORCHESTRATOR_RECONCILE_NODE_LOST_GRACE_S": "5",
@@ -84,6 +90,8 @@ class SoakConfig:
     tls: bool = True  # the shipped configuration (`flowmaker up`): mTLS, tokens, engine API keys
     fast: bool = False  # the self-healing tests' shorter lease and grace times instead of the defaults
     faults: tuple[str, ...] = FAULTS
+    orchestrators: int = 2  # replicas, as `flowmaker up` starts them (one elected to reconcile)
+    leader_ttl_s: int = 5  # FLOWMAKER_ORCHESTRATOR_LEADER_LEASE_TTL_S (the default)
 
 
 @dataclass
@@ -133,6 +141,27 @@ def _get(c: Client, task_id: str) -> Any:
 
 def _inject(kind: str, cfg: SoakConfig, stack: LocalStack, c: Client, n: int) -> tuple[str, str]:
     """Carry one fault out; (detail, the id of a task approved for it or "")."""
+    if kind == "orchestrator_replica":
+        name, pid = kill_orchestrator(stack, leader=False)
+        return (f"{name} (not the leader) pid {pid}" if pid else "no replica other than the leader"), ""
+    if kind == "orchestrator_leader":
+        # A task approved through the replicas while the leader is killed during its deploy: the new leader (within
+        # the lease TTL) resumes the deploy, and the task must end ACTIVE.
+        t = c.deploy(f"approved{n}", slo=NEW_MODEL_SLO)
+        threading.Thread(target=lambda: _quiet(lambda: c.approve(t.id, timeout_s=120)), daemon=True).start()
+        try:
+            reached = wait_task_state(c, t.id, (DEPLOYING, ACTIVE, FAILED))
+        except TimeoutError:
+            reached = None
+        lead = leader_record(stack)
+        name, pid = kill_orchestrator(stack, leader=True)
+        if not pid:
+            return "no leader to kill", t.id
+        new = wait_new_leader(stack, lead.get("pid") if lead else pid, timeout_s=4 * cfg.leader_ttl_s)
+        when = "during its deploy" if reached == DEPLOYING else "(MISSED DEPLOYING: killed after it)"
+        took = (f"new leader {new[0]} after {new[1]:.1f}s ({'within' if new[1] <= cfg.leader_ttl_s else 'PAST'} "
+                f"the {cfg.leader_ttl_s}s TTL)" if new else "NO new leader")
+        return f"leader {name} pid {pid} killed {when} of {t.id}; {took}", t.id
     if kind == "engine":
         return f"pid {kill_engine(stack)}", ""
     if kind == "etcd_stop":
@@ -217,9 +246,10 @@ def run_soak(cfg: SoakConfig, out: Path, progress: Callable[[str], None] = lambd
     rng = random.Random(cfg.seed)
     res = SoakResult(config=asdict(cfg))
     with tempfile.TemporaryDirectory(prefix="flowmaker-soak-") as tmp:
+        env = {**(FAST_ENV if cfg.fast else {}), "FLOWMAKER_ORCHESTRATOR_LEADER_LEASE_TTL_S": str(cfg.leader_ttl_s)}
         stack = LocalStack(StackConfig(gpus=cfg.gpus, time_scale=cfg.time_scale, log_level="WARNING", tls=cfg.tls,
-                                       work_dir=Path(tmp) / "stack", keep_work_dir=True,
-                                       extra_env=dict(FAST_ENV) if cfg.fast else {}))
+                                       work_dir=Path(tmp) / "stack", keep_work_dir=True, extra_env=env,
+                                       orchestrators=cfg.orchestrators))
         progress("starting the stack")
         stack.start()
         t0 = time.monotonic()

@@ -20,9 +20,12 @@ def selector(out: Path = typer.Option(Path("out/bench-selector"), help="Output f
              quick: bool = typer.Option(False, help="Small run for smoke tests (depth 4, catalogs 11/25)."),
              section: list[str] = typer.Option(
                  ["paper", "depth", "catalog", "adversarial"], "--section",
-                 help="Experiments to run (repeatable): paper, depth, catalog, adversarial."),
+                 help="Experiments to run (repeatable): paper, depth, catalog, adversarial, hard."),
              adversarial_per_kind: int = typer.Option(4, help="Seeded adversarial instances per kind."),
              adversarial_budget: float = typer.Option(1.9, help="exact's time budget (s) on adversarial instances."),
+             hard_count: int = typer.Option(20, "--count", help="hard: fresh instances per hard family."),
+             hard_budget: float = typer.Option(2.0, help="hard: exact's time budget (s) per instance."),
+             burn: int = typer.Option(0, help="hard: busy-loop processes that load the machine meanwhile."),
              seed: int = typer.Option(0, help="Seed of the synthetic catalog, BO and the adversarial generators."),
              gpu_sharing: str = typer.Option("ignore", help="Contract of every request: ignore (the paper's base "
                                                             "contract) or interference (GPU sharing extension)."),
@@ -40,7 +43,8 @@ def selector(out: Path = typer.Option(Path("out/bench-selector"), help="Output f
                           depth_max=4, depth_budget_s=1.0, catalog_sizes=(11, 25), adversarial_per_kind=1)
     cfg = dataclasses.replace(cfg, sections=tuple(section), seed=seed,
                               adversarial_per_kind=1 if quick else adversarial_per_kind,
-                              adversarial_budget_s=adversarial_budget, gpu_sharing=gpu_sharing)
+                              adversarial_budget_s=adversarial_budget, gpu_sharing=gpu_sharing,
+                              hard_count=hard_count, hard_budget_s=hard_budget, hard_burn=burn)
     console = Console(stderr=json_out, width=max(150, Console().width))
     with console.status("benchmarking selection strategies") as status:
         result = run_selector_bench(out, cfg, progress=lambda m: status.update(m))
@@ -60,7 +64,8 @@ def soak(duration: float = typer.Option(600.0, help="Seconds of faults under loa
          faults: str = typer.Option("", help="Comma-separated fault kinds to draw from (default: all of "
                                     "engine, deployer, orchestrator, etcd_kill, etcd_stop, engine_stop, "
                                     "deployer_stop, etcd_kill_deploying, etcd_stop_deploying, "
-                                    "orchestrator_kill_deploying, deployer_stop_deploying)."),
+                                    "orchestrator_kill_deploying, deployer_stop_deploying, orchestrator_replica, "
+                                    "orchestrator_leader)."),
          insecure: bool = typer.Option(False, "--insecure", help="Plaintext stack instead of the shipped mTLS one."),
          fast: bool = typer.Option(False, "--fast", help="Shorter lease and grace times than the defaults."),
          gap: float = typer.Option(30.0, min=1.0, help="Longest quiet time between a heal and the next fault "
@@ -124,6 +129,27 @@ def fuzz(per_rpc: int = typer.Option(1000, help="Cases per RPC (CI runs 150)."),
     raise typer.Exit(0 if report.ok else 1)
 
 
+@bench.command("paper")
+def paper(out: Path = typer.Option(Path("out/bench-paper"), help="Output folder for the JSON."),
+          traces: Path | None = typer.Option(None, help="Folder with the Azure 2023 trace CSVs; synthetic when "
+                                                        "absent (falls back to ../shared/reference/traces)."),
+          experiment: Path | None = typer.Option(None, help="The declared experiment (TOML; default: the shipped "
+                                                            "flowmaker/eval/data/paper-scale.toml)."),
+          seeds: str = typer.Option("", help="Comma-separated seeds (default: the experiment's spread)."),
+          sensitivity: bool = typer.Option(True, "--sensitivity/--no-sensitivity",
+                                           help="Also run each sharing mode and single-stage baselines.")) -> None:
+    """The whole published comparison on the declared experiment: ours beside the published figures, the
+    experiment's hash, the seed spread, sensitivity rows, and FlowMaker against every other policy per cell."""
+    from flowmaker.bench.paper import run_paper_bench
+    from flowmaker.eval.experiment import load_experiment
+
+    if traces is None:
+        guess = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "traces"
+        traces = guess if guess.is_dir() else None
+    run_paper_bench(out, traces_dir=traces, experiment=load_experiment(experiment),
+                    seeds=[int(x) for x in seeds.split(",") if x.strip()] or None, sensitivity=sensitivity)
+
+
 @bench.command("serving")
 def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output folder for JSON and PNG."),
             traces: Path | None = typer.Option(None, help="Folder with the Azure 2023 trace CSVs; synthetic when "
@@ -133,22 +159,28 @@ def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output fol
                                                            "a GPU share it while busy), ignore, worst-case."),
             plan_tokens: str = typer.Option("median", help="Request the selector-based policies size stages "
                                                            "with: median or mean."),
-            segment_s: float = typer.Option(600.0, help="Trace seconds replayed per load level (a contiguous "
-                                                        "segment, one time-scale factor)."),
+            experiment: Path | None = typer.Option(None, help="The declared experiment (TOML; default: the "
+                                                               "shipped flowmaker/eval/data/paper-scale.toml)."),
+            segment_requests: int | None = typer.Option(None, help="Override the experiment's requests per "
+                                                                   "replayed segment (a new experiment)."),
+            baseline_workflow: str = typer.Option("fixed", help="The baselines' workflow: fixed (declared) or "
+                                                                "single-stage (sensitivity)."),
             langchain_model: str = typer.Option("smallest", help="LangChain's model rule: smallest (meeting "
                                                                  "the accuracy target) or strong (Qwen2.5-14B)."),
-            loads: str = typer.Option("", help="Comma-separated load levels (default 0.25,0.5,0.75,1)."),
+            loads: str = typer.Option("", help="Comma-separated load levels (default: the experiment's)."),
             policies: str = typer.Option("", help="Comma-separated policies (default: all)."),
             trace_kinds: str = typer.Option("code,conv", "--trace-kinds", help="Comma-separated: code, conv."),
             json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
     """Trace-driven simulation of every policy on 8xA6000: every published comparison per trace and load."""
     from flowmaker.bench.serving import run_serving_bench
+    from flowmaker.eval.experiment import load_experiment
 
     if traces is None:
         guess = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "traces"
         traces = guess if guess.is_dir() else None
     result = run_serving_bench(out, traces_dir=traces, seed=seed, colocation=colocation, plan_tokens=plan_tokens,
-                               segment_s=segment_s, langchain_rule=langchain_model,
+                               experiment=load_experiment(experiment), segment_requests=segment_requests,
+                               baseline_workflow=baseline_workflow, langchain_rule=langchain_model, quiet=json_out,
                                loads=[float(x) for x in loads.split(",") if x.strip()] or None,
                                policies=[x.strip() for x in policies.split(",") if x.strip()] or None,
                                traces=[x.strip() for x in trace_kinds.split(",") if x.strip()])
@@ -165,7 +197,12 @@ def adapt(out: Path = typer.Option(Path("out/bench-adapt"), help="Output folder 
           seed: int = typer.Option(0, help="Random seed (segment offsets, request-to-task draw)."),
           loads: str = typer.Option("", help="Comma-separated load levels (default 0.25,0.5,0.75,1)."),
           trace_kinds: str = typer.Option("code,conv", "--trace-kinds", help="Comma-separated: code, conv."),
-          segment_s: float = typer.Option(600.0, help="Trace seconds replayed per load level."),
+          replay: str = typer.Option("experiment", help="experiment: the declared experiment's replay, tasks, "
+                                                         "SLOs and rates (its clock: period = window = its monitor "
+                                                         "window); segment: the older fixed-seconds segment."),
+          experiment: Path | None = typer.Option(None, help="The declared experiment (TOML; default: the shipped "
+                                                            "flowmaker/eval/data/paper-scale.toml)."),
+          segment_s: float = typer.Option(600.0, help="segment replay: trace seconds replayed per load level."),
           band: float = typer.Option(2.0, help="Drift band (LoadPolicy.band)."),
           hold_down: float = typer.Option(30.0, help="Hold-down, trace seconds (LoadPolicy.hold_down_s)."),
           period: float = typer.Option(60.0, help="Controller period, trace seconds."),
@@ -181,7 +218,11 @@ def adapt(out: Path = typer.Option(Path("out/bench-adapt"), help="Output folder 
     """Deploy-once vs adaptive re-selection (the orchestrator's drift rule) on a replayed Azure trace segment:
     goodput, cost, re-selections, plots over time."""
     from flowmaker.bench.adapt import AdaptConfig, run_adapt_bench
+    from flowmaker.errors import InvalidSpec
+    from flowmaker.eval.experiment import load_experiment
 
+    if replay not in ("experiment", "segment"):
+        raise InvalidSpec(f"unknown replay {replay!r}; known: experiment, segment", field="replay")
     if traces is None:
         guess = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "traces"
         traces = guess if guess.is_dir() else None
@@ -191,7 +232,8 @@ def adapt(out: Path = typer.Option(Path("out/bench-adapt"), help="Output folder 
     result = run_adapt_bench(out, traces_dir=traces, cfg=cfg,
                              loads=[float(x) for x in loads.split(",") if x.strip()] or None,
                              traces=[x.strip() for x in trace_kinds.split(",") if x.strip()],
-                             console=Console(stderr=json_out, width=200))
+                             console=Console(stderr=json_out, width=200),
+                             experiment=load_experiment(experiment) if replay == "experiment" else None)
     if json_out:
         import json
 
@@ -251,3 +293,15 @@ def live_sharing(out: Path = typer.Option(Path("out/bench-live-sharing"), help="
         return
     render(res, Console(width=max(200, Console().width)))
     typer.echo(json.dumps(summary_json(res), indent=1))
+
+
+@bench.command("frontdoor")
+def frontdoor(tasks: int = typer.Option(1000, min=1, help="Task records seeded in etcd (one is the user's)."),
+              calls: int = typer.Option(200, min=10, help="Timed calls per measurement."),
+              etcd: str = typer.Option("", help="host:port of an etcd (a fresh namespace); default: start one."),
+              out: Path = typer.Option(Path("out/bench-frontdoor"), help="Output folder for the JSON.")) -> None:
+    """The orchestrator's front door over many tasks: ListTasks for a user with one task, for the admin, GetTask,
+    and the old etcd-scan listing for comparison (flowmaker.bench.frontdoor). Figures only; asserts nothing."""
+    from flowmaker.bench.frontdoor import main as frontdoor_main
+
+    frontdoor_main(["--tasks", str(tasks), "--calls", str(calls), "--etcd", etcd, "--out", str(out)])

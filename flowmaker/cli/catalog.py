@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from flowmaker.catalog import default_models, get_gpu_type, get_model, gpu_types
 from flowmaker.cli.output import console, fail_from
-from flowmaker.errors import FlowMakerError
-from flowmaker.profiling.analytic import ProfileBreakdown, config_set, explain_profile
+
+if TYPE_CHECKING:  # the catalog and the profile model load numpy: imported by the commands that use them
+    from flowmaker.errors import FlowMakerError
+    from flowmaker.profiling.analytic import ProfileBreakdown
 
 models_app = typer.Typer(help="The model catalog.", no_args_is_help=True)
 profiles_app = typer.Typer(help="Analytic (roofline) profiles of a model on a GPU type.", no_args_is_help=True)
@@ -26,6 +27,8 @@ def _fail(e: FlowMakerError) -> typer.Exit:
 def models_list(as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
                 ) -> None:
     """The default models with accuracy (Open LLM Leaderboard v2 average / 100) and architecture."""
+    from flowmaker.catalog import default_models
+
     models = default_models()
     if as_json:
         rows = []
@@ -58,6 +61,8 @@ def models_list(as_json: Annotated[bool, typer.Option("--json", help="Print JSON
 def gpus_list(as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
               ) -> None:
     """GPU types: memory, bandwidth, dense BF16 TFLOPS, interconnect used for TP/PP, price."""
+    from flowmaker.catalog import gpu_types
+
     gs = list(gpu_types().values())
     if as_json:
         typer.echo(json.dumps([{"name": g.name, "memory_gb": g.memory_gb, "mem_bw_gbps": g.mem_bw_gbps,
@@ -84,6 +89,10 @@ def profiles_show(
     explain: Annotated[bool, typer.Option("--explain", help="Also print the intermediate numbers.")] = False,
 ) -> None:
     """Analytic profile of MODEL for every (tp, pp) that fits one node; excluded configs with the reason."""
+    from flowmaker.catalog import get_gpu_type, get_model
+    from flowmaker.errors import FlowMakerError
+    from flowmaker.profiling.analytic import config_set, explain_profile
+
     try:
         m = get_model(model)
         g = get_gpu_type(gpu)

@@ -22,14 +22,16 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
 from flowmaker.cli.output import console
-from flowmaker.launcher.client import RpcFailure, Stubs, call
-from flowmaker.launcher.stack import LocalStack, StackConfig, StackError
+
+if TYPE_CHECKING:  # grpc and pydantic behind these: imported where used, so `flowmaker --help` stays fast
+    from flowmaker.launcher.client import Stubs
+    from flowmaker.launcher.stack import LocalStack
 
 DEMO_TIME_SCALE = 10.0
 # The demo's load level: the seven tasks at half their nominal rates all fit on 8 A6000 with GPU sharing counted.
@@ -84,6 +86,7 @@ def _state(t: Any) -> str:
 async def _register_models(stubs: Stubs) -> int:
     from flowmaker.api.profiler.v1 import profiler_pb2 as ppb
     from flowmaker.catalog import default_models
+    from flowmaker.launcher.client import RpcFailure, call
 
     prof = stubs.profiler()
     n = 0
@@ -103,6 +106,7 @@ async def deploy_and_approve(stubs: Stubs, name: str, description: str, min_accu
     task (orchestrator proto) as the approval left it. RpcFailure on a failed call."""
     from flowmaker.api.common.v1 import workflow_pb2
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as opb
+    from flowmaker.launcher.client import call
 
     orch = stubs.orchestrator()
     t = (await call(orch.DeployTask(opb.DeployTaskRequest(
@@ -115,6 +119,7 @@ async def deploy_and_approve(stubs: Stubs, name: str, description: str, min_accu
 
 async def _deploy(stubs: Stubs, reports: list[TaskReport], load: float) -> None:
     from flowmaker.eval.tasks import EVAL_TASKS
+    from flowmaker.launcher.client import RpcFailure
 
     for et, rep in zip(EVAL_TASKS, reports, strict=True):
         slo = et.slo(load)
@@ -145,6 +150,7 @@ async def _probe(stubs: Stubs, reports: list[TaskReport], scale: float) -> None:
     """One request per task, one at a time: the latency the selector's prediction is about (no queueing)."""
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as opb
     from flowmaker.eval.tasks import get_task
+    from flowmaker.launcher.client import RpcFailure, call
 
     orch = stubs.orchestrator()
     with con.status("one request per task, one at a time…"):
@@ -163,6 +169,7 @@ async def _probe(stubs: Stubs, reports: list[TaskReport], scale: float) -> None:
 async def _burst(stubs: Stubs, reports: list[TaskReport], per_task: int) -> float:
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as opb
     from flowmaker.eval.tasks import get_task
+    from flowmaker.launcher.client import RpcFailure, call
 
     orch = stubs.orchestrator()
 
@@ -189,6 +196,7 @@ async def _burst(stubs: Stubs, reports: list[TaskReport], per_task: int) -> floa
 async def _refresh(stubs: Stubs, reports: list[TaskReport]) -> tuple[Any, Any]:
     from flowmaker.api.deployer.v1 import deployer_pb2 as dpb
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as opb
+    from flowmaker.launcher.client import RpcFailure, call
 
     orch = stubs.orchestrator()
     for rep in reports:
@@ -257,6 +265,7 @@ def _report(reports: list[TaskReport], insts: Any, gpus: Any, scale: float, per_
 
 async def _run_demo(stack: LocalStack, per_task: int, scale: float, load: float) -> list[TaskReport]:
     from flowmaker.eval.tasks import EVAL_TASKS
+    from flowmaker.launcher.client import Stubs
 
     # The demo's own stack is plaintext: no FLOWMAKER_TLS_* meant for another stack applies to it.
     stubs = Stubs(orchestrator_addr=stack.addresses["orchestrator"], deployer_addr=stack.addresses["deployer"],
@@ -306,6 +315,8 @@ def demo(
               f"{time_scale:g}x faster than real time (latencies below are model seconds)")
     con.print("[bold]1. starting the local stack[/bold] (etcd + generator, profiler, selector, deployer, orchestrator)")
     from flowmaker.cli.stack import progress_printer
+    from flowmaker.launcher.client import RpcFailure
+    from flowmaker.launcher.stack import LocalStack, StackConfig, StackError
 
     cfg = StackConfig(gpus=gpus, gpu_type=gpu_type, time_scale=time_scale, work_dir=work_dir,
                       keep_work_dir=work_dir is not None, log_level="WARNING")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -45,6 +46,9 @@ def _connection(
         "--token-file", metavar="FILE", **_PEM, help="The orchestrator's bearer token: a file with the token alone, "
                                                      "or a tokens.json (its admin token). Env FLOWMAKER_TOKEN_FILE; "
                                                      "FLOWMAKER_TOKEN holds a token itself.")] = None,
+    context: Annotated[str | None, typer.Option(
+        "--context", metavar="NAME", help="Talk to this context's stack (`flowmaker context list`) instead of the "
+                                          "current one (env FLOWMAKER_CONTEXT).")] = None,
 ) -> None:
     """Options for reaching a stack this CLI did not start (compose, Kubernetes, another `flowmaker up`); they go
     before the command (`flowmaker --tls-ca ca.pem task list`) and win over the environment variables."""
@@ -53,9 +57,21 @@ def _connection(
         raise typer.BadParameter(f"{given} needs {missing} (a client certificate and its key go together)",
                                  param_hint=missing)
     for var, value in (("FLOWMAKER_TLS_CA", tls_ca), ("FLOWMAKER_TLS_CERT", tls_cert),
-                       ("FLOWMAKER_TLS_KEY", tls_key), ("FLOWMAKER_TOKEN_FILE", token_file)):
+                       ("FLOWMAKER_TLS_KEY", tls_key), ("FLOWMAKER_TOKEN_FILE", token_file),
+                       ("FLOWMAKER_CONTEXT", context)):
         if value is not None:  # read by flowmaker.launcher.client.settings(), here and in what this process starts
             os.environ[var] = str(value)
+    if os.environ.get("FLOWMAKER_CONTEXT"):
+        # A context that does not exist is an error before any command runs (settings() alone would ignore it).
+        from flowmaker.cli.output import fail
+        from flowmaker.launcher.client import settings
+        from flowmaker.launcher.contexts import ContextError, active
+
+        s = settings()
+        try:
+            active(s.config_file, s.context)
+        except ContextError as e:
+            fail("NOT_FOUND", e.message, field="--context" if context else "FLOWMAKER_CONTEXT")
 
 # (module, attribute) of each area's commands; each module exposes `register(app)`.
 _AREAS = (
@@ -66,6 +82,7 @@ _AREAS = (
     "flowmaker.cli.stack",  # up, task ..., instances
     "flowmaker.cli.profiles_measure",  # profiles measure
     "flowmaker.cli.demo",  # demo
+    "flowmaker.cli.context",  # context add/use/list/current/remove
 )
 
 for _mod in _AREAS:
@@ -80,18 +97,14 @@ for _mod in _AREAS:
 
 def main() -> None:
     """The `flowmaker` command. Client commands are traced like the services (OTEL_* settings, default
-    exporter none): one span per command, flushed before the process exits."""
-    from flowmaker import telemetry
-    from flowmaker.errors import FlowMakerError
-
-    try:
-        telemetry.setup_tracing("flowmaker-cli")
-    except FlowMakerError as e:  # e.g. OTEL_TRACES_EXPORTER=otlp without the exporter installed: run untraced
-        typer.echo(f"warning: tracing off: {e}", err=True)
+    exporter none; `flowmaker.cli.output.start_tracing`): one span per command, flushed before the process
+    exits."""
     try:
         app()
     finally:
-        telemetry.shutdown_tracing()
+        telemetry = sys.modules.get("flowmaker.telemetry")  # loaded only by a command that traced
+        if telemetry is not None:
+            telemetry.shutdown_tracing()
 
 
 if __name__ == "__main__":

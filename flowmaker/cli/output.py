@@ -86,6 +86,26 @@ def keyed_table(title: str, key: str, columns: Sequence[KeyedColumn],
     return tab
 
 
+def tracing_wanted() -> bool:
+    """Whether OTEL_TRACES_EXPORTER names an exporter (default none): without one a command's spans would go
+    nowhere, and it skips loading the SDK and the gRPC instrumentation (its calls then start no trace of their
+    own; the services' spans are roots, as for any untraced client)."""
+    names = os.environ.get("OTEL_TRACES_EXPORTER", "none").split(",")
+    return any(n.strip().lower() not in ("", "none") for n in names)
+
+
+def start_tracing() -> None:
+    """Trace this command like the services (OTEL_* settings, default exporter none; `flowmaker.cli.main` flushes
+    it at exit). Called by the commands that call services, on their first call: the SDK is not loaded for
+    `--help` and the offline commands."""
+    from flowmaker import telemetry
+
+    try:
+        telemetry.setup_tracing("flowmaker-cli")
+    except FlowMakerError as e:  # e.g. OTEL_TRACES_EXPORTER=otlp without the exporter installed: run untraced
+        typer.echo(f"warning: tracing off: {e}", err=True)
+
+
 def error_line(code: str, message: str, *, reason: str = "", field: str | None = None) -> str:
     """`error: CODE [REASON]: [field: ]message`, the one format of every failure."""
     where = f" {field}:" if field else ""

@@ -15,23 +15,20 @@ import dataclasses
 import json
 import os
 import tempfile
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
 from flowmaker.cli.output import console, fail, fail_from
-from flowmaker.errors import FlowMakerError
-from flowmaker.profiling.interference import (
-    EMULATED_PLAN,
-    SHARE_SOURCES,
-    InterferencePlan,
-    InterferenceResult,
-    connect_engine,
-    launch_emulated_pair,
-    measure_interference,
-)
-from flowmaker.state.interference import InterferenceRecord
+
+if TYPE_CHECKING:  # aiohttp and numpy behind these: imported where used, so `--help` stays fast
+    from flowmaker.profiling.interference import InterferencePlan, InterferenceResult
+    from flowmaker.state.interference import InterferenceRecord
+
+# flowmaker.profiling.interference.SHARE_SOURCES, spelled here for the help text without importing it (a test
+# checks that they agree).
+SHARE_SOURCES = ("engine_busy_time", "sampled_running", "estimated")
 
 API_KEY_ENV = "FLOWMAKER_ENGINE_API_KEY"  # the engines' /v1 key, when they need one (never on the command line)
 
@@ -86,6 +83,9 @@ def measure_interference_cmd(
         levels = tuple(float(x) for x in shares.split(",") if x.strip())
     except ValueError:
         fail("INVALID_ARGUMENT", f"must be comma-separated numbers, got {shares!r}", field="shares")
+    from flowmaker.errors import FlowMakerError
+    from flowmaker.profiling.interference import EMULATED_PLAN, InterferencePlan
+
     base = EMULATED_PLAN if emulated else InterferencePlan()
     plan = dataclasses.replace(base, b_shares=levels, window_s=window or base.window_s, seed=seed)
     scale = time_scale or (10.0 if emulated else 1.0)
@@ -135,6 +135,8 @@ def _etcd_target(flag: str, namespace: str) -> tuple[list[str], str, Any] | None
 
 async def _measure(gpu_type: str, url_a: str, url_b: str, emulated: bool, scale: float, model: str,
                    plan: InterferencePlan, share_source: str, progress: Any) -> InterferenceResult:
+    from flowmaker.profiling.interference import connect_engine, launch_emulated_pair, measure_interference
+
     if not emulated:
         key = os.environ.get(API_KEY_ENV, "")
         a = await connect_engine(url_a, model=model, api_key=key, time_scale=scale, field_name="engine_a")

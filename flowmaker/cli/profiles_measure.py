@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -26,19 +26,11 @@ from rich.progress import BarColumn, TaskProgressColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as Bar
 from rich.table import Table
 
-from flowmaker import convert
-from flowmaker.catalog import get_gpu_type, get_model
 from flowmaker.cli.output import console, fail, fail_from
-from flowmaker.domain import Profile
-from flowmaker.errors import FlowMakerError
-from flowmaker.profiling.measure import (
-    BackendLauncher,
-    MeasuredConfig,
-    Progress,
-    SweepPlan,
-    measure_model,
-    percent_diff,
-)
+
+if TYPE_CHECKING:  # numpy, aiohttp, protobuf: imported where used, so `--help` stays fast
+    from flowmaker.domain import Profile
+    from flowmaker.profiling.measure import MeasuredConfig, Progress
 
 FIELDS = (("memory_gb_per_gpu", "mem/GPU GB", 1.0, "{:.1f}"), ("fixed_s", "fixed ms", 1e3, "{:.2f}"),
           ("prefill_s_per_token", "prefill ms/tok", 1e3, "{:.4f}"), ("decode_s_per_token", "decode ms/tok", 1e3,
@@ -93,7 +85,11 @@ def measure(
     """
     err = console(stderr=True)
     if not local:
+        from flowmaker.cli.output import start_tracing, tracing_wanted
         from flowmaker.launcher.client import RpcFailure, credentials, resolve, settings
+
+        if tracing_wanted():
+            start_tracing()  # its calls are CLIENT spans, exported as the OTEL_* settings say
 
         s = settings()
         addr = resolve("profiler", profiler, s)
@@ -202,6 +198,8 @@ async def _measure_on_stack(addr: str, model: str, gpu: str, tp: int, pp: int, e
         if not pc.HasField("measured"):
             raise _Failed(f"error: INTERNAL: profiling job {job.id} succeeded but GetProfiles shows no measured "
                           f"profile for tp={tp} pp={pp}")
+        from flowmaker import convert
+
         a, m = convert.profile_from_proto(pc.analytic), convert.profile_from_proto(pc.measured)
         wall = job.update_time.ToNanoseconds() / 1e9 - job.create_time.ToNanoseconds() / 1e9
         row: dict[str, Any] = {"mode": "stack", "profiler": addr, "job_id": job.id, "model_id": model,
@@ -247,6 +245,10 @@ async def _follow(prof: Any, job: Any, config_state: Callable[[], Any] | None, e
 
 def _measure_locally(model: str, gpu: str, tp: int, pp: int, backend: str, time_scale: float, repeats: int,
                      as_json: bool, err: Console) -> None:
+    from flowmaker.catalog import get_gpu_type, get_model
+    from flowmaker.errors import FlowMakerError
+    from flowmaker.profiling.measure import BackendLauncher, SweepPlan, measure_model
+
     try:
         m, g = get_model(model), get_gpu_type(gpu)
         plan = SweepPlan(output_tokens=(4, 16, 64), repeats=repeats, throughput_output_tokens=64)
@@ -266,6 +268,8 @@ def _measure_locally(model: str, gpu: str, tp: int, pp: int, backend: str, time_
 
 
 def _diffs(a: Profile, m: Profile) -> dict[str, Any]:
+    from flowmaker.profiling.measure import percent_diff
+
     return {f: {"analytic": getattr(a, f), "measured": getattr(m, f),
                 "diff_percent": round(percent_diff(getattr(m, f), getattr(a, f)), 2)} for f, *_ in FIELDS}
 

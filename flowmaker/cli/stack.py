@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -26,19 +26,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from flowmaker.cli.output import EXIT_FAILED, KeyedColumn, console, error_line, keyed_table
-from flowmaker.launcher.client import RpcFailure, Stubs, call, failure_of, resolve, settings, to_json
-from flowmaker.launcher.stack import (
-    DEFAULT_GATEWAY_PORT,
-    LocalStack,
-    StackConfig,
-    StackError,
-    default_state_dir,
-    port_free,
-    private_dir,
-    read_state,
-    write_state,
-)
-from flowmaker.orchestration.task import replicas_of
+
+if TYPE_CHECKING:
+    from flowmaker.launcher.client import Stubs
+
+# grpc, protobuf and pydantic load only in the commands that use them (`from flowmaker.launcher... import` in
+# their bodies), so `flowmaker --help` starts fast; tests/unit/test_cli_fast.py checks what importing the CLI loads.
+# flowmaker.launcher.stack.DEFAULT_GATEWAY_PORT, spelled here for the help text (the same test checks it).
+DEFAULT_GATEWAY_PORT = 50080
 
 T = TypeVar("T")
 
@@ -68,6 +63,8 @@ def _die(line: str, code: int = 1) -> NoReturn:
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
     """Run one command's coroutine; any expected failure is one line on stderr and exit 1."""
+    from flowmaker.launcher.client import RpcFailure, failure_of
+
     try:
         return asyncio.run(coro)
     except RpcFailure as f:
@@ -88,17 +85,24 @@ async def _with_stubs(fn: Callable[[Stubs], Awaitable[T]], *, orchestrator: str 
                       deployer: str | None = None, status: str = "") -> T:
     """`fn(stubs)` with channels to the resolved addresses (closed afterwards), under a spinner if `status`.
 
-    The whole command is one CLIENT span (`flowmaker task deploy`, ...), so its calls (DeployTask then
-    ApproveWorkflows) are one trace across the services, exported as OTEL_TRACES_EXPORTER says."""
-    from opentelemetry.trace import SpanKind
+    With an exporter (OTEL_TRACES_EXPORTER), the whole command is one CLIENT span (`flowmaker task deploy`,
+    ...), so its calls (DeployTask then ApproveWorkflows) are one trace across the services."""
+    from flowmaker.cli.output import start_tracing, tracing_wanted
 
-    from flowmaker import telemetry
+    traced = tracing_wanted()
+    span: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if traced:
+        from opentelemetry.trace import SpanKind
 
-    # The command as typed, options and free text left out: "flowmaker task deploy", "flowmaker instances".
-    words = [a for a in sys.argv[1:3] if not a.startswith("-")][:2 if sys.argv[1:2] == ["task"] else 1]
-    stubs = _stubs(orchestrator, deployer)
+        from flowmaker import telemetry
+
+        start_tracing()
+        # The command as typed, options and free text left out: "flowmaker task deploy", "flowmaker instances".
+        words = [a for a in sys.argv[1:3] if not a.startswith("-")][:2 if sys.argv[1:2] == ["task"] else 1]
+        span = telemetry.tracer().start_as_current_span(" ".join(["flowmaker", *words]), kind=SpanKind.CLIENT)
+    stubs = _stubs(orchestrator, deployer, tracing=traced)
     try:
-        with telemetry.tracer().start_as_current_span(" ".join(["flowmaker", *words]), kind=SpanKind.CLIENT):
+        with span:
             if not status:
                 return await fn(stubs)
             with err.status(status):
@@ -109,6 +113,8 @@ async def _with_stubs(fn: Callable[[Stubs], Awaitable[T]], *, orchestrator: str 
 
 def _orchestrator_call(orchestrator: str | None, method: str, request: Any, status: str = "") -> Any:
     """One unary OrchestratorService call, run to completion: its response (a failure exits 1, one line)."""
+    from flowmaker.launcher.client import call
+
     async def go(stubs: Stubs) -> Any:
         return await call(getattr(stubs.orchestrator(), method)(request), stubs.orchestrator_addr)
 
@@ -117,6 +123,8 @@ def _orchestrator_call(orchestrator: str | None, method: str, request: Any, stat
 
 def _emit(msg: Any, as_json: bool, render: Callable[[Any], None]) -> None:
     """`--json`: the message as proto3 JSON; else `render(msg)` (tables)."""
+    from flowmaker.launcher.client import to_json
+
     if as_json:
         _print_json(to_json(msg))
     else:
@@ -127,10 +135,12 @@ def _state_name(enum_type: Any, value: int) -> str:
     return str(enum_type.Name(value)).removeprefix("STATE_")
 
 
-def _stubs(orchestrator: str | None = None, deployer: str | None = None) -> Stubs:
+def _stubs(orchestrator: str | None = None, deployer: str | None = None, *, tracing: bool = True) -> Stubs:
+    from flowmaker.launcher.client import Stubs, resolve, settings
+
     s = settings()
     return Stubs(orchestrator_addr=resolve("orchestrator", orchestrator, s),
-                 deployer_addr=resolve("deployer", deployer, s), timeout_s=s.call_timeout_s)
+                 deployer_addr=resolve("deployer", deployer, s), timeout_s=s.call_timeout_s, tracing=tracing)
 
 
 def _print_json(obj: Any) -> None:
@@ -166,6 +176,8 @@ def _candidates_table(t: Any) -> Table:
 
 
 def _variant_table(t: Any) -> Table:
+    from flowmaker.orchestration.task import replicas_of
+
     v = t.variant
     tab = Table(title=f"Variant of task {t.id}: workflow {v.workflow_id or '-'} (strategy {t.strategy or '-'})")
     for c in ("stage", "model", "tp x pp", "instance", "reused", "GPUs", "stage latency", "load tok/s"):
@@ -303,6 +315,7 @@ async def _approve_following(stubs: Stubs, task_id: str, ids: list[str], strateg
     approval again only if it never reached etcd (the task still AWAITING_APPROVAL)."""
     from flowmaker.api.common.v1 import task_pb2
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+    from flowmaker.launcher.client import RpcFailure, call
 
     req = pb.ApproveWorkflowsRequest(task_id=task_id, workflow_ids=ids, strategy=strategy)
     follow = f"follow it with `flowmaker task get {task_id}`"
@@ -361,6 +374,7 @@ def task_deploy(
 
     from flowmaker.api.common.v1 import workflow_pb2
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+    from flowmaker.launcher.client import RpcFailure, call
 
     req = pb.DeployTaskRequest(description=description, name=name, max_workflows=max_workflows,
                                slo=workflow_pb2.Slo(min_accuracy=accuracy, max_latency_s=latency,
@@ -410,6 +424,7 @@ def task_approve(
 ) -> None:
     """Approve candidate workflows: the selector picks the best variant and the deployer starts it."""
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+    from flowmaker.launcher.client import call
 
     _check_strategy(strategy)
 
@@ -434,11 +449,23 @@ def task_invoke(
     stream: Annotated[bool, typer.Option("--stream", help="Print text as the stages produce it.")] = False,
     max_output_tokens: Annotated[int, typer.Option("--max-output-tokens", help="Cap per LLM call; 0 = stage's.")
                                  ] = 0,
+    temperature: Annotated[float | None, typer.Option(
+        "--temperature", help="Sampling temperature of every LLM call, 0..2 (0 = greedy); default: the "
+                              "engine's.")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling, 0..1; default: the engine's.")
+                     ] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed: the same seed and input, the same "
+                                                            "output (where the engine honours it).")] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="End each LLM call's output before this text "
+                                                                  "(repeatable, up to 4).")] = None,
     orchestrator: OrchestratorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run one request through the task's workflow and print the output with per-stage timings."""
     from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+    from flowmaker.launcher.client import failure_of, to_json
+
+    sampling = pb.Sampling(temperature=temperature, top_p=top_p, seed=seed, stop=stop or [])
 
     async def streamed(stubs: Stubs) -> None:
         final: Any = None
@@ -446,7 +473,7 @@ def task_invoke(
         streamed: dict[str, str] = {}  # text printed per stage (LLM stages stream; TOOL stages do not)
         try:
             async for chunk in stubs.orchestrator().InvokeStream(pb.InvokeStreamRequest(
-                    task_id=task_id, input=text, max_output_tokens=max_output_tokens)):
+                    task_id=task_id, input=text, max_output_tokens=max_output_tokens, sampling=sampling)):
                 kind = chunk.WhichOneof("chunk")
                 if as_json:
                     typer.echo(json.dumps(to_json(chunk)))
@@ -476,7 +503,7 @@ def task_invoke(
         _run(_with_stubs(streamed, orchestrator=orchestrator))
         return
     resp = _orchestrator_call(orchestrator, "Invoke", pb.InvokeRequest(
-        task_id=task_id, input=text, max_output_tokens=max_output_tokens), status="invoking…")
+        task_id=task_id, input=text, max_output_tokens=max_output_tokens, sampling=sampling), status="invoking…")
 
     def show(r: Any) -> None:
         out.print(r.output, markup=False, highlight=False)
@@ -565,6 +592,7 @@ def instances(
     """List model instances (state, GPUs, load, tasks) and the GPUs' memory, from the deployer."""
     from flowmaker.api.common.v1 import cluster_pb2
     from flowmaker.api.deployer.v1 import deployer_pb2 as pb
+    from flowmaker.launcher.client import call, to_json
 
     async def go(stubs: Stubs) -> tuple[Any, Any]:
         d = stubs.deployer()
@@ -639,6 +667,10 @@ def up(
     port: Annotated[int, typer.Option("--port", min=0, max=65535,
                                       help="Orchestrator port; 0 = a free port (clients find it in the state file).")
                     ] = 0,
+    orchestrators: Annotated[int, typer.Option(
+        "--orchestrators", min=1, max=16, help="Orchestrator replicas, each supervised on its own port; every one "
+                                               "serves every request, one elected replica reconciles. Clients get "
+                                               "the list of addresses.")] = 2,
     gateway_port: Annotated[int, typer.Option(
         "--gateway-port", min=0, max=65535,
         help="Port of the OpenAI-compatible gateway, the same at every start so a client's base URL "
@@ -667,6 +699,18 @@ def up(
 
     Endpoints and the pid are written to the state file (FLOWMAKER_STATE_FILE, default
     ~/.flowmaker/stack.json) so the client commands find the stack and `flowmaker down` can stop it."""
+    from flowmaker.launcher.client import settings
+    from flowmaker.launcher.stack import (
+        LocalStack,
+        StackConfig,
+        StackError,
+        default_state_dir,
+        port_free,
+        private_dir,
+        read_state,
+        write_state,
+    )
+
     s = settings()
     running = read_state(s.state_file)
     if running:
@@ -696,7 +740,7 @@ def up(
         shutil.rmtree(work_dir)
     cfg = StackConfig(gpus=gpus, gpu_type=gpu_type, time_scale=time_scale, work_dir=work_dir,
                       keep_work_dir=True, ports={"orchestrator": port} if port else {}, tls=not insecure,
-                      gateway_port=gateway_port, metrics=metrics)
+                      gateway_port=gateway_port, metrics=metrics, orchestrators=orchestrators)
     if etcd_bin:
         cfg.etcd_bin = etcd_bin
     con = err
@@ -712,8 +756,9 @@ def up(
     except KeyboardInterrupt:
         _die("interrupted; everything started was stopped", 130)
     try:
-        write_state(s.state_file, {**stack.state(), "ready": True})
         st = stack.state()
+        _register_context(s, st)
+        write_state(s.state_file, {**st, "ready": True})
         if as_json:
             typer.echo(json.dumps(st), nl=True)
             sys.stdout.flush()
@@ -766,11 +811,33 @@ def up(
     con.print("stack stopped")
 
 
+LOCAL_CONTEXT = "local"
+
+
+def _register_context(s: Any, st: dict[str, Any]) -> None:
+    """`up` keeps its own context, `local`, up to date with this start's addresses and files (current when no
+    context is), so the stack is reached the same way as compose's or Kubernetes'. Failing to write it costs the
+    stack nothing: the state file still leads the CLI here."""
+    from flowmaker.launcher.contexts import Context, ContextError, upsert
+
+    tls = st.get("tls") or {}
+    svc = st.get("services", {})
+    ctx = Context(orchestrator=svc.get("orchestrator", ""), deployer=svc.get("deployer", ""),
+                  profiler=svc.get("profiler", ""), gateway=st.get("gateway") or "", tls_ca=tls.get("ca", ""),
+                  tls_cert=tls.get("cert", ""), tls_key=tls.get("key", ""), token_file=tls.get("tokens_file", ""))
+    try:
+        upsert(s.config_file, LOCAL_CONTEXT, ctx)
+    except (OSError, ContextError) as e:
+        err.print(f"warning: context {LOCAL_CONTEXT!r} not saved in {s.config_file}: {e}", markup=False)
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
 def _up_detached(state_file: Path, args: list[str], as_json: bool) -> None:
+    from flowmaker.launcher.stack import read_state
+
     log = state_file.parent / "up.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as logf:
@@ -799,6 +866,9 @@ def _up_detached(state_file: Path, args: list[str], as_json: bool) -> None:
 
 def down() -> None:
     """Stop the stack started by `flowmaker up` (found through its state file)."""
+    from flowmaker.launcher.client import settings
+    from flowmaker.launcher.stack import read_state
+
     s = settings()
     st = read_state(s.state_file)
     if st is None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import typer
@@ -13,13 +11,19 @@ from rich.table import Table
 from flowmaker.cli.output import console, fail, fail_from
 from flowmaker.errors import FlowMakerError
 from flowmaker.eval.trace_stats import TRACE_KINDS
-from flowmaker.eval.traces import TRACE_FILES, TRACE_URL, load_trace, synthesize, trace_stats, write_trace
+
+# flowmaker.eval.traces (numpy) and urllib are imported by the commands that use them: `--help` stays fast.
 
 traces_app = typer.Typer(help="Azure LLM inference traces: download, synthesise, inspect.", no_args_is_help=True)
 
 
 def download(dest: Path, kinds: tuple[str, ...] = TRACE_KINDS, timeout_s: float = 60.0) -> list[Path]:
     """Fetch the trace CSVs into `dest`; raise RuntimeError with the URL and the cause when a download fails."""
+    import urllib.error
+    import urllib.request
+
+    from flowmaker.eval.traces import TRACE_FILES, TRACE_URL, load_trace
+
     dest.mkdir(parents=True, exist_ok=True)
     out = []
     for kind in kinds:
@@ -63,6 +67,8 @@ def synth_cmd(kind: str = typer.Option(..., "--kind", help="code or conv: which 
               requests: int = typer.Option(0, "--requests", help="Number of requests (0 = as many as the real trace)."),
               seed: int = typer.Option(0, "--seed")) -> None:
     """Write a deterministic synthetic trace with the real trace's rate, burstiness and token distributions."""
+    from flowmaker.eval.traces import synthesize, write_trace
+
     try:
         tr = synthesize(kind, requests or None, seed)
     except FlowMakerError as e:
@@ -75,6 +81,8 @@ def synth_cmd(kind: str = typer.Option(..., "--kind", help="code or conv: which 
 def stats_cmd(file: Path = typer.Argument(..., help="A trace CSV."),
               as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
     """Rate, inter-arrival burstiness and token percentiles of a trace file."""
+    from flowmaker.eval.traces import load_trace, trace_stats
+
     try:
         st = trace_stats(load_trace(file))
     except FlowMakerError as e:

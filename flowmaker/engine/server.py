@@ -9,6 +9,15 @@ Conventions (documented because clients and tests rely on them):
   the output. The output is deterministic filler of exactly `max_tokens` words
   (`max_completion_tokens` is accepted too for chat; default 16, the OpenAI completions default).
   `finish_reason` is "length".
+* Sampling (`temperature`, `top_p`, the penalties, `seed`, `stop`) is checked against OpenAI's ranges (400
+  naming the parameter, `flowmaker.sampling`) and shapes the output so a client can see it arrived: greedy
+  (`temperature` 0 or `top_p` 0) or nothing set: the filler above; a `seed`: words drawn by a generator
+  seeded with it (the same seed, the same answer); `temperature` > 0 without a seed: words drawn at random.
+  The output ends before the first `stop` sequence in it, with `finish_reason` "stop" (and takes only the
+  tokens kept).
+* Tracing: each completion is a SERVER span `chat <model>` (or `text_completion <model>`), the child of the
+  caller's span when the request carries a W3C `traceparent` (the orchestrator's calls do), with the
+  `gen_ai.*` request, sampling and usage attributes; exported as the OTEL_* settings say (default: none).
 * Chat prompt tokens: the words of every message's text content (string or `text` parts).
   Completions prompt: words of the string(s), or the length of a token-id list.
 * Timing: each request is submitted to the model at arrival; the response (or each streamed
@@ -44,6 +53,7 @@ import hmac
 import itertools
 import json
 import os
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -52,14 +62,18 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from opentelemetry.trace import Status, StatusCode
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from flowmaker import telemetry
 from flowmaker.domain import Profile, ProfileSource
 from flowmaker.engine.gpu_share import GpuShare
 from flowmaker.engine.model import Completion, EngineModel
+from flowmaker.errors import InvalidSpec
 from flowmaker.limits import json_depth
+from flowmaker.sampling import Sampling
 
 API_KEY_ENV = "FLOWMAKER_ENGINE_API_KEY"  # vLLM reads VLLM_API_KEY the same way
 DEFAULT_MAX_TOKENS = 16
@@ -115,6 +129,20 @@ def count_tokens(text: str) -> int:
 
 def filler_words(n: int) -> list[str]:
     return [_FILLER[i % len(_FILLER)] for i in range(n)]
+
+
+def output_words(n: int, sampling: Sampling | None) -> tuple[list[str], str]:
+    """The answer of `n` tokens under `sampling` (the module docstring) and its finish_reason."""
+    if sampling is None or sampling.greedy or (sampling.seed is None and sampling.temperature is None):
+        words = filler_words(n)
+    else:  # seeded: reproducible; else fresh randomness for every request
+        rng = random.Random(sampling.seed)
+        words = [rng.choice(_FILLER) for _ in range(n)]
+    if sampling is not None and sampling.stop:
+        text, hit = sampling.cut(" ".join(words))
+        if hit:
+            return text.split(), "stop"
+    return words, "length"
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,6 +449,15 @@ class EmulatedEngine:
         return await self._handle(request, chat=False)
 
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        # Its span joins the caller's trace (the orchestrator's `chat` span sends a traceparent).
+        with telemetry.engine_span(self.model_name, request.headers,
+                                   operation="chat" if chat else "text_completion") as span:
+            resp = await self._handle_traced(request, chat, span)
+            if resp.status >= 400:
+                span.set_status(Status(StatusCode.ERROR, f"HTTP {resp.status}"))
+            return resp
+
+    async def _handle_traced(self, request: web.Request, chat: bool, span: Any) -> web.StreamResponse:
         try:
             if not self._authorized(request):
                 return error_response("invalid or missing API key", None, 401, "invalid_api_key")
@@ -440,14 +477,25 @@ class EmulatedEngine:
                 raise BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                                  f"you requested {in_tokens + max_tokens} tokens ({in_tokens} in the messages, "
                                  f"{max_tokens} in the completion).", "max_tokens")
+            try:
+                sampling = Sampling.from_openai(body)
+            except InvalidSpec as e:
+                raise BadRequest(f"'{e.field}' {e.message}", e.field) from None
+            span.set_attributes({telemetry.GEN_AI_REQUEST_MAX_TOKENS: max_tokens,
+                                 telemetry.GEN_AI_USAGE_INPUT_TOKENS: in_tokens,
+                                 **telemetry.sampling_attributes(sampling.body())})
             with_usage = stream and self._include_usage(body)
             if self.script is not None:
                 return await self._scripted(request, chat, in_tokens, stream, with_usage)
-            rid, p = self._submit(in_tokens, max_tokens)
+            words, finish = output_words(max_tokens, sampling if sampling.is_set else None)
+            rid, p = self._submit(in_tokens, max(1, len(words)))  # a stop sequence ends it early
         except BadRequest as e:
             return error_response(e.message, e.param, e.status, e.code)
+        span.set_attribute(telemetry.GEN_AI_RESPONSE_ID, rid)
+        telemetry.record_llm_usage(span, input_tokens=in_tokens, output_tokens=len(words),
+                                   response_model=self.model_name, finish_reasons=[finish])
         try:
-            return await self._respond(request, chat, rid, p, in_tokens, max_tokens, stream, with_usage)
+            return await self._respond(request, chat, rid, p, in_tokens, words, finish, stream, with_usage)
         except (asyncio.CancelledError, ConnectionResetError):
             self._abandon(rid)
             raise
@@ -463,17 +511,16 @@ class EmulatedEngine:
             self._wake.set()
 
     async def _respond(self, request: web.Request, chat: bool, rid: str, p: _Pending, in_tokens: int,
-                       max_tokens: int, stream: bool, with_usage: bool) -> web.StreamResponse:
+                       words: list[str], finish: str, stream: bool, with_usage: bool) -> web.StreamResponse:
         oid = ("chatcmpl-" if chat else "cmpl-") + rid
         created = int(time.time())
-        words = filler_words(max_tokens)
-        usage = {"prompt_tokens": in_tokens, "completion_tokens": max_tokens,
-                 "total_tokens": in_tokens + max_tokens}
+        usage = {"prompt_tokens": in_tokens, "completion_tokens": len(words),
+                 "total_tokens": in_tokens + len(words)}
         if not stream:
             while p.completion is None:
                 p.changed.clear()
                 await p.changed.wait()
-            resp = web.json_response(self._full(chat, oid, created, " ".join(words), "length", usage))
+            resp = web.json_response(self._full(chat, oid, created, " ".join(words), finish, usage))
             self._request_done()
             return resp
         sresp = await self._open_stream(request)
@@ -481,7 +528,7 @@ class EmulatedEngine:
         first = True
         while True:
             p.changed.clear()
-            for i in range(sent, p.emitted):
+            for i in range(sent, min(p.emitted, len(words))):  # no word at all when a stop cut it at once
                 piece = words[i] if i == 0 else " " + words[i]
                 await self._send(sresp, self._chunk(chat, oid, created, piece, None, first, with_usage=with_usage))
                 first = False
@@ -489,7 +536,7 @@ class EmulatedEngine:
             if p.completion is not None:
                 break
             await p.changed.wait()
-        await self._send(sresp, self._chunk(chat, oid, created, "", "length", False, with_usage=with_usage))
+        await self._send(sresp, self._chunk(chat, oid, created, "", finish, False, with_usage=with_usage))
         if with_usage:
             await self._send(sresp, self._usage_chunk(chat, oid, created, usage))
         await sresp.write(b"data: [DONE]\n\n")
@@ -715,6 +762,10 @@ def main(argv: list[str] | None = None) -> None:
         engine = engine_from_args(args)
     except ValueError as e:
         ap.error(str(e))  # exit code 2, like any bad flag
+    try:
+        telemetry.setup_tracing("flowmaker-engine")
+    except Exception as e:  # e.g. OTEL_TRACES_EXPORTER=otlp without the exporter: serve untraced
+        print(f"warning: tracing off: {e}", file=sys.stderr, flush=True)
     asyncio.run(serve(engine, args.host, args.port, args.port_file, announce=True))
 
 

@@ -3,7 +3,8 @@ file), stubs, error lines.
 
 Address resolution, first match wins: the command's `--orchestrator` / `--deployer` /
 `--profiler` option; `FLOWMAKER_ORCHESTRATOR_ADDR` / `FLOWMAKER_DEPLOYER_ADDR` /
-`FLOWMAKER_PROFILER_ADDR`; the state file a running `flowmaker up` writes
+`FLOWMAKER_PROFILER_ADDR`; the context (`flowmaker --context NAME`, FLOWMAKER_CONTEXT, else the current one of
+`flowmaker context use`; `flowmaker.launcher.contexts`); the state file a running `flowmaker up` writes
 (`FLOWMAKER_STATE_FILE`, default `~/.flowmaker/stack.json`); the default port of the service on
 127.0.0.1 (`flowmaker.settings.DEFAULT_PORTS`).
 
@@ -12,10 +13,10 @@ the one it started:
 
 - TLS: `FLOWMAKER_TLS_CA` (the stack's CA), with `FLOWMAKER_TLS_CERT` / `FLOWMAKER_TLS_KEY` (a client
   certificate of that CA, e.g. the pki's `admin.pem` / `admin.key`; every service but the orchestrator demands
-  one); the top-level `flowmaker --tls-ca/--tls-cert/--tls-key` options set them. Given, they are used for
-  every address. Else the state file's files, for the addresses of the stack it describes; else plaintext.
+  one); the top-level `flowmaker --tls-ca/--tls-cert/--tls-key` options set them; else the context's. Given,
+  they are used for every address. Else the state file's files, for the addresses of the stack it describes; else plaintext.
 - token (the orchestrator's bearer token; sent over TLS only): `FLOWMAKER_TOKEN`; else `FLOWMAKER_TOKEN_FILE`
-  (`flowmaker --token-file`): a file holding the token, or a `tokens.json` (`{token: {user, admin}}`) whose
+  (`flowmaker --token-file`; else the context's): a file holding the token, or a `tokens.json` (`{token: {user, admin}}`) whose
   admin token (or only token) is taken; else the admin token in the `tokens.json` the state file points to.
 """
 
@@ -67,10 +68,39 @@ class ClientSettings(BaseSettings):
     tls_cert: str = Field("", description="PEM client certificate signed by that CA (FLOWMAKER_TLS_CERT; with "
                                           "FLOWMAKER_TLS_KEY), e.g. the stack's admin.pem.")
     tls_key: str = Field("", description="PEM key of FLOWMAKER_TLS_CERT (FLOWMAKER_TLS_KEY).")
+    config: Path | None = Field(None, description="The contexts file (FLOWMAKER_CONFIG); default: config.json "
+                                                  "beside the state file (~/.flowmaker/config.json).")
+    context: str = Field("", description="The context to use (FLOWMAKER_CONTEXT, `flowmaker --context`); default: "
+                                         "the current one (`flowmaker context use`).")
+
+    @property
+    def config_file(self) -> Path:
+        from flowmaker.launcher.contexts import default_path
+
+        return self.config or default_path(self.state_file)
 
 
 def settings() -> ClientSettings:
-    return ClientSettings()  # type: ignore[call-arg]
+    """The environment's settings, what they leave empty filled from the context (FLOWMAKER_CONTEXT, else the
+    current one): flags (which set the environment) and variables win over a context, a context over the state
+    file. A contexts file or context that cannot be used is ignored here (`flowmaker --context` reports it)."""
+    from flowmaker.launcher.contexts import ContextError, active
+
+    s = ClientSettings()  # type: ignore[call-arg]
+    try:
+        found = active(s.config_file, s.context)
+    except ContextError:
+        return s
+    if found is not None:
+        ctx = found[1]
+        for mine, theirs in (("orchestrator_addr", ctx.orchestrator), ("deployer_addr", ctx.deployer),
+                             ("profiler_addr", ctx.profiler), ("token_file", ctx.token_file)):
+            if not getattr(s, mine) and theirs:
+                setattr(s, mine, theirs)
+        # TLS files go together: a context's CA is not mixed with a certificate from the environment.
+        if not (s.tls_ca or s.tls_cert or s.tls_key):
+            s.tls_ca, s.tls_cert, s.tls_key = ctx.tls_ca, ctx.tls_cert, ctx.tls_key
+    return s
 
 
 def resolve(service: str, flag: str | None, s: ClientSettings | None = None) -> str:
@@ -224,6 +254,7 @@ class Stubs:
     timeout_s: float = 300.0
     tls: TlsFiles | bool | None = True  # True = from the state file
     token: str = ""
+    tracing: bool = True  # OpenTelemetry's client interceptors (a CLI exporting no trace skips loading them)
 
     def __post_init__(self) -> None:
         self._channels: list[grpc.aio.Channel] = []
@@ -233,7 +264,8 @@ class Stubs:
 
     def _channel(self, addr: str, token: str = "") -> grpc.aio.Channel:
         files = self.tls if isinstance(self.tls, TlsFiles) else None
-        ch = channel(addr, default_timeout_s=self.timeout_s, tls=files, token=token if files else "")
+        ch = channel(addr, default_timeout_s=self.timeout_s, tls=files, token=token if files else "",
+                     tracing=self.tracing)
         self._channels.append(ch)
         return ch
 

@@ -13,8 +13,13 @@ Start-up:
    first, or a timeout, raises `StackError` with the tail of its log, and everything started so
    far is stopped.
 
+Orchestrator replicas (`StackConfig.orchestrators`, `flowmaker up --orchestrators N`): each its own supervised
+process on its own port (children `orchestrator`, `orchestrator-2`, ...); one of them is elected to act. Clients get
+the list: `addresses["orchestrator"]` (and the state file's `services.orchestrator`) is "host:port,host:port",
+which `flowmaker.rpc.channels.channel` balances round robin; `state()["orchestrators"]` lists them.
+
 Stop (also on an error during start, on `with` exit, and at interpreter exit):
-front-door services first (orchestrator, selector, generator, profiler), then the deployer (its
+front-door services first (gateway, orchestrator replicas, selector, generator, profiler), then the deployer (its
 shutdown stops its engines and revokes its etcd lease), then etcd. Each gets SIGTERM, then
 SIGKILL after `stop_timeout_s`. Engines run in their own sessions, so the launcher also records
 every descendant of each service before stopping it and kills whatever of them is still alive
@@ -130,6 +135,9 @@ class StackConfig:
     python: str = field(default_factory=lambda: sys.executable)
     # Which services to start (all five by default; a subset is for tests of one service).
     services: tuple[str, ...] = SERVICES
+    # Orchestrator replicas, each a process of its own on its own port; one is elected to reconcile (`flowmaker up`
+    # starts 2; library callers, tests among them, get one unless they ask).
+    orchestrators: int = 1
     # The OpenAI-compatible HTTP gateway (`services.gateway`) in front of the orchestrator; its base URL
     # is `LocalStack.gateway_url` and the state file's "gateway".
     gateway: bool = True
@@ -253,6 +261,7 @@ class LocalStack:
         self.etcd_endpoint = ""
         self._children: dict[str, _Child] = {}
         self.addresses: dict[str, str] = {}
+        self.orchestrators: list[str] = []  # each replica's address ("orchestrator" in `addresses` lists them all)
         self.gateway_url = ""  # http://host:port/v1 once the gateway serves
         self.metrics: dict[str, str] = {}  # service (and "gateway") -> its Prometheus URL http://host:port/metrics
         self.pki_dir: Path | None = None  # with config.tls: the CA, certificates and tokens
@@ -273,7 +282,7 @@ class LocalStack:
         return {"pid": os.getpid(), "etcd": self.etcd_endpoint, "services": dict(self.addresses),
                 "work_dir": str(self.work_dir or ""), "gpus": self.config.gpus, "gpu_type": self.config.gpu_type,
                 "node": self.config.node, "time_scale": self.config.time_scale, "gateway": self.gateway_url,
-                "metrics": dict(self.metrics),
+                "metrics": dict(self.metrics), "orchestrators": list(self.orchestrators),
                 "pids": {n: c.proc.pid for n, c in self._children.items()},
                 "tls": self.client_tls()}
 
@@ -321,7 +330,9 @@ class LocalStack:
         with contextlib.suppress(Exception):
             atexit.unregister(self.stop)
         t = self.config.stop_timeout_s
-        front = [self._children[n] for n in ("gateway", *reversed(SERVICES)) if n in self._children and n != "deployer"]
+        replicas = [n for n in self._children if n.startswith("orchestrator-")]
+        front = [self._children[n] for n in ("gateway", *replicas, *reversed(SERVICES))
+                 if n in self._children and n != "deployer"]
         back = [self._children[n] for n in ("deployer",) if n in self._children]
         for group in (front, back):
             if group:
@@ -455,11 +466,20 @@ class LocalStack:
         unknown = set(cfg.services) - set(SERVICES)
         if unknown:
             raise StackError(f"unknown service(s) {sorted(unknown)}; known: {list(SERVICES)}", field="services")
+        if cfg.orchestrators < 1:
+            raise StackError(f"orchestrators must be >= 1, got {cfg.orchestrators}", field="orchestrators")
         for svc in SERVICES:
             port = cfg.ports.get(svc) or self._port(svc)
             self.addresses[svc] = f"{cfg.host}:{port}"
+        # Replica 1 is `orchestrator` (its port, metrics port and log as with one replica); the others follow.
+        replicas = ["orchestrator", *(f"orchestrator-{i}" for i in range(2, cfg.orchestrators + 1))]
+        self.orchestrators = [self.addresses["orchestrator"],
+                              *(f"{cfg.host}:{self._port(r)}" for r in replicas[1:])]
+        self.addresses["orchestrator"] = ",".join(self.orchestrators)
         metrics_ports = {svc: self._port(f"{svc}-metrics") for svc in SERVICES if svc in cfg.services} \
             if cfg.metrics else {}
+        if cfg.metrics and "orchestrator" in cfg.services:
+            metrics_ports.update({r: self._port(f"{r}-metrics") for r in replicas[1:]})
         base_env = {**os.environ, "OTEL_TRACES_EXPORTER": os.environ.get("OTEL_TRACES_EXPORTER", "none"),
                     "PYTHONUNBUFFERED": "1",
                     # Marks every process of this stack (engines inherit it): orphan checks find them by it.
@@ -469,20 +489,29 @@ class LocalStack:
         root = str(Path(__file__).resolve().parents[2])
         (self.log_dir / "engines").mkdir(parents=True, exist_ok=True)  # the deployer appends engine logs there
         base_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        for svc in (x for x in SERVICES if x in cfg.services):
-            host, port_s = self.addresses[svc].rsplit(":", 1)
+        procs = [(svc, svc, self.addresses[svc]) for svc in SERVICES if svc in cfg.services and svc != "orchestrator"]
+        if "orchestrator" in cfg.services:
+            procs += [("orchestrator", name, addr) for name, addr in zip(replicas, self.orchestrators, strict=True)]
+        for svc, name, address in procs:
+            host, port_s = address.rsplit(":", 1)
             env = {**base_env,
                    **service_env(svc, host=host, port=int(port_s), addrs=self.addresses,
                                  etcd_endpoint=self.etcd_endpoint, cfg=cfg, log_dir=self.log_dir,
-                                 pki_dir=self.pki_dir, metrics_port=metrics_ports.get(svc)),
+                                 pki_dir=self.pki_dir, metrics_port=metrics_ports.get(name)),
                    **cfg.extra_env}
+            if svc == "orchestrator":
+                env["FLOWMAKER_ORCHESTRATOR_REPLICA_ID"] = name
+                if name != "orchestrator":  # a fixed port in extra_env is replica 1's
+                    env["FLOWMAKER_ORCHESTRATOR_PORT"] = port_s
+                    if name in metrics_ports:
+                        env["FLOWMAKER_ORCHESTRATOR_METRICS_PORT"] = str(metrics_ports[name])
             mport = env.get(f"FLOWMAKER_{svc.upper()}_METRICS_PORT", "")
             if mport.isdigit() and int(mport) > 0:  # a fixed port (ours, or extra_env's): known up front
-                self.metrics[svc] = f"http://{host}:{mport}/metrics"
-            self._progress(svc, "starting")
-            child = _spawn(svc, [cfg.python, "-m", f"services.{svc}"], env, self.log_dir / f"{svc}.log")
-            child.address = self.addresses[svc]
-            self._children[svc] = child
+                self.metrics[name] = f"http://{host}:{mport}/metrics"
+            self._progress(name, "starting")
+            child = _spawn(name, [cfg.python, "-m", f"services.{svc}"], env, self.log_dir / f"{name}.log")
+            child.address = address
+            self._children[name] = child
         waiting = dict(self._children)
         deadline = time.monotonic() + cfg.startup_timeout_s
         while waiting:

@@ -95,6 +95,10 @@ class ArrivalMeter:
         while q and q[0] < now - self.window_s:
             q.popleft()
 
+    def tasks(self) -> list[str]:
+        """The tasks metered (seen at least once, not forgotten)."""
+        return list(self._first)
+
     def forget(self, task_id: str) -> None:
         for d in (self._arrivals, self._latencies, self._first, self._waiting):
             d.pop(task_id, None)  # type: ignore[attr-defined]
@@ -122,6 +126,14 @@ class ArrivalMeter:
         lat = self.latencies(task_id, now)
         lq = lat[min(len(lat) - 1, max(0, math.ceil(quantile * len(lat)) - 1))] * time_scale if lat else 0.0
         return TaskLoad(len(q) / span / time_scale, lq, len(lat))
+
+
+def combined(loads: list[TaskLoad]) -> TaskLoad | None:
+    """The load of a task served by several orchestrator replicas, each metering its own requests: rates and
+    samples add up; the latency quantile is the worst replica's (a bound, not the exact quantile of the union)."""
+    if not loads:
+        return None
+    return TaskLoad(sum(x.rate_rps for x in loads), max(x.latency_q_s for x in loads), sum(x.samples for x in loads))
 
 
 def drifted(tasks: dict[str, TaskRecord], loads: dict[str, TaskLoad], since: dict[str, float], now: float,

@@ -1,8 +1,13 @@
 """Outgoing gRPC channels: every call gets a deadline (a default, capped by the deadline of the RPC being served),
-and every channel presents the process's mTLS identity once one is configured."""
+and every channel presents the process's mTLS identity once one is configured. A target that lists several
+addresses ("host:port,host:port": the orchestrator's replicas) is balanced round robin, with idempotent calls
+retried on another replica when one answers UNAVAILABLE (it died, or is stopping)."""
 
 from __future__ import annotations
 
+import ipaddress
+import json
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,7 +18,6 @@ import grpc.aio
 from flowmaker.errors import DeadlineExceeded
 from flowmaker.rpc.errors import incoming_deadline
 from flowmaker.rpc.tls import TlsFiles, channel_credentials
-from flowmaker.telemetry import client_interceptors
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -29,6 +33,82 @@ def deadline_s(timeout_s: float | None = None, *, default_s: float = DEFAULT_TIM
             raise DeadlineExceeded("the deadline of the request being served has passed")
         t = min(t, left)
     return t
+
+
+# Calls that are safe to send again when the replica that took them went away: reads, Invoke (an engine call has
+# no side effect), and DeleteTask (deleting a DELETING task waits for the same delete). DeployTask (a new task
+# each time) and ApproveWorkflows (a second approval is refused) are not retried.
+_RETRYABLE = {"flowmaker.orchestrator.v1.OrchestratorService": ("GetTask", "ListTasks", "Invoke", "InvokeStream",
+                                                               "DeleteTask")}
+RETRY_POLICY = {"maxAttempts": 5, "initialBackoff": "0.05s", "maxBackoff": "1s", "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"]}
+
+
+def service_config(*, balanced: bool) -> str:
+    """The gRPC service config of a channel: the retry policy of the idempotent calls, and round robin over
+    every address the target resolves to when `balanced`."""
+    cfg: dict[str, Any] = {"methodConfig": [{
+        "name": [{"service": svc, "method": m} for svc, methods in _RETRYABLE.items() for m in methods],
+        "retryPolicy": RETRY_POLICY}]}
+    if balanced:
+        cfg["loadBalancingConfig"] = [{"round_robin": {}}]
+    return json.dumps(cfg)
+
+
+def split_addresses(target: str) -> list[str]:
+    """The addresses of a target: "a:1,b:2" -> ["a:1", "b:2"] (one for a plain target)."""
+    return [a.strip() for a in target.split(",") if a.strip()]
+
+
+def target_options(target: str, *, secure: bool, tls_server_name: str = "") -> tuple[str, list[tuple[str, Any]]]:
+    """The gRPC target and channel options for `target` ("host:port", or several comma-separated): the service
+    config (round robin over a list or a DNS name, the retry policy) and, with TLS (`secure`), the name the
+    servers' certificates are checked against (`tls_server_name`, else a list's first host). For sync channels
+    too (grpc.secure_channel / insecure_channel take the same)."""
+    options: list[tuple[str, Any]] = []
+    addresses = split_addresses(target)
+    if len(addresses) > 1:
+        target = _multi_target(addresses)
+        options.append(("grpc.default_authority", addresses[0]))
+        if secure and not tls_server_name:
+            tls_server_name = addresses[0].rpartition(":")[0].strip("[]")
+    options.append(("grpc.service_config", service_config(balanced=len(addresses) > 1 or _named(target))))
+    if secure and tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return target, options
+
+
+def _named(target: str) -> bool:
+    """Whether `target` is a DNS name (which may list several servers: a headless Service) rather than one IP.
+    Round robin uses only the addresses it can connect to, so a name that also resolves to an unused IPv6
+    loopback costs nothing."""
+    if target.startswith("dns:"):
+        return True
+    if ":" not in target or target.startswith(("ipv4:", "ipv6:", "unix:", "[")):
+        return False
+    try:
+        ipaddress.ip_address(target.rpartition(":")[0])
+    except ValueError:
+        return True
+    return False
+
+
+def _multi_target(addresses: Sequence[str]) -> str:
+    """One gRPC target for several host:port addresses: the static `ipv4:`/`ipv6:` resolver over their IPs
+    (host names resolved once, here; gRPC has no static resolver for names)."""
+    v4: list[str] = []
+    v6: list[str] = []
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        host = host.strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            ip = ipaddress.ip_address(socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0])
+        (v4 if ip.version == 4 else v6).append(f"{ip}:{port}" if ip.version == 4 else f"[{ip}]:{port}")
+    if v4 and v6:
+        raise ValueError(f"mixed IPv4 and IPv6 addresses in one target: {', '.join(addresses)}")
+    return ("ipv4:" + ",".join(v4)) if v4 else ("ipv6:" + ",".join(v6))
 
 
 class _DeadlineInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
@@ -83,13 +163,20 @@ def channel(target: str, *, default_timeout_s: float = DEFAULT_TIMEOUT_S,
     every call (TLS only: gRPC never sends call credentials in the clear). `tls_server_name`: the name the
     server's certificate must carry, instead of the host of `target` (TLS only): for a peer dialled by an
     address its certificate cannot list in advance, e.g. a Kubernetes deployer at its pod IP, whose
-    certificate names it `deployer`."""
-    otel = client_interceptors() if tracing else []
+    certificate names it `deployer`. `target` may list several addresses ("a:1,b:2"): calls are balanced round
+    robin over them (and the idempotent ones retried on UNAVAILABLE); with TLS each server's certificate is
+    checked against the first address's host unless `tls_server_name` says otherwise."""
+    otel: list[Any] = []
+    if tracing:
+        # Imported here: the OpenTelemetry SDK is only loaded by a process that traces (the CLI starts faster).
+        from flowmaker.telemetry import client_interceptors
+
+        otel = client_interceptors()
     chain = [*otel, *interceptors, _DeadlineInterceptor(default_timeout_s)]
     files = _client_tls if tls is True else (tls or None)
+    target, extra = target_options(target, secure=files is not None, tls_server_name=tls_server_name)
+    options = [*options, *extra]
     if files is not None:
-        if tls_server_name:
-            options = [*options, ("grpc.ssl_target_name_override", tls_server_name)]
         creds = channel_credentials(files)
         if token:
             creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))

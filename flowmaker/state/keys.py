@@ -23,6 +23,10 @@ MODELS = ROOT + "models/"
 PROFILING_JOBS = ROOT + "profiling-jobs/"
 OWNERS = ROOT + "owners/"
 INTERFERENCE = ROOT + "interference/"
+ORCHESTRATORS = ROOT + "orchestrators/"
+TASK_NAMES = ROOT + "task-names/"
+# The elected orchestrator replica (the one that reconciles, deploys and follows the load); bound to its lease.
+ORCHESTRATOR_LEADER = ORCHESTRATORS + "leader"
 
 
 def _c(value: str, what: str) -> str:
@@ -53,6 +57,22 @@ def instance(instance_id: str) -> str:
 def task(task_id: str) -> str:
     """A task: spec, candidates, approved ids, chosen variant, state."""
     return TASKS + _c(task_id, "task_id")
+
+
+def orchestrator_replica(replica_id: str) -> str:
+    """One orchestrator replica: its address and the load it measured per task; bound to the replica's lease."""
+    return ORCHESTRATORS + "replicas/" + _c(replica_id, "replica_id")
+
+
+def task_name(owner: str, name: str) -> str:
+    """A task's name, unique per owner ("" = the anonymous admin of a plaintext stack): value {"task_id"}."""
+    return TASK_NAMES + quote(owner or "~", safe="") + "/" + _c(name, "name")
+
+
+def parse_task_name(key: str) -> tuple[str, str]:
+    """(owner, name) of a `task_name` key."""
+    owner, name = _tail(key, TASK_NAMES, 2)
+    return ("" if owner == "~" else owner), name
 
 
 def owner(task_id: str) -> str:

@@ -21,7 +21,7 @@ async def main() -> None:
     telemetry.setup_tracing("flowmaker-gateway")
     s.log_effective()
     gw = Gateway(s.orchestrator_address, timeout_s=s.call_timeout_s, ca_file=s.tls_ca_file,
-                 header_timeout_s=s.header_timeout_s, body_timeout_s=s.body_timeout_s)
+                 header_timeout_s=s.header_timeout_s, body_timeout_s=s.body_timeout_s, route_ttl_s=s.route_ttl_s)
     # Gateway.runner: the header and body timeouts, and a client that disconnects cancels its request (and
     # with it the orchestrator call).
     runner = gw.runner(shutdown_timeout=s.grace_s)

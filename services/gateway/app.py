@@ -9,11 +9,15 @@ of its own. What it adds is the OpenAI shape:
 
 - the task's input is the content of the last `user` message (chat; text parts joined) or the `prompt`
   (completions); `max_completion_tokens` / `max_tokens` cap every LLM call (`InvokeRequest.max_output_tokens`);
-- parameters are checked as OpenAI checks them (`parse_chat`, `parse_completion`): sampling parameters must lie
-  in OpenAI's ranges (`temperature` 0..2, `top_p` 0..1, the penalties -2..2; within them they are accepted but
-  do not reach the engines: every stage samples as its workflow says), and what a workflow cannot honour
-  (`tools`, a `response_format` other than text, `logprobs`, `stop`, `n` > 1, non-text content parts, ...) is
-  refused with a 400 naming the parameter;
+- parameters are checked as OpenAI checks them (`parse_chat`, `parse_completion`): sampling parameters
+  (`temperature` 0..2, `top_p` 0..1, the penalties -2..2, an integer `seed`, up to 4 `stop` sequences;
+  `flowmaker.sampling`) go to the orchestrator (`InvokeRequest.sampling`), which passes them to every LLM call
+  of the workflow; what a workflow cannot honour (`tools`, a `response_format` other than text, `logprobs`,
+  `logit_bias`, `n` > 1, non-text content parts, ...) is refused with a 400 naming the parameter;
+- the `model` goes to `Invoke` as the task id with no lookup first: an unknown one is the orchestrator's own
+  NOT_FOUND, answered 404 `model_not_found`; a model that is not an id is tried as the name of one of the
+  caller's tasks (ListTasks), and what it resolved to is kept for `route_ttl_s` (`Routes`), as is a streamed
+  task's final stage (from one GetTask);
 - `finish_reason` is the engine's for the final stage (`StageOutput.finish_reason`): "length" when a token cap
   cut the answer, else "stop" (a TOOL final stage: "stop");
 - `usage` sums the LLM stages' tokens; on a stream it comes only with `stream_options.include_usage`
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import logging
 import re
@@ -66,9 +71,11 @@ from flowmaker import convert, telemetry
 from flowmaker.api.common.v1 import task_pb2
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
+from flowmaker.errors import InvalidSpec
 from flowmaker.orchestration.dag import final_stage
 from flowmaker.rpc.channels import channel
 from flowmaker.rpc.errors import error_info, field_violations
+from flowmaker.sampling import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +141,7 @@ def api_error_of(e: grpc.RpcError, names: Mapping[str, str] | None = None) -> Ap
     param = fields[0] if fields else None
     ours = (names or DEFAULT_NAMES).get(param or "")
     if param and ours:
-        if "_" in param:  # an identifier, never an English word: safe to rename in the text
+        if "_" in param or "." in param:  # an identifier, never an English word: safe to rename in the text
             details = re.sub(rf"\b{re.escape(param)}\b", ours, details)
         param = ours
     return ApiError(status, details, type_=type_, param=param, code=reason.lower())
@@ -238,10 +245,12 @@ class Invocation:
     include_usage: bool
     tokens_param: str = "max_tokens"  # the cap's name as the caller set it
     input_param: str = "messages"  # "prompt" for /v1/completions
+    sampling: Sampling | None = None
 
     @property
     def names(self) -> dict[str, str]:
-        return {"task_id": "model", "max_output_tokens": self.tokens_param, "input": self.input_param}
+        return {"task_id": "model", "max_output_tokens": self.tokens_param, "input": self.input_param,
+                **{f"sampling.{n}": n for n in SAMPLING_NAMES}}
 
 
 
@@ -254,27 +263,26 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _in_range(body: dict[str, Any], name: str, lo: float, hi: float) -> None:
-    v = body.get(name)
-    if v is None:
-        return
-    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:  # NaN is never in range
-        raise ApiError(400, f"'{name}' must be a number from {lo:g} to {hi:g}, got {_show(v)}", param=name,
-                       code="invalid_value")
-
-
 def _unsupported(body: dict[str, Any], name: str, fine: Callable[[Any], bool], why: str) -> None:
     if name in body and not fine(body[name]):
         raise ApiError(400, f"'{name}' is not supported: {why}", param=name, code="unsupported_parameter")
 
 
 _NO_TOOLS = "a task runs its own workflow and calls no tools of the caller's"
-_SAMPLING = (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0),
-             ("frequency_penalty", -2.0, 2.0))
+SAMPLING_NAMES = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop")
+
+
+def _sampling(body: dict[str, Any]) -> Sampling | None:
+    """The request's sampling parameters (None when none is set); ApiError 400 naming one out of range."""
+    try:
+        s = Sampling.from_openai(body)
+    except InvalidSpec as e:
+        raise ApiError(400, f"'{e.field}' {e.message}", param=e.field, code="invalid_value") from None
+    return s if s.is_set else None
 
 
 def _common(body: Any) -> tuple[str, int, str, bool, bool]:
-    """The checks chat and completions share: model, the token cap, stream, n, sampling ranges, stop,
+    """The checks chat and completions share: model, the token cap, stream, n, sampling (`_sampling`),
     logit_bias. (model, cap, the cap's parameter name, stream, include_usage)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -300,12 +308,7 @@ def _common(body: Any) -> tuple[str, int, str, bool, bool]:
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         raise ApiError(400, f"only n=1 is supported, got {_show(n)}", param="n", code="unsupported_value")
-    for name, lo, hi in _SAMPLING:
-        _in_range(body, name, lo, hi)
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise ApiError(400, f"'seed' must be an integer, got {_show(seed)}", param="seed")
-    _unsupported(body, "stop", lambda v: v in (None, "", []), "a workflow's stages end as the workflow says")
+    _sampling(body)
     _unsupported(body, "logit_bias", lambda v: v in (None, {}), "the workflow's models sample on their own")
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
@@ -354,7 +357,7 @@ def parse_chat(body: Any) -> Invocation:
             text = content or ""
     if text is None:
         raise ApiError(400, "no 'user' message: the last user message is the task's input", param="messages")
-    return Invocation(model, text, cap, stream, include_usage, pname, "messages")
+    return Invocation(model, text, cap, stream, include_usage, pname, "messages", _sampling(body))
 
 
 def parse_completion(body: Any) -> Invocation:
@@ -376,7 +379,7 @@ def parse_completion(body: Any) -> Invocation:
                        param="prompt", code="unsupported_value")
     if not isinstance(prompt, str):
         raise ApiError(400, "'prompt' is required: a string, the task's input", param="prompt")
-    return Invocation(model, prompt, cap, stream, include_usage, pname, "prompt")
+    return Invocation(model, prompt, cap, stream, include_usage, pname, "prompt", _sampling(body))
 
 
 # ---- responses -------------------------------------------------------------------------------------
@@ -441,6 +444,60 @@ def final_stage_id(t: Any) -> str:
     return final_stage(convert.workflow_from_proto(wf)).id if wf is not None else ""
 
 
+def final_of(r: Any) -> str:
+    """The final stage of an InvokeResponse: the last stage whose output is the request's ("" when none is)."""
+    return next((st.stage_id for st in reversed(r.stages) if st.output == r.output), "")
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """What a `model` resolved to: the task id, and the final stage of its workflow ("" = not looked up)."""
+
+    task_id: str
+    final_id: str = ""
+
+
+class Routes:
+    """`model` -> Route per caller (names resolve among the caller's own tasks), each kept `ttl_s`: the
+    lookup behind a name, or behind a stream's final stage, is made once per TTL rather than per request. A
+    task re-selected or deleted meanwhile is at worst `ttl_s` stale: the orchestrator checks every call, and an
+    entry whose call fails is dropped."""
+
+    def __init__(self, ttl_s: float = 5.0, max_entries: int = 10_000) -> None:
+        self.ttl_s, self.max_entries = ttl_s, max_entries
+        self._d: dict[tuple[str, str], tuple[float, Route]] = {}
+
+    def get(self, model: str, who: str) -> Route | None:
+        hit = self._d.get((model, who))
+        if hit is None or hit[0] < time.monotonic():
+            return None
+        return hit[1]
+
+    def put(self, model: str, who: str, route: Route) -> Route:
+        if self.ttl_s <= 0:
+            return route
+        if len(self._d) >= self.max_entries:  # many callers x models: start over rather than grow
+            self._d.clear()
+        self._d[(model, who)] = (time.monotonic() + self.ttl_s, route)
+        return route
+
+    def drop(self, model: str, who: str) -> None:
+        self._d.pop((model, who), None)
+
+
+def _caller(request: web.Request) -> str:
+    """Who is asking, as a `Routes` key: a digest of the Authorization header (the token is not kept)."""
+    return hashlib.sha256(request.headers.get("Authorization", "").encode(errors="surrogateescape")).hexdigest()
+
+
+def _about_the_task(e: grpc.RpcError) -> bool:
+    """Whether a failed Invoke refused the task id itself (unknown, someone else's, not an id at all)."""
+    code = e.code() if hasattr(e, "code") else None
+    if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
+        return True
+    return code == grpc.StatusCode.INVALID_ARGUMENT and [v.field for v in field_violations(e)][:1] == ["task_id"]
+
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -500,15 +557,19 @@ class Gateway:
     """The HTTP handlers over one channel to the orchestrator."""
 
     def __init__(self, orchestrator_address: str, *, timeout_s: float = 300.0, ca_file: str = "",
-                 header_timeout_s: float = 30.0, body_timeout_s: float = 30.0) -> None:
+                 header_timeout_s: float = 30.0, body_timeout_s: float = 30.0, route_ttl_s: float = 5.0) -> None:
         self.orchestrator_address = orchestrator_address
+        self.routes = Routes(route_ttl_s)
         if ca_file:
             # TLS, verifying the orchestrator against the suite's CA, and deliberately no client certificate:
             # the caller's bearer token, passed on below, is the only identity the orchestrator sees.
+            from flowmaker.rpc.channels import target_options
             from flowmaker.rpc.tls import channel_credentials
 
-            self.channel = grpc.aio.secure_channel(orchestrator_address, channel_credentials(None, ca_file=ca_file),
-                                                   interceptors=telemetry.client_interceptors())
+            # Every orchestrator replica ("a:1,b:2"): round robin, idempotent calls retried on UNAVAILABLE.
+            target, options = target_options(orchestrator_address, secure=True)
+            self.channel = grpc.aio.secure_channel(target, channel_credentials(None, ca_file=ca_file),
+                                                   options=options, interceptors=telemetry.client_interceptors())
         else:
             self.channel = channel(orchestrator_address, default_timeout_s=timeout_s, tls=False)
         self.timeout_s = timeout_s
@@ -633,24 +694,73 @@ class Gateway:
             if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
                                 grpc.StatusCode.INVALID_ARGUMENT):
                 raise
-            mine = (await self.stub.ListTasks(pb.ListTasksRequest(), metadata=md, timeout=self.timeout_s)).tasks
-            named = [x for x in mine if x.name == model]
-            served = [x for x in named if x.state in SERVED]
-            if len(served) > 1:
-                raise ApiError(404, f"The model `{model}` is ambiguous: {len(served)} served tasks have that name ("
-                               + ", ".join(x.id for x in served[:5]) + "); use a task id", param="model",
-                               code="model_not_found") from None
-            if not named:
-                if e.code() == grpc.StatusCode.PERMISSION_DENIED:
-                    raise
-                raise ApiError(404, f"The model `{model[:200]}` does not exist (no task with that id or name)",
-                               param="model", code="model_not_found") from None
-            t = served[0] if served else named[0]
+            t = await self._named(model, md, e)
         if t.state not in SERVED:
             state = task_pb2.Task.State.Name(t.state).removeprefix("STATE_")
             raise ApiError(404, f"The model `{model}` is not being served: the task is {state}", param="model",
                            code="model_not_found")
         return t
+
+    async def _named(self, model: str, md: list[tuple[str, str]], e: grpc.RpcError) -> Any:
+        """The caller's task named `model`, after `e` refused it as a task id: a served one first; 404
+        ambiguous for several served ones; none: `e` itself, a 403 as it is, anything else as OpenAI's 404
+        model_not_found with the orchestrator's message."""
+        mine = (await self.stub.ListTasks(pb.ListTasksRequest(), metadata=md, timeout=self.timeout_s)).tasks
+        named = [x for x in mine if x.name == model]
+        served = [x for x in named if x.state in SERVED]
+        if len(served) > 1:
+            raise ApiError(404, f"The model `{model}` is ambiguous: {len(served)} served tasks have that name ("
+                           + ", ".join(x.id for x in served[:5]) + "); use a task id", param="model",
+                           code="model_not_found") from None
+        if not named:
+            if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                raise e
+            said = " ".join((e.details() or "").split())[:300] if hasattr(e, "details") else ""
+            raise ApiError(404, f"The model `{model[:200]}` does not exist (no task with that id or name)"
+                           + (f": {said}" if said else ""), param="model", code="model_not_found") from None
+        return served[0] if served else named[0]
+
+    async def _invoke(self, request: web.Request, req: Invocation, md: list[tuple[str, str]]) -> tuple[Any, Route]:
+        """Invoke with `model` as the task id (or what it resolved to within the TTL): no lookup first. An
+        orchestrator that resolves names itself says which task served (`InvokeResponse.task_id`); one that
+        refuses the id: `model` may be one of the caller's task names, resolved here (ListTasks), kept, and
+        invoked. (The response, the route it took.)"""
+        who = _caller(request)
+        route = self.routes.get(req.model, who) or Route(req.model)
+        try:
+            r = await self._call_invoke(route.task_id, req, md)
+            if r.task_id and r.task_id != route.task_id:  # the orchestrator resolved a name: keep what it was
+                route = self.routes.put(req.model, who, Route(r.task_id))
+            return r, route
+        except grpc.RpcError as e:
+            self.routes.drop(req.model, who)
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and [v.field for v in field_violations(e)][:1] == [
+                    "task_id"]:  # the task exists but is not served (not ACTIVE yet, FAILED, DELETING)
+                said = " ".join((e.details() or "").split())[:300]
+                raise ApiError(404, f"The model `{req.model[:200]}` is not being served: {said}", param="model",
+                               code="model_not_found") from None
+            if route.task_id != req.model or not _about_the_task(e):
+                raise
+            t = await self._named(req.model, md, e)
+        route = self.routes.put(req.model, who, Route(t.id, final_stage_id(t)))
+        return await self._call_invoke(t.id, req, md), route
+
+    async def _call_invoke(self, task_id: str, req: Invocation, md: list[tuple[str, str]]) -> Any:
+        trace.get_current_span().set_attribute(telemetry.FLOWMAKER_TASK, task_id)
+        return await self.stub.Invoke(pb.InvokeRequest(
+            task_id=task_id, input=req.text, max_output_tokens=req.max_output_tokens,
+            sampling=convert.sampling_to_proto(req.sampling)), metadata=md, timeout=self.timeout_s)
+
+    async def _stream_route(self, request: web.Request, req: Invocation, md: list[tuple[str, str]]) -> Route:
+        """A stream needs the final stage before the first delta (only its text is the answer): one GetTask (and
+        for a name, ListTasks) per model and caller per TTL."""
+        who = _caller(request)
+        route = self.routes.get(req.model, who)
+        if route is None or not route.final_id:
+            t = await self._task(req.model, md)
+            route = self.routes.put(req.model, who, Route(t.id, final_stage_id(t)))
+        trace.get_current_span().set_attribute(telemetry.FLOWMAKER_TASK, route.task_id)
+        return route
 
     # ---- handlers ---------------------------------------------------------------------------
 
@@ -693,16 +803,12 @@ class Gateway:
     async def _run(self, request: web.Request, req: Invocation, md: list[tuple[str, str]], *,
                    chat: bool) -> web.StreamResponse:
         request[NAMES] = req.names
-        t = await self._task(req.model, md)
-        trace.get_current_span().set_attribute(telemetry.FLOWMAKER_TASK, t.id)
-        final_id = final_stage_id(t)
         if req.stream:
-            return await self._stream(request, req, t, md, final_id, chat=chat)
-        r = await self.stub.Invoke(pb.InvokeRequest(task_id=t.id, input=req.text,
-                                                    max_output_tokens=req.max_output_tokens), metadata=md,
-                                   timeout=self.timeout_s)
-        finish = finish_reason_of(r.stages, final_id, req.max_output_tokens)
-        head = {"created": int(time.time()), "model": t.id}
+            route = await self._stream_route(request, req, md)
+            return await self._stream(request, req, route.task_id, md, route.final_id, chat=chat)
+        r, route = await self._invoke(request, req, md)
+        finish = finish_reason_of(r.stages, route.final_id or final_of(r), req.max_output_tokens)
+        head = {"created": int(time.time()), "model": route.task_id}
         if chat:
             body = {"id": f"chatcmpl-{r.request_id}", "object": "chat.completion", **head,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": r.output},
@@ -712,16 +818,19 @@ class Gateway:
                     "choices": [{"index": 0, "text": r.output, "finish_reason": finish, "logprobs": None}]}
         return web.json_response({**body, "usage": usage_of(r.stages)}, headers={REQUEST_HEADER: r.request_id})
 
-    async def _stream(self, request: web.Request, req: Invocation, t: Any, md: list[tuple[str, str]],
+    async def _stream(self, request: web.Request, req: Invocation, task_id: str, md: list[tuple[str, str]],
                       final_id: str, *, chat: bool) -> web.StreamResponse:
-        call = self.stub.InvokeStream(pb.InvokeStreamRequest(task_id=t.id, input=req.text,
-                                                             max_output_tokens=req.max_output_tokens), metadata=md,
-                                      timeout=self.timeout_s)
+        call = self.stub.InvokeStream(pb.InvokeStreamRequest(
+            task_id=task_id, input=req.text, max_output_tokens=req.max_output_tokens,
+            sampling=convert.sampling_to_proto(req.sampling)), metadata=md, timeout=self.timeout_s)
         chunks = call.__aiter__()
         try:  # the first message (or the call's error) before any byte is sent: errors keep their status
             first: Any = await chunks.__anext__()
         except StopAsyncIteration:
             first = None
+        except grpc.RpcError:
+            self.routes.drop(req.model, _caller(request))
+            raise
         oid = f"{'chatcmpl' if chat else 'cmpl'}-{request[TRACE_ID][:24]}"
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -736,7 +845,7 @@ class Gateway:
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            c: dict[str, Any] = {"id": oid, "object": obj, "created": created, "model": t.id, "choices": [choice]}
+            c: dict[str, Any] = {"id": oid, "object": obj, "created": created, "model": task_id, "choices": [choice]}
             if req.include_usage:
                 c["usage"] = None
             return c
@@ -778,7 +887,7 @@ class Gateway:
                 await send(chunk(rest))
             await send(chunk(None if chat else "", finish_reason_of(done.stages, final_id, req.max_output_tokens)))
             if req.include_usage:
-                await send({"id": oid, "object": obj, "created": created, "model": t.id, "choices": [],
+                await send({"id": oid, "object": obj, "created": created, "model": task_id, "choices": [],
                             "usage": usage_of(done.stages)})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -33,6 +33,9 @@ class GatewaySettings(BaseSettings):
                                                                     "keep-alive connection) is closed.")
     body_timeout_s: float = Field(default=30.0, gt=0, description="A request body not received within this long "
                                                                   "is answered 408 and its connection closed.")
+    route_ttl_s: float = Field(default=5.0, ge=0, description="How long what a model name resolved to (its task, "
+                                                             "and for streams its final stage) is kept, per "
+                                                             "caller; 0 = look it up for every request.")
     tls_ca_file: str = Field(default="", description="PEM CA of the suite (flowmaker.rpc.tls): when set, the "
                                                      "orchestrator is called over TLS and verified against it. No "
                                                      "client certificate: at the orchestrator the caller's bearer "

@@ -27,6 +27,7 @@ async def main() -> None:
     async def ready(running: RunningServer) -> None:
         if isinstance(store, EtcdStore):
             await store.ping()
+        orch.set_address(running.address)  # what the leader key shows (when no advertise_address is set)
         await orch.resume()
 
     async def close() -> None:

@@ -1,10 +1,15 @@
-"""HTTP client of the engines: OpenAI-compatible /v1/chat/completions over one pooled aiohttp session."""
+"""HTTP client of the engines: OpenAI-compatible /v1/chat/completions over one pooled aiohttp session.
+
+A request's sampling parameters (`InvokeRequest.sampling`) reach every engine call made for it through the
+context variable `request_sampling`, which the servicer sets per RPC: the invoke path between them (routing,
+retries, replicas) carries them without knowing about them."""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -14,10 +19,15 @@ import aiohttp
 from flowmaker import telemetry
 from flowmaker.errors import DeadlineExceeded, InvalidSpec, Unavailable
 from flowmaker.redact import scrub
+from flowmaker.sampling import Sampling
 
 log = logging.getLogger(__name__)
 
 OnDelta = Callable[[str], Awaitable[None]]
+
+# The sampling parameters of the request being served (None: the engines' defaults); set by the servicer, read
+# by `EngineClient.chat` unless a call passes its own.
+request_sampling: ContextVar[Sampling | None] = ContextVar("request_sampling", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +71,17 @@ class EngineClient:
             return False
 
     async def chat(self, endpoint: str, model: str, prompt: str, max_tokens: int, *, timeout_s: float,
-                   instance_id: str = "", on_delta: OnDelta | None = None, api_key: str = "") -> Completion:
+                   instance_id: str = "", on_delta: OnDelta | None = None, api_key: str = "",
+                   sampling: Sampling | None = None) -> Completion:
         """One chat completion. `timeout_s` is what is left of the request's deadline; `on_delta`
         (streaming) gets each text piece as the engine produces it; `api_key` is the instance's key
-        (sent as a bearer token; engines started with one refuse calls without it)."""
+        (sent as a bearer token; engines started with one refuse calls without it); `sampling`: the
+        request's parameters (default: `request_sampling`'s)."""
         body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
                                 "max_tokens": max_tokens}
+        sampling = sampling if sampling is not None else request_sampling.get()
+        if sampling is not None:
+            body.update(sampling.body())
         if on_delta is not None:
             # include_usage: the final chunk carries `usage` (vLLM, SGLang, TRT-LLM), so the span's token
             # counts are the engine's, not a word count.
@@ -74,7 +89,8 @@ class EngineClient:
             body["stream_options"] = {"include_usage": True}
         url = endpoint.rstrip("/") + "/v1/chat/completions"
         what = f"instance {instance_id or endpoint} ({model})"
-        attrs = {telemetry.FLOWMAKER_INSTANCE: instance_id} if instance_id else None
+        attrs = {telemetry.FLOWMAKER_INSTANCE: instance_id} if instance_id else {}
+        attrs.update(telemetry.sampling_attributes(body))
         with telemetry.llm_span(model, max_tokens=max_tokens, server_address=urlsplit(url).hostname,
                                 attributes=attrs) as span:
             # Injected inside the span: the engine's own spans (vLLM --otlp-traces-endpoint) hang under it.

@@ -1,4 +1,5 @@
-"""OrchestratorService servicer: parse the request, call the Orchestrator, convert the task back (thin)."""
+"""OrchestratorService servicer: parse the request, call the router (Invoke) or the lifecycle commands (the rest),
+convert the task back (thin). Authorization reads the owners from the replica's watch-fed cache."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from flowmaker import convert
 from flowmaker.api.common.v1 import task_pb2
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from flowmaker.cancel import checkpoint, incoming_deadline, offload, remaining_s
-from flowmaker.errors import DeadlineExceeded, PermissionDenied
+from flowmaker.errors import DeadlineExceeded, NoCapacity, PermissionDenied
 from flowmaker.rpc.auth import current_principal
 from flowmaker.state import keys
+from services.orchestrator.cache import RoutingCache
+from services.orchestrator.engines import request_sampling
 from services.orchestrator.orchestrator import Orchestrator, TaskView
 
 T = TypeVar("T")
@@ -42,22 +45,33 @@ class Owners:
     owner, recorded under `keys.owner(task_id)`; only the owner or an admin may get, approve, invoke or
     delete it, and ListTasks shows a user only their own tasks. Anyone else gets PERMISSION_DENIED,
     whether or not the task exists (AIP-211: no probing for ids). A plaintext stack has no principals:
-    every caller is the anonymous admin."""
+    every caller is the anonymous admin.
 
-    def __init__(self, store: Any) -> None:
+    Owners are read from the replica's cache (its watch on the owner keys): no etcd round trip on a request's
+    path. A task the cache has not seen yet (deployed through another replica a moment ago) is looked up in
+    etcd. `max_tasks` (OrchestratorSettings.max_tasks_per_user) caps what one user owns at once."""
+
+    def __init__(self, store: Any, cache: RoutingCache | None = None, *, max_tasks: int = 0) -> None:
         self.store = store
+        self.cache = cache
+        self.max_tasks = max_tasks
 
     async def record(self, task_id: str) -> None:
         p = current_principal.get()
         if p.name:
-            await self.store.put(keys.owner(task_id), {"owner": p.name})
+            rev = await self.store.put(keys.owner(task_id), {"owner": p.name})
+            if self.cache is not None:
+                self.cache.note_owner(task_id, p.name, rev)
 
     async def check(self, task_id: str) -> None:
         p = current_principal.get()
         if p.admin:
             return
-        kv = await self.store.get(keys.owner(task_id)) if task_id else None
-        if kv is None or not isinstance(kv.value, dict) or kv.value.get("owner") != p.name:
+        owner = self.cache.owner(task_id) if self.cache is not None and task_id else None
+        if owner is None and task_id:
+            kv = await self.store.get(keys.owner(task_id))
+            owner = kv.value.get("owner") if kv is not None and isinstance(kv.value, dict) else None
+        if owner != p.name:
             raise PermissionDenied(f"{p.name!r} may not use task {task_id[:64]!r}: it is not theirs, or does not "
                                    "exist", field="task_id", reason="NOT_TASK_OWNER")
 
@@ -66,70 +80,112 @@ class Owners:
         p = current_principal.get()
         if p.admin:
             return None
+        if self.cache is not None and self.cache.fresh:
+            return set(self.cache.tasks_of(p.name))
         listing = await self.store.get_prefix(keys.OWNERS)
         return {keys.parse_owner(kv.key) for kv in listing.items
                 if isinstance(kv.value, dict) and kv.value.get("owner") == p.name}
 
+    async def resolve(self, ref: str) -> str:
+        """The task `ref` names: a task id, else the name of one of the caller's tasks (names are unique per
+        owner), else `ref` unchanged (the check and the call then say it does not exist). An id in the cache
+        costs no etcd round trip."""
+        if not ref or (self.cache is not None and self.cache.task(ref) is not None):
+            return ref
+        owner = current_principal.get().name
+        tid = self.cache.named(owner, ref) if self.cache is not None else None
+        if tid:
+            return tid
+        if await self.store.get(keys.task(ref)) is not None:
+            return ref
+        kv = await self.store.get(keys.task_name(owner, ref))
+        return str(kv.value.get("task_id") or ref) if kv is not None and isinstance(kv.value, dict) else ref
+
+    async def check_quota(self) -> None:
+        """RESOURCE_EXHAUSTED when the caller (not an admin) already owns `max_tasks` tasks."""
+        p = current_principal.get()
+        if p.admin or not p.name or self.max_tasks <= 0:
+            return
+        owned = await self.visible() or set()
+        if len(owned) >= self.max_tasks:
+            raise NoCapacity(f"{p.name!r} owns {len(owned)} tasks, the most one user may own at once "
+                             f"(max_tasks_per_user = {self.max_tasks}); delete one first",
+                             reason="TASK_QUOTA_EXCEEDED",
+                             metadata={"limit": "max_tasks_per_user", "max": str(self.max_tasks),
+                                       "owned": str(len(owned))})
+
     async def forget(self, task_id: str) -> None:
         await self.store.delete(keys.owner(task_id))
+        if self.cache is not None:
+            self.cache.note_owner_deleted(task_id)
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     def __init__(self, orch: Orchestrator) -> None:
         self.orch = orch
-        self.owners = Owners(orch.store)
+        self.router = orch.router
+        self.lifecycle = orch.lifecycle
+        self.owners = Owners(orch.store, orch.cache, max_tasks=orch.settings.max_tasks_per_user)
 
     async def DeployTask(self, request: orchestrator_pb2.DeployTaskRequest, context: grpc.aio.ServicerContext
                          ) -> orchestrator_pb2.DeployTaskResponse:
-        v = await self.orch.deploy_task(
+        await self.owners.check_quota()
+        # The owner is recorded with the task, and its name is checked unique among the owner's, in one txn.
+        v = await self.lifecycle.deploy_task(
             request.description, convert.slo_from_proto(request.slo) if request.HasField("slo") else None,
             name=request.name, max_workflows=request.max_workflows,
-            workflows=await offload(_workflows_from_proto, request.workflows))  # a big DAG: off the event loop
-        await self.owners.record(v.task.id)
+            workflows=await offload(_workflows_from_proto, request.workflows),  # a big DAG: off the event loop
+            owner=current_principal.get().name)
         return orchestrator_pb2.DeployTaskResponse(task=_task(v))
 
     async def ApproveWorkflows(self, request: orchestrator_pb2.ApproveWorkflowsRequest,
                                context: grpc.aio.ServicerContext) -> orchestrator_pb2.ApproveWorkflowsResponse:
-        await self.owners.check(request.task_id)
-        v = await self.orch.approve(request.task_id, list(request.workflow_ids), strategy=request.strategy,
+        tid = await self.owners.resolve(request.task_id)
+        await self.owners.check(tid)
+        v = await self.lifecycle.approve(tid, list(request.workflow_ids), strategy=request.strategy,
                                     options=request.options if request.HasField("options") else None,
                                     etag=request.etag)
         return orchestrator_pb2.ApproveWorkflowsResponse(task=_task(v))
 
     async def GetTask(self, request: orchestrator_pb2.GetTaskRequest, context: grpc.aio.ServicerContext
                       ) -> orchestrator_pb2.GetTaskResponse:
-        await self.owners.check(request.task_id)
-        return orchestrator_pb2.GetTaskResponse(task=_task(await self.orch.view(request.task_id)))
+        tid = await self.owners.resolve(request.task_id)
+        await self.owners.check(tid)
+        return orchestrator_pb2.GetTaskResponse(task=_task(await self.lifecycle.view(tid)))
 
     async def ListTasks(self, request: orchestrator_pb2.ListTasksRequest, context: grpc.aio.ServicerContext
                         ) -> orchestrator_pb2.ListTasksResponse:
-        views = await self.orch.list_tasks(convert.task_state_from_proto(request.state))
-        mine = await self.owners.visible()
-        if mine is not None:
-            views = [v for v in views if v.task.id in mine]
+        # A user's own tasks are looked up by id in the cache's owner index, not filtered out of a scan.
+        views = await self.lifecycle.list_tasks(convert.task_state_from_proto(request.state),
+                                                ids=await self.owners.visible())
         return orchestrator_pb2.ListTasksResponse(tasks=[_task(v) for v in views])
 
     async def DeleteTask(self, request: orchestrator_pb2.DeleteTaskRequest, context: grpc.aio.ServicerContext
                          ) -> orchestrator_pb2.DeleteTaskResponse:
-        await self.owners.check(request.task_id)
-        t, stopped = await self.orch.delete(request.task_id)
-        await self.owners.forget(request.task_id)
+        tid = await self.owners.resolve(request.task_id)
+        await self.owners.check(tid)
+        t, stopped = await self.lifecycle.delete(tid)
+        await self.owners.forget(tid)
         return orchestrator_pb2.DeleteTaskResponse(task=convert.task_to_proto(t), released_instance_ids=stopped)
 
     async def Invoke(self, request: orchestrator_pb2.InvokeRequest, context: grpc.aio.ServicerContext
                      ) -> orchestrator_pb2.InvokeResponse:
-        await self.owners.check(request.task_id)
+        tid = await self.owners.resolve(request.task_id)
+        await self.owners.check(tid)
+        request_sampling.set(convert.sampling_from_proto(request.sampling))  # read by every engine call of it
         rid = uuid.uuid4().hex
-        ex = await self._bounded(self.orch.invoke(request.task_id, request.input,
+        ex = await self._bounded(self.router.invoke(tid, request.input,
                                                   max_output_tokens=request.max_output_tokens))
-        return convert.execution_to_proto(ex, rid)
+        resp = convert.execution_to_proto(ex, rid)
+        resp.task_id = tid  # the id, when the caller named the task (the gateway answers with it)
+        return resp
 
     async def _bounded(self, aw: Awaitable[T]) -> T:
         """The whole invocation, TOOL stages included, within the caller's deadline or, when it set none,
         `invoke_timeout_s` (which then also caps every engine call made for it)."""
         left = remaining_s()
         if left is None:
-            left = self.orch.settings.invoke_timeout_s
+            left = self.router.settings.invoke_timeout_s
             incoming_deadline.set(time.monotonic() + left)  # this RPC's context only
         try:
             return await asyncio.wait_for(aw, max(left, 0.0))
@@ -139,7 +195,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     async def InvokeStream(self, request: orchestrator_pb2.InvokeStreamRequest, context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[orchestrator_pb2.InvokeStreamResponse]:
-        await self.owners.check(request.task_id)
+        tid = await self.owners.resolve(request.task_id)
+        await self.owners.check(tid)
+        request_sampling.set(convert.sampling_from_proto(request.sampling))  # the run's task copies the context
         rid = uuid.uuid4().hex
         queue: asyncio.Queue[orchestrator_pb2.InvokeStreamResponse] = asyncio.Queue()
 
@@ -151,8 +209,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 await queue.put(orchestrator_pb2.InvokeStreamResponse(stage_done=convert.stage_result_to_proto(payload),
                                                                       stage_id=payload.stage_id))
 
-        run = asyncio.create_task(self._bounded(self.orch.invoke(
-            request.task_id, request.input, max_output_tokens=request.max_output_tokens, on_event=on_event)))
+        run = asyncio.create_task(self._bounded(self.router.invoke(
+            tid, request.input, max_output_tokens=request.max_output_tokens, on_event=on_event)))
         try:
             while True:
                 get = asyncio.create_task(queue.get())

@@ -85,5 +85,20 @@ class OrchestratorSettings(ServiceSettings):
     load_max_replicas: int = Field(default=4, ge=1, le=16, description="A re-selection for load may scale a stage "
                                    "out to this many replicas (selection's max_replicas; docs/selection-spec.md), "
                                    "unless the task's own options ask for more.")
+    # Replicas (docs/orchestrator.md#replicas): every replica serves every RPC; one, elected, acts.
+    leader_election: bool = Field(default=True, description="Stand for election (an etcd lease on the leader "
+                                  "key) and run the reconciler, the lifecycle workers and the load follower only "
+                                  "while elected; false = always act (a single replica, as before).")
+    leader_lease_ttl_s: int = Field(default=5, ge=3, le=60, description="A new leader takes over within this long "
+                                    "after the leader dies (its etcd lease is granted for a second less, refreshed "
+                                    "every third of that).")
+    replica_id: str = Field(default="", description="This replica's name in the leader key and its replica "
+                            "record; empty = host name and process id.")
+    advertise_address: str = Field(default="", description="host:port this replica is reached at, shown as the "
+                                   "leader's address; empty = the gRPC host:port it listens on.")
+    cache_resync_s: float = Field(default=10.0, gt=0, description="Full re-listing of the routing cache (tasks, "
+                                  "instances, nodes, owners), besides its etcd watches.")
+    max_tasks_per_user: int = Field(default=100, ge=0, description="Tasks one user (a non-admin principal) may "
+                                    "own at once; DeployTask beyond it is RESOURCE_EXHAUSTED. 0 = no limit.")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="After a switch, how long requests already on "
                                    "the old instances may take before their references are released.")

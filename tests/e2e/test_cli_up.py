@@ -159,7 +159,9 @@ def test_the_cli_reaches_the_stack_without_its_state_file(up: tuple[Up, dict[str
 def test_every_service_serves_metrics_on_a_port_up_lists(up: tuple[Up, dict[str, Any]]) -> None:
     _, st = up
     metrics = st["metrics"]
-    assert set(metrics) == {"generator", "profiler", "selector", "deployer", "orchestrator", "gateway"}, metrics
+    # `up` starts two orchestrator replicas (docs/orchestrator.md, "Replicas"), each with its metrics port.
+    assert set(metrics) == {"generator", "profiler", "selector", "deployer", "orchestrator", "orchestrator-2",
+                            "gateway"}, metrics
     for name, url in metrics.items():
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
         deadline = time.monotonic() + 10
@@ -195,3 +197,47 @@ def test_the_gateway_keeps_its_port_across_a_restart(up: tuple[Up, dict[str, Any
     req = urllib.request.Request(before + "/models", headers={"Authorization": f"Bearer {admin}"})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.status == 200 and json.loads(r.read())["object"] == "list"
+
+
+def test_a_context_runs_the_task_lifecycle_without_the_state_file(up: tuple[Up, dict[str, Any]],
+                                                                   tmp_path: Path) -> None:
+    """Issue 23's done-when: with FLOWMAKER_STATE_FILE pointing nowhere (another machine, another HOME), a
+    context made from the stack's files, as the compose and Kubernetes docs make one, runs the whole task
+    lifecycle; the environment still wins over the context."""
+    u, st = up
+    tls, svc = st["tls"], st["services"]
+    cfg = tmp_path / "cfg" / "config.json"
+    elsewhere = {"HOME": str(tmp_path), "FLOWMAKER_STATE_FILE": str(tmp_path / "nowhere" / "stack.json"),
+                 "FLOWMAKER_CONFIG": str(cfg)}
+    assert u.cli("task", "list", **elsewhere).returncode == 1  # no state file, no context: nothing to reach
+    added = ok_json(u.cli("context", "add", "other", "--orchestrator", svc["orchestrator"], "--deployer",
+                          svc["deployer"], "--profiler", svc["profiler"], "--ca", tls["ca"], "--cert", tls["cert"],
+                          "--key", tls["key"], "--token-file", tls["tokens_file"], "--json", **elsewhere))
+    assert added["current"] is True and added["orchestrator"] == svc["orchestrator"]
+    assert mode(cfg) == 0o600 and "token" not in json.loads(cfg.read_text())["contexts"]["other"].get("tls_ca", "")
+    assert ok_json(u.cli("context", "current", "--json", **elsewhere))["name"] == "other"
+    t = ok_json(u.cli("task", "deploy", SUMMARIZE, "--accuracy", "0.2", "--latency", "15", "--rate", "0.5",
+                      "--name", "through a context", "--approve", "all", "--json", **elsewhere))
+    assert t["state"] == "STATE_ACTIVE", t
+    r = ok_json(u.cli("task", "invoke", t["id"], "Notes: ship on Friday.", "--seed", "9", "--temperature", "1",
+                      "--max-output-tokens", "6", "--json", **elsewhere))
+    again = ok_json(u.cli("task", "invoke", t["id"], "Notes: ship on Friday.", "--seed", "9", "--temperature", "1",
+                          "--max-output-tokens", "6", "--json", **elsewhere))
+    assert r["output"] and r["output"] == again["output"]  # the seed reached the engines
+    bad = u.cli("task", "invoke", t["id"], "x", "--temperature", "3", **elsewhere)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "sampling.temperature" in bad.stderr
+    assert ok_json(u.cli("task", "get", t["id"], "--json", **elsewhere))["id"] == t["id"]
+    assert t["id"] in [x["id"] for x in ok_json(u.cli("task", "list", "--json", **elsewhere))["tasks"]]
+    assert ok_json(u.cli("instances", "--json", **elsewhere))["gpus"]  # the deployer, with the client cert
+    ok_json(u.cli("task", "delete", t["id"], "--json", **elsewhere))
+    gone = u.cli("task", "get", t["id"], **elsewhere)
+    assert gone.returncode == 1 and "NOT_FOUND" in gone.stderr, gone.stderr
+    # The environment wins over the context.
+    p = u.cli("task", "list", FLOWMAKER_ORCHESTRATOR_ADDR="127.0.0.1:1", **elsewhere)
+    assert p.returncode == 1 and "127.0.0.1:1" in p.stderr, p.stderr
+    # `up` registered its own context, current in its HOME, naming the same stack.
+    local = ok_json(u.cli("context", "list", "--json"))
+    assert local["current"] == "local" and local["contexts"]["local"]["orchestrator"] == svc["orchestrator"]
+    assert mode(u.home / ".flowmaker" / "config.json") == 0o600
+    nope = u.cli("--context", "missing", "task", "list")
+    assert nope.returncode == 1 and "--context" in nope.stderr

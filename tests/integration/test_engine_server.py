@@ -286,3 +286,55 @@ async def test_cancelled_requests_leave_the_engine_within_a_second(start_engine:
     tokens = m["vllm:generation_tokens_total"]
     await asyncio.sleep(0.3)
     assert (await metrics(eng.url))["vllm:generation_tokens_total"] == tokens  # nothing more generated
+
+
+async def test_sampling_parameters_shape_the_output(start_engine: Starter) -> None:
+    """A seed makes the answer reproducible and differs from another seed's; temperature 0 is the greedy
+    filler; a stop sequence ends the answer early with finish_reason "stop" and counts only the tokens kept."""
+    eng = await start_engine()
+    url = eng.url + "/v1/chat/completions"
+    base = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12}
+
+    async def answer(**extra: Any) -> dict[str, Any]:
+        status, r = await post(url, {**base, **extra})
+        assert status == 200, r
+        return r
+
+    def text(r: dict[str, Any]) -> str:
+        return str(r["choices"][0]["message"]["content"])
+
+    greedy = await answer()
+    assert text(await answer(temperature=0)) == text(greedy)
+    a, b = await answer(seed=7, temperature=1.0), await answer(seed=7, temperature=1.0)
+    assert text(a) == text(b) and len(text(a).split()) == 12
+    assert text(await answer(seed=8, temperature=1.0)) != text(a)
+    assert text(a) != text(greedy)
+    stopped = await answer(stop=["fox"])
+    assert text(stopped) == "the quick brown" and stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 3
+    assert greedy["choices"][0]["finish_reason"] == "length"
+    chunks = await stream(url, {**base, "stream": True, "stop": "brown"})
+    pieces = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c != "[DONE]" and c["choices"])
+    assert pieces == "the quick"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c != "[DONE]"][-1] == "stop"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [3]}, "stop"),
+    ({"stop": ["ok", ""]}, "stop[1]"),
+])
+async def test_bad_sampling_parameters_are_400_naming_them(start_engine: Starter, body: dict[str, Any],
+                                                           param: str) -> None:
+    eng = await start_engine()
+    got, resp = await post(eng.url + "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "x"}], **body})
+    assert got == 400, resp
+    assert resp["error"]["param"] == param and resp["error"]["type"] == "invalid_request_error"

@@ -43,6 +43,17 @@ class FakeOrchestrator(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     def __init__(self) -> None:
         self.seen: list[dict[str, str]] = []
         self.stream_cancelled = asyncio.Event()
+        self.calls: list[str] = []  # the RPCs, in order
+        self.invoked: list[Any] = []  # the Invoke / InvokeStream requests
+
+    async def _known(self, task_id: str, context: grpc.aio.ServicerContext) -> None:
+        """As the orchestrator answers for a task id: t1 exists, the others are busy, down or unknown."""
+        if task_id == "busy":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests in flight")
+        if task_id == "down":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "etcd unavailable")
+        if task_id != "t1":
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no task {task_id!r}")
 
     async def _auth(self, context: grpc.aio.ServicerContext) -> None:
         md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
@@ -51,21 +62,21 @@ class FakeOrchestrator(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
     async def ListTasks(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.calls.append("ListTasks")
         await self._auth(context)
         return pb.ListTasksResponse(tasks=[_task("t1")])
 
     async def GetTask(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.calls.append("GetTask")
         await self._auth(context)
-        if request.task_id == "busy":
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests in flight")
-        if request.task_id == "down":
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "etcd unavailable")
-        if request.task_id != "t1":
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no task {request.task_id!r}")
+        await self._known(request.task_id, context)
         return pb.GetTaskResponse(task=_task("t1"))
 
     async def InvokeStream(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.calls.append("InvokeStream")
+        self.invoked.append(request)
         await self._auth(context)
+        await self._known(request.task_id, context)
         try:
             for _ in range(2000):  # far longer than the test: only a cancellation ends it early
                 yield pb.InvokeStreamResponse(delta="tok ", stage_id="answer")
@@ -75,7 +86,10 @@ class FakeOrchestrator(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             raise
 
     async def Invoke(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.calls.append("Invoke")
+        self.invoked.append(request)
         await self._auth(context)
+        await self._known(request.task_id, context)
         return pb.InvokeResponse(output=f"echo: {request.input}", request_id="r1", latency_s=0.01, stages=[
             pb.StageOutput(stage_id="answer", model_id="m", instance_id="i", output="x", input_tokens=7,
                            output_tokens=3)])
@@ -414,7 +428,8 @@ async def test_slow_headers_and_slow_bodies_are_cut_off() -> None:
                                                                                  "frequency_penalty"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"logprobs": True}, "logprobs"),
-    ({"stop": ["\n"]}, "stop"), ({"n": 2}, "n"), ({"n": True}, "n"), ({"max_tokens": 2**31}, "max_tokens"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"stop": [1]}, "stop"), ({"seed": 2**64}, "seed"),
+    ({"logit_bias": {"1": 2}}, "logit_bias"), ({"n": 2}, "n"), ({"n": True}, "n"), ({"max_tokens": 2**31}, "max_tokens"),
     ({"max_tokens": 1.5}, "max_tokens"), ({"seed": "x"}, "seed"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
@@ -434,6 +449,42 @@ def test_what_openai_accepts_within_range_is_accepted() -> None:
                     "n": None, "seed": 7, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
                     "logprobs": False, "stop": None, "user": "u", "max_tokens": 2**31 - 1, "stream": None})
     assert r.max_output_tokens == 2**31 - 1 and not r.stream
+    assert r.sampling is not None and (r.sampling.temperature, r.sampling.top_p, r.sampling.seed) == (2, 0, 7)
+    s = parse_chat({"model": "t", "messages": [{"role": "user", "content": "x"}], "stop": "\n"}).sampling
+    assert s is not None and s.stop == ("\n",)
+    assert parse_chat({"model": "t", "messages": [{"role": "user", "content": "x"}]}).sampling is None
+
+
+async def test_the_model_goes_to_invoke_with_its_sampling_and_no_lookup(gateway: tuple[str, FakeOrchestrator]
+                                                                        ) -> None:
+    """The gateway ran a GetTask before every Invoke (issue 20). Now a task id goes to Invoke as it is, with the
+    sampling parameters; an unknown model is Invoke's own NOT_FOUND, as OpenAI's 404; a stream looks its task
+    up once per TTL, not per request."""
+    url, fake = gateway
+    c = openai.AsyncOpenAI(base_url=url, api_key=TOKEN, max_retries=0)
+    msgs: Any = [{"role": "user", "content": "hi"}]
+    for _ in range(3):
+        r = await c.chat.completions.create(model="t1", messages=msgs, temperature=0.3, seed=11, stop=["x"],
+                                            top_p=0.9, presence_penalty=1, frequency_penalty=-1)
+        assert r.model == "t1" and r.choices[0].message.content == "echo: hi"
+    assert fake.calls == ["Invoke"] * 3, fake.calls
+    sent = fake.invoked[-1].sampling
+    assert (sent.temperature, sent.top_p, sent.seed, list(sent.stop)) == (0.3, 0.9, 11, ["x"])
+    assert (sent.presence_penalty, sent.frequency_penalty) == (1, -1)
+    await c.chat.completions.create(model="t1", messages=msgs)
+    assert not fake.invoked[-1].sampling.HasField("temperature")  # unset stays unset: the engine's default
+    fake.calls.clear()
+    with pytest.raises(openai.NotFoundError) as nf:
+        await c.chat.completions.create(model="nope", messages=msgs)
+    assert nf.value.code == "model_not_found" and nf.value.status_code == 404 and "nope" in nf.value.message
+    assert fake.calls == ["Invoke", "ListTasks"], fake.calls  # Invoke's NOT_FOUND; then: not a name either
+    fake.calls.clear()
+    for _ in range(3):
+        async with await c.chat.completions.create(model="t1", messages=msgs, stream=True, seed=5) as s:
+            async for _chunk in s:
+                break
+    assert fake.calls.count("GetTask") == 1 and fake.calls.count("InvokeStream") == 3, fake.calls
+    assert fake.invoked[-1].sampling.seed == 5
 
 
 @pytest.mark.parametrize(("body", "param"), [

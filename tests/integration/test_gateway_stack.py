@@ -208,3 +208,48 @@ async def test_fuzz_the_http_surface_with_real_ids(stack: Stack) -> None:
     assert report.fivexx - report.statuses.get("503", 0) == 0 and not report.unanswered, details
     assert report.reached > report.calls // 2, details  # most calls reach the handlers
     assert report.statuses["200"] > 0 and report.statuses["400"] > 0, details
+
+
+async def test_sampling_parameters_reach_the_engines(stack: Stack) -> None:
+    """Sampling parameters were validated and dropped. Now they reach every LLM call: the emulated engine
+    answers the same for the same seed, differently for another, the greedy filler at temperature 0, and ends
+    at a stop sequence (finish_reason "stop"). Over gRPC, one out of range is INVALID_ARGUMENT naming it."""
+    import grpc
+
+    from flowmaker.api.orchestrator.v1 import orchestrator_pb2 as pb
+    from flowmaker.api.orchestrator.v1 import orchestrator_pb2_grpc
+    from flowmaker.rpc.errors import field_violations
+
+    alice = stack.client(ALICE)
+
+    async def text(**kw: Any) -> Any:
+        r = await alice.chat.completions.create(model=stack.mine.id, messages=MSG, max_tokens=8, **kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    greedy = await text()
+    assert await text(temperature=0) == greedy
+    seeded = await text(temperature=1.0, seed=42)
+    assert seeded == await text(temperature=1.0, seed=42) and seeded != greedy
+    assert await text(temperature=1.0, seed=43) != seeded
+    cut, why = await text(stop=["fox"])
+    assert (cut, why) == ("the quick brown", "stop")
+    chunks = [c async for c in await alice.chat.completions.create(
+        model=stack.mine.id, messages=MSG, max_tokens=8, stream=True, temperature=1.0, seed=42)]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == seeded[0]
+    md = [("authorization", f"Bearer {ALICE}")]
+    async with grpc.aio.insecure_channel(stack.g.addresses["orchestrator"]) as ch:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(ch)
+        for sampling, field_ in ((pb.Sampling(temperature=5), "sampling.temperature"),
+                                 (pb.Sampling(top_p=-1), "sampling.top_p"),
+                                 (pb.Sampling(stop=["a", "b", "c", "d", "e"]), "sampling.stop")):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Invoke(pb.InvokeRequest(task_id=stack.mine.id, input="x", sampling=sampling),
+                                  metadata=md, timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert [v.field for v in field_violations(e.value)] == [field_]
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in stub.InvokeStream(pb.InvokeStreamRequest(task_id=stack.mine.id, input="x",
+                                                                    sampling=pb.Sampling(presence_penalty=9)),
+                                             metadata=md, timeout=30):
+                pass
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

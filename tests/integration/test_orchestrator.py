@@ -440,7 +440,8 @@ async def test_maximal_deploy_task_does_not_stall_health(etcd_store: Any, start_
 
         prober = asyncio.create_task(probe())
         try:
-            for _ in range(3):
+            for i in range(3):
+                req.name = f"bg{i}"  # names are unique per owner; same length as "big", so the same size
                 r = await call(stub.DeployTask(req, timeout=60))
                 assert len(r.task.candidates) == 16 and len(r.task.candidates[0].stages) == 64
             with pytest.raises(InvalidSpec) as e:

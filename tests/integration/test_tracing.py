@@ -225,8 +225,11 @@ async def suite(etcd_store: Any, start_service: Any, spans: InMemorySpanExporter
         await orch.close()
         await clients.close()
 
-    o = await start_service("orchestrator", lambda s: add_orchestrator(s, orch), oset, on_shutdown=[close],
-                            interceptors=interceptors)
+    async def ready(running: Any) -> None:
+        await orch.resume()  # the cache, the election and the reconciler (which runs the lifecycle workers)
+
+    o = await start_service("orchestrator", lambda s: add_orchestrator(s, orch), oset, on_ready=ready,
+                            on_shutdown=[close], interceptors=interceptors)
     traced = insecure_channel(o.address, default_timeout_s=120)
     bare = insecure_channel(o.address, default_timeout_s=120, tracing=False)
     yield Suite(orchestrator_pb2_grpc.OrchestratorServiceStub(traced),
@@ -360,3 +363,47 @@ async def test_invoke_trace_has_a_span_per_stage_and_gen_ai_calls(suite: Suite, 
     streamed = {s.stage_id: s for s in chunks[-1].done.stages}["final"]
     assert chat.attributes is not None and chat.attributes[telemetry.GEN_AI_USAGE_OUTPUT_TOKENS] == 8
     assert chat.attributes[telemetry.GEN_AI_USAGE_INPUT_TOKENS] == streamed.input_tokens != 0
+
+
+async def test_the_engine_span_joins_the_callers_trace(spans: InMemorySpanExporter) -> None:
+    """The emulated engine (in this process, so its spans reach the same exporter) reads the `traceparent` the
+    orchestrator's engine client sends: its SERVER span is a child of the client's `chat m1` span, with the
+    token counts and the sampling parameters that arrived."""
+    from flowmaker.domain import Profile
+    from flowmaker.engine.server import EmulatedEngine
+    from flowmaker.sampling import Sampling
+
+    profile = Profile("m1", 1, 1, 10.0, fixed_s=0.01, prefill_s_per_token=0.0001, decode_s_per_token=0.001,
+                      max_output_tokens_per_s=1000.0)
+    runner = web.AppRunner(EmulatedEngine("m1", profile, time_scale=10.0).app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    client = EngineClient()
+    try:
+        c = await client.chat(url, "m1", "four words of prompt", 6, timeout_s=30,
+                              sampling=Sampling(temperature=0.5, seed=3))
+        streamed = await client.chat(url, "m1", "two words", 4, timeout_s=30, on_delta=_ignore)
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert (c.prompt_tokens, c.completion_tokens) == (4, 6) and streamed.completion_tokens == 4
+    done = spans.get_finished_spans()
+    clients = [s for s in done if s.name == "chat m1" and s.kind == SpanKind.CLIENT]
+    servers = [s for s in done if s.name == "chat m1" and s.kind == SpanKind.SERVER]
+    assert len(clients) == 2 and len(servers) == 2, [(s.name, s.kind) for s in done]
+    for cs in clients:
+        ss = next(s for s in servers if s.parent is not None and s.parent.span_id == cs.context.span_id)
+        assert ss.context.trace_id == cs.context.trace_id
+        attrs, sent = dict(ss.attributes or {}), dict(cs.attributes or {})
+        assert attrs[telemetry.GEN_AI_USAGE_OUTPUT_TOKENS] == sent[telemetry.GEN_AI_USAGE_OUTPUT_TOKENS]
+        assert attrs[telemetry.GEN_AI_USAGE_INPUT_TOKENS] == sent[telemetry.GEN_AI_USAGE_INPUT_TOKENS]
+        assert attrs[telemetry.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
+    sampled = next(s for s in servers if telemetry.GEN_AI_REQUEST_SEED in (s.attributes or {}))
+    assert sampled.attributes[telemetry.GEN_AI_REQUEST_TEMPERATURE] == 0.5  # type: ignore[index]
+    assert sampled.attributes[telemetry.GEN_AI_REQUEST_SEED] == 3  # type: ignore[index]
+
+
+async def _ignore(piece: str) -> None:
+    return None

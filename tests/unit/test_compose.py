@@ -274,3 +274,18 @@ def test_cli_addresses_in_the_docs_are_published(compose: dict[str, Any]) -> Non
         maps = _published(compose["services"][svc.lower()])
         assert ("127.0.0.1", int(port), DEFAULT_PORTS[svc.lower()]) in maps, \
             f"docs/compose.md: FLOWMAKER_{svc}_ADDR=localhost:{port}, but compose publishes {svc.lower()} as {maps}"
+
+
+def test_two_orchestrator_replicas_answer_to_one_name(compose: dict[str, Any]) -> None:
+    """Two replicas (docs/orchestrator.md, "Replicas"): the same command and settings, each its own replica id,
+    both reachable as `orchestrator` on the compose network, both scraped, the second published on loopback."""
+    one, two = compose["services"]["orchestrator"], compose["services"]["orchestrator-2"]
+    assert one["command"] == two["command"] and one["env_file"] == two["env_file"]
+    assert one["healthcheck"] == two["healthcheck"]
+    ids = {_env_of(s)["FLOWMAKER_ORCHESTRATOR_REPLICA_ID"] for s in (one, two)}
+    assert ids == {"orchestrator", "orchestrator-2"}
+    assert "orchestrator" in two["networks"]["default"]["aliases"]
+    assert _published(two) == [("127.0.0.1", 50056, DEFAULT_PORTS["orchestrator"])]
+    prom = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert {"orchestrator:9464", "orchestrator-2:9464"} <= targets

@@ -337,3 +337,14 @@ def test_renderer_refuses_what_it_does_not_render(tmp_path: Path) -> None:
     (tmp_path / "kustomization.yaml").write_text("resources: []\nreplacements: []\n")
     with pytest.raises(ValueError, match="replacements"):
         k8s_render.render(tmp_path)
+
+
+def test_orchestrator_replicas_behind_a_headless_service(docs: list[dict[str, Any]]) -> None:
+    """Two orchestrator replicas (one elected leader), each named by its pod, behind a headless Service whose DNS
+    lists them all (clients balance round robin); a disruption budget keeps one serving."""
+    d = by_kind(docs, "Deployment")["orchestrator"]
+    assert d["spec"]["replicas"] == 2
+    env = {e["name"]: e for e in pod_spec(d)["containers"][0]["env"]}
+    assert env["FLOWMAKER_ORCHESTRATOR_REPLICA_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert by_kind(docs, "Service")["orchestrator"]["spec"]["clusterIP"] == "None"
+    assert by_kind(docs, "PodDisruptionBudget")["orchestrator"]["spec"]["maxUnavailable"] == 1

@@ -110,36 +110,58 @@ class StageOutput(_message.Message):
     def __init__(self, stage_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., output: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., start_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class InvokeRequest(_message.Message):
-    __slots__ = ("task_id", "input", "max_output_tokens")
+    __slots__ = ("task_id", "input", "max_output_tokens", "sampling")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     input: str
     max_output_tokens: int
-    def __init__(self, task_id: _Optional[str] = ..., input: _Optional[str] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
+    sampling: Sampling
+    def __init__(self, task_id: _Optional[str] = ..., input: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InvokeResponse(_message.Message):
-    __slots__ = ("output", "latency_s", "stages", "request_id")
+    __slots__ = ("output", "latency_s", "stages", "request_id", "task_id")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
     output: str
     latency_s: float
     stages: _containers.RepeatedCompositeFieldContainer[StageOutput]
     request_id: str
-    def __init__(self, output: _Optional[str] = ..., latency_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageOutput, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    task_id: str
+    def __init__(self, output: _Optional[str] = ..., latency_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageOutput, _Mapping]]] = ..., request_id: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
 
 class InvokeStreamRequest(_message.Message):
-    __slots__ = ("task_id", "input", "max_output_tokens")
+    __slots__ = ("task_id", "input", "max_output_tokens", "sampling")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     input: str
     max_output_tokens: int
-    def __init__(self, task_id: _Optional[str] = ..., input: _Optional[str] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
+    sampling: Sampling
+    def __init__(self, task_id: _Optional[str] = ..., input: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class InvokeStreamResponse(_message.Message):
     __slots__ = ("delta", "stage_done", "done", "stage_id")
