@@ -305,3 +305,35 @@ def frontdoor(tasks: int = typer.Option(1000, min=1, help="Task records seeded i
     from flowmaker.bench.frontdoor import main as frontdoor_main
 
     frontdoor_main(["--tasks", str(tasks), "--calls", str(calls), "--etcd", etcd, "--out", str(out)])
+
+
+@bench.command("throughput")
+def throughput(rates: str = typer.Option("50,150,300", help="Comma-separated open-loop rates, req/s."),
+               duration: float = typer.Option(10.0, min=1.0, help="Seconds of load per path and rate."),
+               time_scale: float = typer.Option(200.0, help="Emulated engines' model seconds per wall second."),
+               orchestrators: int = typer.Option(1, min=1, help="Orchestrator replicas (round robin)."),
+               paths: str = typer.Option("grpc-admin,grpc-user,gateway", help="Which front doors to load."),
+               out: Path = typer.Option(Path("out/bench-throughput"), help="Output folder for the JSON."),
+               json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of the table.")) -> None:
+    """Open-loop Invoke through each front door of a real TLS stack (admin token, non-admin token, the OpenAI
+    gateway): errors and p50/p99 per rate, and the hop above the engine. Figures only; asserts nothing."""
+    from flowmaker.bench.throughput import PATHS, ThroughputConfig, render, run_throughput
+    from flowmaker.errors import InvalidSpec
+
+    ps = tuple(p.strip() for p in paths.split(",") if p.strip())
+    if not ps or any(p not in PATHS for p in ps):
+        raise InvalidSpec(f"paths must name some of {list(PATHS)}, got {paths!r}", field="paths")
+    try:
+        rs = tuple(float(x) for x in rates.split(",") if x.strip())
+    except ValueError:
+        raise InvalidSpec(f"rates must be numbers, got {rates!r}", field="rates") from None
+    if not rs or any(r <= 0 for r in rs):
+        raise InvalidSpec(f"rates must be > 0, got {rates!r}", field="rates")
+    res = run_throughput(ThroughputConfig(rates=rs, duration_s=duration, time_scale=time_scale,
+                                          orchestrators=orchestrators, paths=ps), out)
+    if json_out:
+        import json
+
+        typer.echo(json.dumps(res, indent=1))
+    else:
+        typer.echo(render(res))

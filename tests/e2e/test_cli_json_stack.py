@@ -22,6 +22,7 @@ COMMANDS = {
                    "3", "--out", "soak", "--json"],
     "bench live-sharing": ["bench", "live-sharing", "--tasks", "summarize", "--duration", "3", "--warmup", "0",
                            "--drain", "2", "--time-scale", "10", "--out", "ls", "--json"],
+    "bench throughput": ["bench", "throughput", "--rates", "5", "--duration", "1", "--out", "tp", "--json"],
 }
 
 
@@ -37,3 +38,6 @@ def test_stack_benchmarks_print_json_only(command: str, tmp_path: Path) -> None:
     except ValueError:
         pytest.fail(f"`flowmaker {command} --json` printed more than JSON:\n{p.stdout[:3000]}")
     assert isinstance(out, dict) and out
+    if command == "bench throughput":  # every front door answered the small load
+        assert {r["path"] for r in out["rows"]} == {"grpc-admin", "grpc-user", "gateway"}
+        assert all(r["ok"] == r["sent"] > 0 and not r["errors"] for r in out["rows"]), out["rows"]

@@ -24,6 +24,7 @@ STACK_TESTS = {
     "task list": "tests/e2e/test_cli_up.py", "task delete": "tests/e2e/test_cli_up.py",
     "task approve": "tests/e2e/test_cli.py", "profiles measure": "tests/e2e/test_cli_up.py (and --local below)",
     "bench soak": "tests/e2e/test_cli_json_stack.py", "bench live-sharing": "tests/e2e/test_cli_json_stack.py",
+    "bench throughput": "tests/e2e/test_cli_json_stack.py",
 }
 
 
