@@ -809,3 +809,24 @@ def sampling_from_proto(m: orchestrator_pb2.Sampling, prefix: str = "sampling.")
 
 def sampling_to_proto(s: Sampling | None) -> orchestrator_pb2.Sampling:
     return orchestrator_pb2.Sampling(**s.body()) if s is not None else orchestrator_pb2.Sampling()
+
+
+# ---- live users (services/orchestrator/users.py): output only, never a token ----------------------
+
+
+def user_to_proto(user: Any, *, now: float) -> orchestrator_pb2.User:
+    """A `users.UserInfo` (duck-typed: convert does not import the services) with its tokens' ids and expiry."""
+    out = orchestrator_pb2.User(id=user.id, name=user.name, admin=user.admin, create_time=_timestamp(user.create_time))
+    for t in user.tokens:
+        tok = out.tokens.add(id=t.id, create_time=_timestamp(t.create_time), expired=t.expired(now))
+        if t.expire_time > 0:
+            tok.expire_time.CopyFrom(_timestamp(t.expire_time))
+    return out
+
+
+def duration_s_from_proto(d: Any, field: str) -> float:
+    """Seconds of an optional google.protobuf.Duration (unset = 0); negative: INVALID_ARGUMENT naming `field`."""
+    s = float(d.seconds) + d.nanos / 1e9
+    if s < 0:
+        raise InvalidSpec(f"{field} must not be negative, got {s} s", field=field)
+    return s

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 import grpc.aio
 from google.protobuf import descriptor as _d
+from google.protobuf import duration_pb2
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -99,6 +100,10 @@ def seed_requests() -> dict[str, Message]:
         "DeleteTask": o.DeleteTaskRequest(task_id="no-such-task"),
         "Invoke": o.InvokeRequest(task_id="no-such-task", input="hello", max_output_tokens=4),
         "InvokeStream": o.InvokeStreamRequest(task_id="no-such-task", input="hello", max_output_tokens=4),
+        "CreateUser": o.CreateUserRequest(name="fz-user", expires_in=duration_pb2.Duration(seconds=60)),
+        "CreateToken": o.CreateTokenRequest(user="no-such-user", expires_in=duration_pb2.Duration(seconds=60)),
+        "ListUsers": o.ListUsersRequest(),
+        "Revoke": o.RevokeRequest(target="no-such-user"),
         "RegisterModel": p.RegisterModelRequest(
             hf_config_json=json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                                        "num_attention_heads": 4, "vocab_size": 1000}),

@@ -83,6 +83,7 @@ _AREAS = (
     "flowmaker.cli.profiles_measure",  # profiles measure
     "flowmaker.cli.demo",  # demo
     "flowmaker.cli.context",  # context add/use/list/current/remove
+    "flowmaker.cli.users",  # user create/token/list/revoke
 )
 
 for _mod in _AREAS:

@@ -29,7 +29,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from flowmaker.metrics import MetricsInterceptor, serve_metrics
-from flowmaker.rpc.auth import AuthPolicy, load_tokens, policy_for
+from flowmaker.rpc.auth import AuthPolicy, bind_policy, load_tokens, policy_for
 from flowmaker.rpc.errors import ErrorInterceptor
 from flowmaker.rpc.tls import TlsFiles, server_credentials
 from flowmaker.settings import ServiceSettings
@@ -113,6 +113,8 @@ async def start_server(service_name: str, add_servicers: AddServicers, settings:
         auth = AuthPolicy(identities=frozenset(), tokens=load_tokens(settings.auth_tokens_file))
     # Metrics outermost: they count the status the caller gets, whatever the inner interceptors did.
     server = grpc.aio.server(interceptors=[MetricsInterceptor(service_name), *interceptors, ErrorInterceptor(auth=auth)])
+    if auth is not None:
+        bind_policy(server, auth)  # the servicers may feed it (the orchestrator's live users)
     names = tuple(add_servicers(server))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -15,7 +15,13 @@ Every variant V with new instances y_V costs M(y_V) * L_V >= M(y_V) * L(y_V), so
 (Lfast: every stage on its fastest option in y, capacity ignored). The multisets are visited best first by
 that last bound (a heap; a multiset's extensions, keyed by their least memory times the least latency of
 the workflow, are generated in canonical order), until no bound is at or below the incumbent (ties
-included). Each visited y gives its point (M(y), L(y)) and, when the search's assignment places
+included). A multiset is evaluated lazily: popped first, it goes back to the heap under M(y) times its
+Lagrangian bound of L(y) (the LP dual prices of the aggregated capacities: unlike Lfast it counts capacity,
+which is what separates near-identical clones), and only when it comes up again is its packing searched.
+The depth-first search prunes by capacity too (the load left must fit the room of the bins that can still
+take the least of it); when it gives up, the multiset goes back once more under the bound it proved, and
+its second search may use a MILP (HiGHS; an unsettled MILP still proves its dual bound). A multiset left
+unsettled keeps that bound, and it stops `complete` only when the bound is at or below the incumbent. Each visited y gives its point (M(y), L(y)) and, when the search's assignment places
 (`Problem.check`), a candidate, which uses at most the instances of y, so it is at least as good as every
 variant with those instances in (cost, L, new GPUs). Hence when every visited y that could tie the best cost
 gave a placed candidate, the best candidate is the optimum, tie-breaks included (`complete`); otherwise, or
@@ -36,7 +42,8 @@ from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, bet
 if TYPE_CHECKING:
     from flowmaker.selection.milp import Front, RelaxedModel
 
-NODE_LIMIT = 1_000  # depth-first nodes per multiset; past it the packing is solved as a MILP
+CHAIN_PREPS = 10  # Lagrangian bounds (one small LP each) per multiset the walk may search
+NODE_LIMIT = 4_000  # depth-first nodes per search of a multiset (measured: 4,000 settles more than 1,000 in 1 s)
 MILP_GAP = 0.0  # solved to optimality: the walk's tie-break argument needs the least L of every multiset
 MILP_NODES = 500  # branch-and-bound nodes of HiGHS for one packing; past it the multiset keeps its bound
 
@@ -98,18 +105,23 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     def m_of(y: tuple[int, ...]) -> float:
         return sum(mem[i] * c for i, c in enumerate(y))
 
-    def least_l(y: tuple[int, ...], cap_l: float) -> tuple[float, list[tuple[str, int, int]] | None, bool]:
-        """Least L <= cap_l of an assignment that fits y exactly: (L, per stage (kind, ref, bin), done)."""
-        bins_of = {pi: list(range(y[pos[pi]])) for pi in profs}
-        fill_new = {pi: [0.0] * y[pos[pi]] for pi in profs}
-        fill_r = {r: 0.0 for r in spare}
-        # Options of each stage usable with y, fastest first.
+    Prep = tuple[list[list[tuple[float, str, int]]], dict[tuple[str, int], float], list[float], list[float],
+                 float, float]
+    preps: dict[tuple[int, ...], Prep | None] = {}
+
+    def prep(y: tuple[int, ...]) -> Prep | None:
+        """Per multiset (cached): each stage's options usable with y (fastest first), the Lagrangian prices,
+        the suffix sums of the fastest options with and without prices, the prices' penalty, and the
+        Lagrangian bound of every assignment that fits y (the root bound). None: some stage has no option."""
+        if y in preps:
+            return preps[y]
         so = [sorted(((lat, k, ref) for k, ref, lat in opts[s] if k == REUSE or y[pos[ref]]), key=lambda o: o[0])
               for s in llm]
         rem = [0.0] * (n_llm + 1)
         for j in range(n_llm - 1, -1, -1):
             if not so[j]:
-                return INF, None, True
+                preps[y] = None
+                return None
             rem[j] = rem[j + 1] + so[j][0][0]
         # Lagrangian prices of the aggregated capacities (the LP's duals): for any prices mu >= 0,
         # L >= part + sum_j min_o (lat + mu_o * load_j) - sum_c mu_c * (room left in c).
@@ -120,7 +132,58 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         for j in range(n_llm - 1, -1, -1):
             ld = pw.load[llm[j]]
             rem_mu[j] = rem_mu[j + 1] + min(lat + mu.get((k, ref), 0.0) * ld for lat, k, ref in so[j])
-        pen = [sum(mu.get(c, 0.0) * room[c] for c in room)]
+        pen0 = sum(mu.get(c, 0.0) * room[c] for c in room)
+        got: Prep = (so, mu, rem, rem_mu, pen0, max(rem[0], rem_mu[0] - pen0) + tool)
+        preps[y] = got
+        return got
+
+    def least_l(y: tuple[int, ...], cap_l: float, use_milp: bool
+                ) -> tuple[float, list[tuple[str, int, int]] | None, bool]:
+        """Least L <= cap_l of an assignment that fits y exactly: (L, per stage (kind, ref, bin), True). When
+        the search gives up (the depth-first nodes, then the MILP if `use_milp`): (a lower bound of that least
+        L, the best assignment found or None, False)."""
+        bins_of = {pi: list(range(y[pos[pi]])) for pi in profs}
+        fill_new = {pi: [0.0] * y[pos[pi]] for pi in profs}
+        fill_r = {r: 0.0 for r in spare}
+        pr = prep(y)
+        if pr is None:
+            return INF, None, True
+        so, mu, rem, rem_mu, pen0, root = pr
+        pen = [pen0]
+        # Capacity pruning (bin completion's wasted space): the load of stages j.. must fit in the room of the
+        # bins that some stage j.. may use, counting a bin's room only when it can hold the least load of
+        # those stages (room below that is wasted). A relaxation of the packing: it prunes only infeasible nodes.
+        ld_suf = [0.0] * (n_llm + 1)
+        for j in range(n_llm - 1, -1, -1):
+            ld_suf[j] = ld_suf[j + 1] + pw.load[llm[j]]
+        classes = sorted({(k, ref) for o in so for _, k, ref in o})
+        min_ld: list[list[float]] = [[INF] * len(classes) for _ in range(n_llm + 1)]
+        ci = {c: i for i, c in enumerate(classes)}
+        for j in range(n_llm - 1, -1, -1):
+            row = min_ld[j]
+            row[:] = min_ld[j + 1]
+            for _, k, ref in so[j]:
+                c = ci[(k, ref)]
+                row[c] = min(row[c], pw.load[llm[j]])
+        bins: list[tuple[int, list[float] | dict[int, float], int, float]] = []  # (class, fills, bin, room)
+        for k, ref in classes:
+            if k == REUSE:
+                bins.append((ci[(k, ref)], fill_r, ref, _tol(pb.p_cap[pb.r_prof[ref]]) - pb.r_load0[ref]))
+            else:
+                bins.extend((ci[(k, ref)], fill_new[ref], b, _tol(pb.p_cap[ref])) for b in range(y[pos[ref]]))
+
+        def fits(j: int) -> bool:
+            need = ld_suf[j]
+            row = min_ld[j]
+            room_all = 0.0
+            for c, fills, b, capc in bins:
+                m_ld = row[c]
+                if m_ld == INF:
+                    continue
+                r = capc - fills[b]
+                if r >= m_ld * (1 - 1e-9):
+                    room_all += r
+            return need <= room_all * (1 + 1e-9) + 1e-9
         best_l = [cap_l]
         best_a: list[list[tuple[str, int, int]] | None] = [None]
         cur: list[tuple[str, int, int]] = [(REUSE, 0, 0)] * n_llm
@@ -134,6 +197,8 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 if part <= best_l[0]:
                     best_l[0] = part
                     best_a[0] = list(cur)
+                return True
+            if not fits(j):
                 return True
             nb = max(rem[j], rem_mu[j] - pen[0]) + part
             if nb > best_l[0] * (1 + 1e-12) or (best_a[0] is not None and nb >= best_l[0] * (1 - 1e-12)):
@@ -177,12 +242,20 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
 
         done = go(0, tool)
         work[0] += nodes[0]
-        if not done:  # the depth-first search gave up: the same question as a MILP (HiGHS)
+        if done:
+            return best_l[0], best_a[0], True
+        bound = min(root, cap_l)
+        if best_a[0] is None:  # no assignment seen: first fit, heaviest stage first, fastest option first
+            best_a[0] = _first_fit(so, [pw.load[s] for s in llm], y, pos,
+                                   {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for r in spare}, pb.p_cap)
+        if use_milp:  # the depth-first search gave up: the same question as a MILP (HiGHS)
             milps[0] += 1
             got = _least_l_milp(pb, [pw.load[s] for s in llm], so, y, profs, pos, tool, cap_l, deadline)
-            if got is not None:
+            if got is not None and got[2]:
                 return got
-        return best_l[0], best_a[0], done
+            if got is not None:
+                bound = max(bound, got[0])
+        return bound, best_a[0], False
 
     inc = best[0] if best else INF
     lb = INF
@@ -212,13 +285,14 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
 
     push_eval(y0)
     push_expand(y0, 0)
-    stopped = gave_up = False
+    stopped = False
+    unsettled = INF  # least bound of the multisets whose packing was left open
     while heap:
         key, _, y, i, expand = heap[0]
         if key > inc * (1 + 1e-9):
             break
         if time.perf_counter() > deadline or fr.solves >= (max_points or CHAIN_POINTS) or work[0] > CHAIN_NODES \
-                or (max_milps and milps[0] >= max_milps):
+                or len(preps) > CHAIN_PREPS * (max_points or CHAIN_POINTS) or (max_milps and milps[0] >= max_milps):
             stopped = True  # the final deadline, or the work this walk may do
             break
         heapq.heappop(heap)
@@ -231,12 +305,34 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 push_expand(z, q)
             continue
         m = m_of(y)
+        # A multiset is evaluated lazily, cheapest bound first: on its first pop (i = 0) it goes back to the
+        # heap keyed by its Lagrangian bound (capacity counted, unlike the key's), then (i = 1) its packing is
+        # searched depth first; if that search gives up, it goes back keyed by the bound the search proved
+        # (i = 2), and by the time it comes up again the incumbent may have fallen below it, or a MILP settles it.
+        if i == 0:
+            pr = prep(y)
+            if pr is not None:
+                tick += 1
+                heapq.heappush(heap, (max(key, m * pr[5]), tick, y, 1, False))
+            continue
         cap_l = min(_tol(pb.lam), inc * (1 + 1e-9) / m if m > 0 else INF)
-        L, a, done = least_l(y, cap_l)
+        L, a, done = least_l(y, cap_l, use_milp=i > 1)
         fr.solves += 1
         if not done:
-            lb = min(lb, key)  # the search gave up: the multiset keeps its bound
-            gave_up = True
+            if i == 1:
+                tick += 1
+                heapq.heappush(heap, (max(key, m * L), tick, y, 2, False))
+            else:
+                lb = min(lb, m * L)  # the search gave up: the multiset keeps the bound it proved
+                unsettled = min(unsettled, m * L)
+            if a is not None:  # an assignment that fits y, though maybe not the least L: a candidate still
+                cand = model.realize({llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)},
+                                     {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW})
+                if cand is not None:
+                    fr.candidates.append(cand)
+                    if better(cand[0][0], cand[0][1], cand[0][2], best):
+                        best = cand[0]
+                        inc = best[0]
             continue
         if a is None:
             continue  # nothing fits y within cap_l: every variant with these instances costs more than inc
@@ -259,7 +355,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     inc = best[0] if best else INF
     rest = min((k for k, *_ in heap), default=INF)
     fr.lower_bound = max(0.0, min(lb, rest, inc, unplaced) * (1 - 1e-9))
-    fr.complete = not stopped and not gave_up and (rest > inc * (1 + 1e-9) or not heap) \
+    fr.complete = not stopped and unsettled > inc * (1 + 2e-9) and (rest > inc * (1 + 1e-9) or not heap) \
         and unplaced > inc * (1 + 2e-9)
     return fr
 
@@ -270,7 +366,8 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
     """`least_l` as a MILP: each stage j (load loads[j], options so[j] = (latency, kind, ref)) on one running
     instance with room or one of the y[p] instances of each new profile p (bins, identical: ordered by load to
     break their symmetry), every bin within its capacity, least total latency <= cap_l. Returns (L, assignment,
-    True), (cap_l, None, True) when nothing fits within cap_l, or None when HiGHS did not settle it."""
+    True), (cap_l, None, True) when nothing fits within cap_l, (its proven lower bound of L, None, False) when
+    HiGHS did not settle it, or None when it proved nothing."""
     from flowmaker.selection.milp import _CORE, MIP_TOL, _tol
 
     if _CORE is None:
@@ -335,7 +432,12 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
     name = h.modelStatusToString(h.getModelStatus())
     if name == "Infeasible":
         return cap_l, None, True
+    info = h.getInfo()
+    db = getattr(info, "mip_dual_bound", None)
     if name != "Optimal":
+        # Unsettled: HiGHS' proven bound (an L above cap_l costs more than the caller needs to know).
+        if db is not None and math.isfinite(db):
+            return min(cap_l, tool + db * (1 - 1e-12)), None, False
         return None
     val = h.getSolution().col_value
     out: list[tuple[str, int, int]] = [(REUSE, 0, 0)] * len(so)
@@ -346,11 +448,38 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
             L += lat
     # The point's value is the proven bound (at most L; equal up to HiGHS' tolerances), the assignment the best
     # found (its candidate variant is scored from scratch).
-    info = h.getInfo()
-    db = getattr(info, "mip_dual_bound", None)
     if db is not None and math.isfinite(db):
         L = min(L, tool + db * (1 - 1e-12))
     return L, out, True
+
+
+def _first_fit(so: list[list[tuple[float, str, int]]], loads: list[float], y: tuple[int, ...], pos: dict[int, int],
+               spare: dict[int, float], p_cap: tuple[float, ...]) -> list[tuple[str, int, int]] | None:
+    """An assignment that fits y (each stage in order on its fastest option with room), or None: a candidate
+    for a multiset whose search gave up, never a bound."""
+    fill_r = {r: 0.0 for r in spare}
+    fill_n: dict[int, list[float]] = {}
+    out: list[tuple[str, int, int]] = []
+    for opts, ld in zip(so, loads, strict=True):
+        got: tuple[str, int, int] | None = None
+        for _, k, ref in opts:
+            if k == REUSE:
+                if leq(fill_r[ref] + ld, spare[ref]):
+                    fill_r[ref] += ld
+                    got = (REUSE, ref, 0)
+            else:
+                fills = fill_n.setdefault(ref, [0.0] * y[pos[ref]])
+                for b, f in enumerate(fills):
+                    if leq(f + ld, p_cap[ref]):
+                        fills[b] = f + ld
+                        got = (NEW, ref, b)
+                        break
+            if got is not None:
+                break
+        if got is None:
+            return None
+        out.append(got)
+    return out
 
 
 ORDER_NODES = 2_000  # placements tried per multiset by `never_places`; past it the multiset counts as placeable

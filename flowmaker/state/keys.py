@@ -25,6 +25,10 @@ OWNERS = ROOT + "owners/"
 INTERFERENCE = ROOT + "interference/"
 ORCHESTRATORS = ROOT + "orchestrators/"
 TASK_NAMES = ROOT + "task-names/"
+# Users and bearer tokens managed live (services/orchestrator/users.py): every orchestrator replica watches them.
+USERS = ROOT + "users/"
+USER_NAMES = ROOT + "user-names/"
+TOKENS = ROOT + "tokens/"
 # The elected orchestrator replica (the one that reconciles, deploys and follows the load); bound to its lease.
 ORCHESTRATOR_LEADER = ORCHESTRATORS + "leader"
 
@@ -78,6 +82,22 @@ def parse_task_name(key: str) -> tuple[str, str]:
 def owner(task_id: str) -> str:
     """Who owns a task (the authenticated user that deployed it); only they, or an admin, may touch it."""
     return OWNERS + _c(task_id, "task_id")
+
+
+def user(user_id: str) -> str:
+    """A user created live: {id, name, admin, create_time}; its id ("u-...") is what owns its tasks."""
+    return USERS + _c(user_id, "user_id")
+
+
+def user_name(name: str) -> str:
+    """A live user's display name, unique: value {user_id}."""
+    return USER_NAMES + _c(name, "name")
+
+
+def token(digest: str) -> str:
+    """A live bearer token, by the SHA-256 hex digest of the token (never the token): {token_id, user_id,
+    expire_time, create_time}."""
+    return TOKENS + _c(digest, "digest")
 
 
 def reuse(instance_id: str, task_id: str) -> str:
@@ -155,6 +175,16 @@ def parse_reuse(key: str) -> tuple[str, str]:
 def parse_owner(key: str) -> str:
     (t,) = _tail(key, OWNERS, 1)
     return t
+
+
+def parse_user(key: str) -> str:
+    (u,) = _tail(key, USERS, 1)
+    return u
+
+
+def parse_token(key: str) -> str:
+    (d,) = _tail(key, TOKENS, 1)
+    return d
 
 
 def parse_profile(key: str) -> tuple[str, str, int, int, str]:

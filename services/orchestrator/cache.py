@@ -1,5 +1,5 @@
-"""The watch-fed cache every orchestrator replica keeps: task records, instance records, live nodes, task owners and
-task names.
+"""The watch-fed cache every orchestrator replica keeps: task records, instance records, live nodes, task owners,
+task names, and the users and bearer-token digests created live (services/orchestrator/users.py).
 
 Fed by etcd watches and by full listings (its own periodic resync, and the reconciler's snapshots on the leader),
 each entry with the etcd revision it came from, so an older listing never overwrites a newer watch event. Invoke
@@ -82,6 +82,8 @@ class RoutingCache:
         self._nodes = _Cache(lambda v: v)
         self._owners = _Cache(_owner_of)
         self._names = _Cache(lambda v: str(v.get("task_id", "")) if isinstance(v, dict) else "")
+        self._users = _Cache(lambda v: v if isinstance(v, dict) else {})
+        self._tokens = _Cache(lambda v: v if isinstance(v, dict) else {})
         self._by_owner: dict[str, set[str]] = {}
         self._by_owner_version = -1
         self.changed = asyncio.Event()  # set by every watch event (and `kick`): the reconciler looks again
@@ -132,6 +134,20 @@ class RoutingCache:
             self._by_owner, self._by_owner_version = idx, self._owners.version
         return self._by_owner.get(owner, set())
 
+    def user(self, user_id: str) -> dict[str, Any] | None:
+        """A live user's record ({id, name, admin, create_time}); None when unknown or deleted."""
+        u: dict[str, Any] | None = self._users.get(keys.user(user_id))
+        return u
+
+    def token(self, digest: str) -> dict[str, Any] | None:
+        """A live token's record ({token_id, user_id, expire_time, create_time}) by digest; None when unknown."""
+        t: dict[str, Any] | None = self._tokens.get(keys.token(digest))
+        return t
+
+    def note_user(self, key: str, rev: int, value: dict[str, Any] | None) -> None:
+        """This process wrote (or deleted, value None) a user or token key: effective here at once."""
+        (self._users if key.startswith(keys.USERS) else self._tokens).apply(key, rev, value)
+
     @property
     def fresh(self) -> bool:
         return self.synced.is_set()
@@ -170,7 +186,7 @@ class RoutingCache:
         if self._loops:
             return
         self._loops = [asyncio.create_task(self._resync_loop())]
-        for prefix in (keys.TASKS, keys.INSTANCES, keys.NODES, keys.OWNERS, keys.TASK_NAMES):
+        for prefix in (keys.TASKS, keys.INSTANCES, keys.NODES, keys.OWNERS, keys.TASK_NAMES, keys.USERS, keys.TOKENS):
             self._loops.append(asyncio.create_task(self._watch(prefix)))
 
     async def stop(self) -> None:
@@ -184,7 +200,8 @@ class RoutingCache:
 
     def _cache_of(self, prefix: str) -> _Cache:
         return {keys.TASKS: self._tasks, keys.INSTANCES: self._instances, keys.NODES: self._nodes,
-                keys.OWNERS: self._owners, keys.TASK_NAMES: self._names}[prefix]
+                keys.OWNERS: self._owners, keys.TASK_NAMES: self._names, keys.USERS: self._users,
+                keys.TOKENS: self._tokens}[prefix]
 
     async def _watch(self, prefix: str) -> None:
         delay = 0.2
@@ -215,9 +232,10 @@ class RoutingCache:
             await asyncio.sleep(min(self.resync_s, 1.0) if not self.synced.is_set() else self.resync_s / 2)
 
     async def resync(self) -> None:
-        """List tasks, instances, nodes, owners and task names once (every replica, leader or not)."""
+        """List tasks, instances, nodes, owners, task names, users and tokens once (every replica, leader or not)."""
         await self.observe()
-        for prefix, cache in ((keys.OWNERS, self._owners), (keys.TASK_NAMES, self._names)):
+        for prefix, cache in ((keys.OWNERS, self._owners), (keys.TASK_NAMES, self._names), (keys.USERS, self._users),
+                              (keys.TOKENS, self._tokens)):
             listing = await self.store.get_prefix(prefix)
             cache.replace(listing.revision, {kv.key: (kv.mod_revision, kv.value) for kv in listing.items})
 

@@ -1,5 +1,6 @@
 """OrchestratorService servicer: parse the request, call the router (Invoke) or the lifecycle commands (the rest),
-convert the task back (thin). Authorization reads the owners from the replica's watch-fed cache."""
+convert the task back (thin). Authorization reads the owners from the replica's watch-fed cache. The user RPCs
+(admin only) call services/orchestrator/users.py, whose token lookup this replica's auth policy consults."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from flowmaker.api.common.v1 import task_pb2
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from flowmaker.cancel import checkpoint, incoming_deadline, offload, remaining_s
 from flowmaker.errors import DeadlineExceeded, NoCapacity, PermissionDenied
-from flowmaker.rpc.auth import current_principal
+from flowmaker.rpc.auth import current_principal, policy_of
 from flowmaker.state import keys
 from services.orchestrator.cache import RoutingCache
 from services.orchestrator.engines import request_sampling
 from services.orchestrator.orchestrator import Orchestrator, TaskView
+from services.orchestrator.users import Users
 
 T = TypeVar("T")
 
@@ -72,7 +74,7 @@ class Owners:
             kv = await self.store.get(keys.owner(task_id))
             owner = kv.value.get("owner") if kv is not None and isinstance(kv.value, dict) else None
         if owner != p.name:
-            raise PermissionDenied(f"{p.name!r} may not use task {task_id[:64]!r}: it is not theirs, or does not "
+            raise PermissionDenied(f"{p.shown!r} may not use task {task_id[:64]!r}: it is not theirs, or does not "
                                    "exist", field="task_id", reason="NOT_TASK_OWNER")
 
     async def visible(self) -> set[str] | None:
@@ -108,7 +110,7 @@ class Owners:
             return
         owned = await self.visible() or set()
         if len(owned) >= self.max_tasks:
-            raise NoCapacity(f"{p.name!r} owns {len(owned)} tasks, the most one user may own at once "
+            raise NoCapacity(f"{p.shown!r} owns {len(owned)} tasks, the most one user may own at once "
                              f"(max_tasks_per_user = {self.max_tasks}); delete one first",
                              reason="TASK_QUOTA_EXCEEDED",
                              metadata={"limit": "max_tasks_per_user", "max": str(self.max_tasks),
@@ -126,6 +128,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.router = orch.router
         self.lifecycle = orch.lifecycle
         self.owners = Owners(orch.store, orch.cache, max_tasks=orch.settings.max_tasks_per_user)
+        self.users = Users(orch.store, orch.cache)
 
     async def DeployTask(self, request: orchestrator_pb2.DeployTaskRequest, context: grpc.aio.ServicerContext
                          ) -> orchestrator_pb2.DeployTaskResponse:
@@ -230,6 +233,51 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 await asyncio.gather(run, return_exceptions=True)
 
 
+    # ---- users and tokens managed live (admin only) ------------------------------------------------
+
+    @staticmethod
+    def _admin_only(rpc: str) -> None:
+        p = current_principal.get()
+        if not p.admin:
+            raise PermissionDenied(f"{p.shown[:64]!r} may not call {rpc}: users are managed by an admin",
+                                   reason="ADMIN_ONLY")
+
+    async def CreateUser(self, request: orchestrator_pb2.CreateUserRequest, context: grpc.aio.ServicerContext
+                         ) -> orchestrator_pb2.CreateUserResponse:
+        self._admin_only("CreateUser")
+        user, token, tid = await self.users.create_user(
+            request.name, admin=request.admin, expires_in_s=convert.duration_s_from_proto(request.expires_in,
+                                                                                          "expires_in"))
+        return orchestrator_pb2.CreateUserResponse(user=convert.user_to_proto(user, now=time.time()), token=token,
+                                                   token_id=tid)
+
+    async def CreateToken(self, request: orchestrator_pb2.CreateTokenRequest, context: grpc.aio.ServicerContext
+                          ) -> orchestrator_pb2.CreateTokenResponse:
+        self._admin_only("CreateToken")
+        user, token, tid = await self.users.create_token(
+            request.user, expires_in_s=convert.duration_s_from_proto(request.expires_in, "expires_in"))
+        return orchestrator_pb2.CreateTokenResponse(user=convert.user_to_proto(user, now=time.time()), token=token,
+                                                    token_id=tid)
+
+    async def ListUsers(self, request: orchestrator_pb2.ListUsersRequest, context: grpc.aio.ServicerContext
+                        ) -> orchestrator_pb2.ListUsersResponse:
+        self._admin_only("ListUsers")
+        now = time.time()
+        return orchestrator_pb2.ListUsersResponse(users=[convert.user_to_proto(u, now=now)
+                                                         for u in await self.users.list_users()])
+
+    async def Revoke(self, request: orchestrator_pb2.RevokeRequest, context: grpc.aio.ServicerContext
+                     ) -> orchestrator_pb2.RevokeResponse:
+        self._admin_only("Revoke")
+        user, deleted, ids = await self.users.revoke(request.target)
+        return orchestrator_pb2.RevokeResponse(user=convert.user_to_proto(user, now=time.time()), user_deleted=deleted,
+                                               revoked_token_ids=ids)
+
+
 def add_servicers(server: grpc.aio.Server, orch: Orchestrator) -> list[str]:
-    orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(OrchestratorServicer(orch), server)
+    servicer = OrchestratorServicer(orch)
+    orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(servicer, server)
+    policy = policy_of(server)
+    if policy is not None:  # bearer tokens created live are admitted beside the tokens file's
+        policy.live = servicer.users.lookup
     return [SERVICE_NAME]

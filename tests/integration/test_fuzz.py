@@ -23,7 +23,7 @@ def test_every_rpc_has_a_seed() -> None:
     rpcs = all_rpcs()
     assert {r.service for r in rpcs} == {"generator", "profiler", "selector", "deployer", "orchestrator"}
     assert {r.path.rsplit("/", 1)[1] for r in rpcs} == set(seed_requests())
-    assert len(rpcs) == 18
+    assert len(rpcs) == 22
 
 
 async def test_fuzz_every_rpc(etcd_store: Any) -> None:

@@ -25,6 +25,8 @@ STACK_TESTS = {
     "task approve": "tests/e2e/test_cli.py", "profiles measure": "tests/e2e/test_cli_up.py (and --local below)",
     "bench soak": "tests/e2e/test_cli_json_stack.py", "bench live-sharing": "tests/e2e/test_cli_json_stack.py",
     "bench throughput": "tests/e2e/test_cli_json_stack.py",
+    "user create": "tests/integration/test_live_users.py", "user token": "tests/integration/test_live_users.py",
+    "user list": "tests/integration/test_live_users.py", "user revoke": "tests/integration/test_live_users.py",
 }
 
 

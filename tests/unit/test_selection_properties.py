@@ -865,3 +865,49 @@ def test_the_chain_walk_bounds_every_variant_and_proves_the_optimum(req: Selecti
     if complete and (inc is None or inc >= 1.0):
         assert found is not None, want
         assert close(found[0], want[0]) and close(found[1], want[1]) and found[2] == want[2], (found, want)
+
+
+@settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(requests(), dense_requests()).map(_as_chains), st.sampled_from([None, 1.0, 2.0]),
+       st.sampled_from([1, 2, 4]), st.booleans())
+def test_the_chain_walk_stays_exact_when_its_packing_searches_give_up(req: SelectionRequest, inc: float | None,
+                                                                      nodes: int, milp_settles: bool) -> None:
+    """With the depth-first packing search cut to a few nodes, multisets go back to the heap under the bound
+    their search proved, then to the MILP (or, `milp_settles` False, to a MILP that settles nothing): the
+    walk's lower bound stays at most the optimum, its candidates are feasible, and when it says complete its
+    best candidate is the brute force's answer, tie-breaks included."""
+    import math as _m
+
+    from flowmaker.selection import chain
+    from flowmaker.selection.exact import usable_profiles
+    from flowmaker.selection.milp import RelaxedModel
+    from flowmaker.selection.problem import Problem, better
+
+    want, _ = brute_force(req)
+    pb = Problem(req)
+    usable = usable_profiles(pb)
+    best = None if want is None or inc is None else (want[0] * inc, want[1], 0)
+    saved, saved_milp = chain.NODE_LIMIT, chain._least_l_milp
+    chain.NODE_LIMIT = nodes
+    if not milp_settles:
+        chain._least_l_milp = lambda *a: None  # type: ignore[assignment]
+    try:
+        lbs, found, complete = [], None, True
+        for pw in pb.workflows:
+            fr = chain.walk_chain(RelaxedModel(pb, pw, usable), _m.inf, best)
+            lbs.append(fr.lower_bound)
+            complete = complete and fr.complete
+            _recheck_candidates(req, pb, pw, fr.candidates, want)
+            for sc, *_ in fr.candidates:
+                if better(sc[0], sc[1], sc[2], found):
+                    found = sc
+    finally:
+        chain.NODE_LIMIT, chain._least_l_milp = saved, saved_milp  # type: ignore[assignment]
+    if want is None:
+        assert found is None
+        return
+    assert min(lbs) <= want[0] * (1 + 1e-9) + 1e-12, (lbs, want)
+    if complete and (inc is None or inc >= 1.0):
+        assert found is not None, want
+        assert close(found[0], want[0]) and close(found[1], want[1]) and found[2] == want[2], (found, want)

@@ -25,47 +25,69 @@ _sym_db = _symbol_database.Default()
 from flowmaker.api.common.v1 import selection_pb2 as flowmaker_dot_common_dot_v1_dot_selection__pb2
 from flowmaker.api.common.v1 import task_pb2 as flowmaker_dot_common_dot_v1_dot_task__pb2
 from flowmaker.api.common.v1 import workflow_pb2 as flowmaker_dot_common_dot_v1_dot_workflow__pb2
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,flowmaker/orchestrator/v1/orchestrator.proto\x12\x19\x66lowmaker.orchestrator.v1\x1a#flowmaker/common/v1/selection.proto\x1a\x1e\x66lowmaker/common/v1/task.proto\x1a\"flowmaker/common/v1/workflow.proto\"\xa6\x01\n\x11\x44\x65ployTaskRequest\x12\x13\n\x0b\x64\x65scription\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12%\n\x03slo\x18\x03 \x01(\x0b\x32\x18.flowmaker.common.v1.Slo\x12\x15\n\rmax_workflows\x18\x04 \x01(\x05\x12\x30\n\tworkflows\x18\x05 \x03(\x0b\x32\x1d.flowmaker.common.v1.Workflow\"=\n\x12\x44\x65ployTaskResponse\x12\'\n\x04task\x18\x01 \x01(\x0b\x32\x19.flowmaker.common.v1.Task\"\x98\x01\n\x17\x41pproveWorkflowsRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x14\n\x0cworkflow_ids\x18\x02 \x03(\t\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12\x36\n\x07options\x18\x04 \x01(\x0b\x32%.flowmaker.common.v1.SelectionOptions\x12\x0c\n\x04\x65tag\x18\x05 \x01(\t\"C\n\x18\x41pproveWorkflowsResponse\x12\'\n\x04task\x18\x01 \x01(\x0b\x32\x19.flowmaker.common.v1.Task\"!\n\x0eGetTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\":\n\x0fGetTaskResponse\x12\'\n\x04task\x18\x01 \x01(\x0b\x32\x19.flowmaker.common.v1.Task\"B\n\x10ListTasksRequest\x12.\n\x05state\x18\x01 \x01(\x0e\x32\x1f.flowmaker.common.v1.Task.State\"=\n\x11ListTasksResponse\x12(\n\x05tasks\x18\x01 \x03(\x0b\x32\x19.flowmaker.common.v1.Task\"$\n\x11\x44\x65leteTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"\\\n\x12\x44\x65leteTaskResponse\x12\'\n\x04task\x18\x01 \x01(\x0b\x32\x19.flowmaker.common.v1.Task\x12\x1d\n\x15released_instance_ids\x18\x02 \x03(\t\"\xbe\x01\n\x0bStageOutput\x12\x10\n\x08stage_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x0e\n\x06output\x18\x04 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x05 \x01(\x05\x12\x15\n\routput_tokens\x18\x06 \x01(\x05\x12\x0f\n\x07start_s\x18\x07 \x01(\x01\x12\x11\n\tlatency_s\x18\x08 \x01(\x01\x12\x15\n\rfinish_reason\x18\t \x01(\t\"\x81\x01\n\rInvokeRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x01(\t\x12\x19\n\x11max_output_tokens\x18\x03 \x01(\x05\x12\x35\n\x08sampling\x18\x04 \x01(\x0b\x32#.flowmaker.orchestrator.v1.Sampling\"\xe6\x01\n\x08Sampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\x90\x01\n\x0eInvokeResponse\x12\x0e\n\x06output\x18\x01 \x01(\t\x12\x11\n\tlatency_s\x18\x02 \x01(\x01\x12\x36\n\x06stages\x18\x03 \x03(\x0b\x32&.flowmaker.orchestrator.v1.StageOutput\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0f\n\x07task_id\x18\x05 \x01(\t\"\x87\x01\n\x13InvokeStreamRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x01(\t\x12\x19\n\x11max_output_tokens\x18\x03 \x01(\x05\x12\x35\n\x08sampling\x18\x04 \x01(\x0b\x32#.flowmaker.orchestrator.v1.Sampling\"\xbb\x01\n\x14InvokeStreamResponse\x12\x0f\n\x05\x64\x65lta\x18\x01 \x01(\tH\x00\x12<\n\nstage_done\x18\x02 \x01(\x0b\x32&.flowmaker.orchestrator.v1.StageOutputH\x00\x12\x39\n\x04\x64one\x18\x03 \x01(\x0b\x32).flowmaker.orchestrator.v1.InvokeResponseH\x00\x12\x10\n\x08stage_id\x18\x04 \x01(\tB\x07\n\x05\x63hunk2\x84\x06\n\x13OrchestratorService\x12i\n\nDeployTask\x12,.flowmaker.orchestrator.v1.DeployTaskRequest\x1a-.flowmaker.orchestrator.v1.DeployTaskResponse\x12{\n\x10\x41pproveWorkflows\x12\x32.flowmaker.orchestrator.v1.ApproveWorkflowsRequest\x1a\x33.flowmaker.orchestrator.v1.ApproveWorkflowsResponse\x12`\n\x07GetTask\x12).flowmaker.orchestrator.v1.GetTaskRequest\x1a*.flowmaker.orchestrator.v1.GetTaskResponse\x12\x66\n\tListTasks\x12+.flowmaker.orchestrator.v1.ListTasksRequest\x1a,.flowmaker.orchestrator.v1.ListTasksResponse\x12i\n\nDeleteTask\x12,.flowmaker.orchestrator.v1.DeleteTaskRequest\x1a-.flowmaker.orchestrator.v1.DeleteTaskResponse\x12]\n\x06Invoke\x12(.flowmaker.orchestrator.v1.InvokeRequest\x1a).flowmaker.orchestrator.v1.InvokeResponse\x12q\n\x0cInvokeStream\x12..flowmaker.orchestrator.v1.InvokeStreamRequest\x1a/.flowmaker.orchestrator.v1.InvokeStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,flowmaker/orchestrator/v1/orchestrator.proto\x12\x19\x66lowmaker.orchestrator.v1\x1a#flowmaker/common/v1/selection.proto\x1a\x1e\x66lowmaker/common/v1/task.proto\x1a\"flowmaker/common/v1/workflow.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x86\x01\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\t\x12/\n\x0b\x63reate_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x65xpired\x18\x04 \x01(\x08\"\x92\x01\n\x04User\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x61\x64min\x18\x03 \x01(\x08\x12/\n\x0b\x63reate_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x06tokens\x18\x05 \x03(\x0b\x32 .flowmaker.orchestrator.v1.Token\"_\n\x11\x43reateUserRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12-\n\nexpires_in\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"d\n\x12\x43reateUserResponse\x12-\n\x04user\x18\x01 \x01(\x0b\x32\x1f.flowmaker.orchestrator.v1.User\x12\r\n\x05token\x18\x02 \x01(\t\x12\x10\n\x08token_id\x18\x03 \x01(\t\"Q\n\x12\x43reateTokenRequest\x12\x0c\n\x04user\x18\x01 \x01(\t\x12-\n\nexpires_in\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"e\n\x13\x43reateTokenResponse\x12-\n\x04user\x18\x01 \x01(\x0b\x32\x1f.flowmaker.orchestrator.v1.User\x12\r\n\x05token\x18\x02 \x01(\t\x12\x10\n\x08token_id\x18\x03 \x01(\t\"\x12\n\x10ListUsersRequest\"C\n\x11ListUsersResponse\x12.\n\x05users\x18\x01 \x03(\x0b\x32\x1f.flowmaker.orchestrator.v1.User\"\x1f\n\rRevokeRequest\x12\x0e\n\x06target\x18\x01 \x01(\t\"p\n\x0eRevokeResponse\x12-\n\x04user\x18\x01 \x01(\x0b\x32\x1f.flowmaker.orchestrator.v1.User\x12\x14\n\x0cuser_deleted\x18\x02 \x01(\x08\x12\x19\n\x11revoked_token_ids\x18\x03 \x03(\t\"\xa6\x01\n\x11\x44\x65ployTaskRequest\x12\x13\n\x0b\x64\x65scription\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12%\n\x03slo\x18\x03 \x01(\x0b\x32\x18.flowmaker.common.v1.Slo\x12\x15\n\rmax_workflows\x18\x04 \x01(\x05\x12\x30\n\tworkflows\x18\x05 \x03(\x0b\x32\x1d.flowmaker.common.v1.Workflow\"=\n\x12\x44\x65ployTaskResponse\x12\'\n\x04task\x18\x01 \x01(\x0b\x32\x19.flowmaker.common.v1.Task\"\x98\x01\n\x17\x41pproveWorkflowsRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x14\n\x0cworkflow_ids\x18\x02 \x03(\t\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12\x36\n\x07options\x18\x04 \x01(\x0b\x32%.flowmaker.common.v1.SelectionOptions\x12\x0c\n\x04\x65tag\x18\x05 \x01(\t\"C\n\x18\x41pproveWorkflowsResponse\x12\'\n\x04task\x18\x01 \x01(\x0b\x32\x19.flowmaker.common.v1.Task\"!\n\x0eGetTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\":\n\x0fGetTaskResponse\x12\'\n\x04task\x18\x01 \x01(\x0b\x32\x19.flowmaker.common.v1.Task\"B\n\x10ListTasksRequest\x12.\n\x05state\x18\x01 \x01(\x0e\x32\x1f.flowmaker.common.v1.Task.State\"=\n\x11ListTasksResponse\x12(\n\x05tasks\x18\x01 \x03(\x0b\x32\x19.flowmaker.common.v1.Task\"$\n\x11\x44\x65leteTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"\\\n\x12\x44\x65leteTaskResponse\x12\'\n\x04task\x18\x01 \x01(\x0b\x32\x19.flowmaker.common.v1.Task\x12\x1d\n\x15released_instance_ids\x18\x02 \x03(\t\"\xbe\x01\n\x0bStageOutput\x12\x10\n\x08stage_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x0e\n\x06output\x18\x04 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x05 \x01(\x05\x12\x15\n\routput_tokens\x18\x06 \x01(\x05\x12\x0f\n\x07start_s\x18\x07 \x01(\x01\x12\x11\n\tlatency_s\x18\x08 \x01(\x01\x12\x15\n\rfinish_reason\x18\t \x01(\t\"\x81\x01\n\rInvokeRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x01(\t\x12\x19\n\x11max_output_tokens\x18\x03 \x01(\x05\x12\x35\n\x08sampling\x18\x04 \x01(\x0b\x32#.flowmaker.orchestrator.v1.Sampling\"\xe6\x01\n\x08Sampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\x90\x01\n\x0eInvokeResponse\x12\x0e\n\x06output\x18\x01 \x01(\t\x12\x11\n\tlatency_s\x18\x02 \x01(\x01\x12\x36\n\x06stages\x18\x03 \x03(\x0b\x32&.flowmaker.orchestrator.v1.StageOutput\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0f\n\x07task_id\x18\x05 \x01(\t\"\x87\x01\n\x13InvokeStreamRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x01(\t\x12\x19\n\x11max_output_tokens\x18\x03 \x01(\x05\x12\x35\n\x08sampling\x18\x04 \x01(\x0b\x32#.flowmaker.orchestrator.v1.Sampling\"\xbb\x01\n\x14InvokeStreamResponse\x12\x0f\n\x05\x64\x65lta\x18\x01 \x01(\tH\x00\x12<\n\nstage_done\x18\x02 \x01(\x0b\x32&.flowmaker.orchestrator.v1.StageOutputH\x00\x12\x39\n\x04\x64one\x18\x03 \x01(\x0b\x32).flowmaker.orchestrator.v1.InvokeResponseH\x00\x12\x10\n\x08stage_id\x18\x04 \x01(\tB\x07\n\x05\x63hunk2\xa4\t\n\x13OrchestratorService\x12i\n\nDeployTask\x12,.flowmaker.orchestrator.v1.DeployTaskRequest\x1a-.flowmaker.orchestrator.v1.DeployTaskResponse\x12{\n\x10\x41pproveWorkflows\x12\x32.flowmaker.orchestrator.v1.ApproveWorkflowsRequest\x1a\x33.flowmaker.orchestrator.v1.ApproveWorkflowsResponse\x12`\n\x07GetTask\x12).flowmaker.orchestrator.v1.GetTaskRequest\x1a*.flowmaker.orchestrator.v1.GetTaskResponse\x12\x66\n\tListTasks\x12+.flowmaker.orchestrator.v1.ListTasksRequest\x1a,.flowmaker.orchestrator.v1.ListTasksResponse\x12i\n\nDeleteTask\x12,.flowmaker.orchestrator.v1.DeleteTaskRequest\x1a-.flowmaker.orchestrator.v1.DeleteTaskResponse\x12]\n\x06Invoke\x12(.flowmaker.orchestrator.v1.InvokeRequest\x1a).flowmaker.orchestrator.v1.InvokeResponse\x12q\n\x0cInvokeStream\x12..flowmaker.orchestrator.v1.InvokeStreamRequest\x1a/.flowmaker.orchestrator.v1.InvokeStreamResponse0\x01\x12i\n\nCreateUser\x12,.flowmaker.orchestrator.v1.CreateUserRequest\x1a-.flowmaker.orchestrator.v1.CreateUserResponse\x12l\n\x0b\x43reateToken\x12-.flowmaker.orchestrator.v1.CreateTokenRequest\x1a..flowmaker.orchestrator.v1.CreateTokenResponse\x12\x66\n\tListUsers\x12+.flowmaker.orchestrator.v1.ListUsersRequest\x1a,.flowmaker.orchestrator.v1.ListUsersResponse\x12]\n\x06Revoke\x12(.flowmaker.orchestrator.v1.RevokeRequest\x1a).flowmaker.orchestrator.v1.RevokeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flowmaker.api.orchestrator.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DEPLOYTASKREQUEST']._serialized_start=181
-  _globals['_DEPLOYTASKREQUEST']._serialized_end=347
-  _globals['_DEPLOYTASKRESPONSE']._serialized_start=349
-  _globals['_DEPLOYTASKRESPONSE']._serialized_end=410
-  _globals['_APPROVEWORKFLOWSREQUEST']._serialized_start=413
-  _globals['_APPROVEWORKFLOWSREQUEST']._serialized_end=565
-  _globals['_APPROVEWORKFLOWSRESPONSE']._serialized_start=567
-  _globals['_APPROVEWORKFLOWSRESPONSE']._serialized_end=634
-  _globals['_GETTASKREQUEST']._serialized_start=636
-  _globals['_GETTASKREQUEST']._serialized_end=669
-  _globals['_GETTASKRESPONSE']._serialized_start=671
-  _globals['_GETTASKRESPONSE']._serialized_end=729
-  _globals['_LISTTASKSREQUEST']._serialized_start=731
-  _globals['_LISTTASKSREQUEST']._serialized_end=797
-  _globals['_LISTTASKSRESPONSE']._serialized_start=799
-  _globals['_LISTTASKSRESPONSE']._serialized_end=860
-  _globals['_DELETETASKREQUEST']._serialized_start=862
-  _globals['_DELETETASKREQUEST']._serialized_end=898
-  _globals['_DELETETASKRESPONSE']._serialized_start=900
-  _globals['_DELETETASKRESPONSE']._serialized_end=992
-  _globals['_STAGEOUTPUT']._serialized_start=995
-  _globals['_STAGEOUTPUT']._serialized_end=1185
-  _globals['_INVOKEREQUEST']._serialized_start=1188
-  _globals['_INVOKEREQUEST']._serialized_end=1317
-  _globals['_SAMPLING']._serialized_start=1320
-  _globals['_SAMPLING']._serialized_end=1550
-  _globals['_INVOKERESPONSE']._serialized_start=1553
-  _globals['_INVOKERESPONSE']._serialized_end=1697
-  _globals['_INVOKESTREAMREQUEST']._serialized_start=1700
-  _globals['_INVOKESTREAMREQUEST']._serialized_end=1835
-  _globals['_INVOKESTREAMRESPONSE']._serialized_start=1838
-  _globals['_INVOKESTREAMRESPONSE']._serialized_end=2025
-  _globals['_ORCHESTRATORSERVICE']._serialized_start=2028
-  _globals['_ORCHESTRATORSERVICE']._serialized_end=2800
+  _globals['_TOKEN']._serialized_start=246
+  _globals['_TOKEN']._serialized_end=380
+  _globals['_USER']._serialized_start=383
+  _globals['_USER']._serialized_end=529
+  _globals['_CREATEUSERREQUEST']._serialized_start=531
+  _globals['_CREATEUSERREQUEST']._serialized_end=626
+  _globals['_CREATEUSERRESPONSE']._serialized_start=628
+  _globals['_CREATEUSERRESPONSE']._serialized_end=728
+  _globals['_CREATETOKENREQUEST']._serialized_start=730
+  _globals['_CREATETOKENREQUEST']._serialized_end=811
+  _globals['_CREATETOKENRESPONSE']._serialized_start=813
+  _globals['_CREATETOKENRESPONSE']._serialized_end=914
+  _globals['_LISTUSERSREQUEST']._serialized_start=916
+  _globals['_LISTUSERSREQUEST']._serialized_end=934
+  _globals['_LISTUSERSRESPONSE']._serialized_start=936
+  _globals['_LISTUSERSRESPONSE']._serialized_end=1003
+  _globals['_REVOKEREQUEST']._serialized_start=1005
+  _globals['_REVOKEREQUEST']._serialized_end=1036
+  _globals['_REVOKERESPONSE']._serialized_start=1038
+  _globals['_REVOKERESPONSE']._serialized_end=1150
+  _globals['_DEPLOYTASKREQUEST']._serialized_start=1153
+  _globals['_DEPLOYTASKREQUEST']._serialized_end=1319
+  _globals['_DEPLOYTASKRESPONSE']._serialized_start=1321
+  _globals['_DEPLOYTASKRESPONSE']._serialized_end=1382
+  _globals['_APPROVEWORKFLOWSREQUEST']._serialized_start=1385
+  _globals['_APPROVEWORKFLOWSREQUEST']._serialized_end=1537
+  _globals['_APPROVEWORKFLOWSRESPONSE']._serialized_start=1539
+  _globals['_APPROVEWORKFLOWSRESPONSE']._serialized_end=1606
+  _globals['_GETTASKREQUEST']._serialized_start=1608
+  _globals['_GETTASKREQUEST']._serialized_end=1641
+  _globals['_GETTASKRESPONSE']._serialized_start=1643
+  _globals['_GETTASKRESPONSE']._serialized_end=1701
+  _globals['_LISTTASKSREQUEST']._serialized_start=1703
+  _globals['_LISTTASKSREQUEST']._serialized_end=1769
+  _globals['_LISTTASKSRESPONSE']._serialized_start=1771
+  _globals['_LISTTASKSRESPONSE']._serialized_end=1832
+  _globals['_DELETETASKREQUEST']._serialized_start=1834
+  _globals['_DELETETASKREQUEST']._serialized_end=1870
+  _globals['_DELETETASKRESPONSE']._serialized_start=1872
+  _globals['_DELETETASKRESPONSE']._serialized_end=1964
+  _globals['_STAGEOUTPUT']._serialized_start=1967
+  _globals['_STAGEOUTPUT']._serialized_end=2157
+  _globals['_INVOKEREQUEST']._serialized_start=2160
+  _globals['_INVOKEREQUEST']._serialized_end=2289
+  _globals['_SAMPLING']._serialized_start=2292
+  _globals['_SAMPLING']._serialized_end=2522
+  _globals['_INVOKERESPONSE']._serialized_start=2525
+  _globals['_INVOKERESPONSE']._serialized_end=2669
+  _globals['_INVOKESTREAMREQUEST']._serialized_start=2672
+  _globals['_INVOKESTREAMREQUEST']._serialized_end=2807
+  _globals['_INVOKESTREAMRESPONSE']._serialized_start=2810
+  _globals['_INVOKESTREAMRESPONSE']._serialized_end=2997
+  _globals['_ORCHESTRATORSERVICE']._serialized_start=3000
+  _globals['_ORCHESTRATORSERVICE']._serialized_end=4188
 # @@protoc_insertion_point(module_scope)

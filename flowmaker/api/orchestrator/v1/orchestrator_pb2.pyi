@@ -1,6 +1,10 @@
+import datetime
+
 from flowmaker.api.common.v1 import selection_pb2 as _selection_pb2
 from flowmaker.api.common.v1 import task_pb2 as _task_pb2
 from flowmaker.api.common.v1 import workflow_pb2 as _workflow_pb2
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,6 +12,96 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Token(_message.Message):
+    __slots__ = ("id", "create_time", "expire_time", "expired")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    create_time: _timestamp_pb2.Timestamp
+    expire_time: _timestamp_pb2.Timestamp
+    expired: bool
+    def __init__(self, id: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expired: _Optional[bool] = ...) -> None: ...
+
+class User(_message.Message):
+    __slots__ = ("id", "name", "admin", "create_time", "tokens")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    admin: bool
+    create_time: _timestamp_pb2.Timestamp
+    tokens: _containers.RepeatedCompositeFieldContainer[Token]
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., admin: _Optional[bool] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
+
+class CreateUserRequest(_message.Message):
+    __slots__ = ("name", "admin", "expires_in")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    admin: bool
+    expires_in: _duration_pb2.Duration
+    def __init__(self, name: _Optional[str] = ..., admin: _Optional[bool] = ..., expires_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class CreateUserResponse(_message.Message):
+    __slots__ = ("user", "token", "token_id")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    user: User
+    token: str
+    token_id: str
+    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., token: _Optional[str] = ..., token_id: _Optional[str] = ...) -> None: ...
+
+class CreateTokenRequest(_message.Message):
+    __slots__ = ("user", "expires_in")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_FIELD_NUMBER: _ClassVar[int]
+    user: str
+    expires_in: _duration_pb2.Duration
+    def __init__(self, user: _Optional[str] = ..., expires_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class CreateTokenResponse(_message.Message):
+    __slots__ = ("user", "token", "token_id")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    user: User
+    token: str
+    token_id: str
+    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., token: _Optional[str] = ..., token_id: _Optional[str] = ...) -> None: ...
+
+class ListUsersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListUsersResponse(_message.Message):
+    __slots__ = ("users",)
+    USERS_FIELD_NUMBER: _ClassVar[int]
+    users: _containers.RepeatedCompositeFieldContainer[User]
+    def __init__(self, users: _Optional[_Iterable[_Union[User, _Mapping]]] = ...) -> None: ...
+
+class RevokeRequest(_message.Message):
+    __slots__ = ("target",)
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    def __init__(self, target: _Optional[str] = ...) -> None: ...
+
+class RevokeResponse(_message.Message):
+    __slots__ = ("user", "user_deleted", "revoked_token_ids")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    USER_DELETED_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    user: User
+    user_deleted: bool
+    revoked_token_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., user_deleted: _Optional[bool] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DeployTaskRequest(_message.Message):
     __slots__ = ("description", "name", "slo", "max_workflows", "workflows")

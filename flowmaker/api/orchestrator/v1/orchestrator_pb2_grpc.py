@@ -70,6 +70,26 @@ class OrchestratorServiceStub:
                 request_serializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.InvokeStreamRequest.SerializeToString,
                 response_deserializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.InvokeStreamResponse.FromString,
                 _registered_method=True)
+        self.CreateUser = channel.unary_unary(
+                '/flowmaker.orchestrator.v1.OrchestratorService/CreateUser',
+                request_serializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateUserRequest.SerializeToString,
+                response_deserializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateUserResponse.FromString,
+                _registered_method=True)
+        self.CreateToken = channel.unary_unary(
+                '/flowmaker.orchestrator.v1.OrchestratorService/CreateToken',
+                request_serializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateTokenRequest.SerializeToString,
+                response_deserializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateTokenResponse.FromString,
+                _registered_method=True)
+        self.ListUsers = channel.unary_unary(
+                '/flowmaker.orchestrator.v1.OrchestratorService/ListUsers',
+                request_serializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListUsersRequest.SerializeToString,
+                response_deserializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListUsersResponse.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/flowmaker.orchestrator.v1.OrchestratorService/Revoke',
+                request_serializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.RevokeResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorServiceServicer:
@@ -125,6 +145,36 @@ class OrchestratorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateUser(self, request, context):
+        """Users and bearer tokens managed live (admin only: PERMISSION_DENIED otherwise). They take effect on
+        every orchestrator replica within a watch's latency, without a restart; tokens-file users are not listed.
+        Creates a user and its first token (returned once; only its SHA-256 digest is stored).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateToken(self, request, context):
+        """Adds a token to a live user.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListUsers(self, request, context):
+        """Lists live users and their tokens (ids and expiry, never the tokens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """Revokes one token (by its id) or a user (by name or id) with all its tokens; the user's tasks stay.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +212,26 @@ def add_OrchestratorServiceServicer_to_server(servicer, server):
                     servicer.InvokeStream,
                     request_deserializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.InvokeStreamRequest.FromString,
                     response_serializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.InvokeStreamResponse.SerializeToString,
+            ),
+            'CreateUser': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateUser,
+                    request_deserializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateUserRequest.FromString,
+                    response_serializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateUserResponse.SerializeToString,
+            ),
+            'CreateToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateToken,
+                    request_deserializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateTokenRequest.FromString,
+                    response_serializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateTokenResponse.SerializeToString,
+            ),
+            'ListUsers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListUsers,
+                    request_deserializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListUsersRequest.FromString,
+                    response_serializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListUsersResponse.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.RevokeRequest.FromString,
+                    response_serializer=flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.RevokeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +424,114 @@ class OrchestratorService:
             '/flowmaker.orchestrator.v1.OrchestratorService/InvokeStream',
             flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.InvokeStreamRequest.SerializeToString,
             flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.InvokeStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateUser(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flowmaker.orchestrator.v1.OrchestratorService/CreateUser',
+            flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateUserRequest.SerializeToString,
+            flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateUserResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flowmaker.orchestrator.v1.OrchestratorService/CreateToken',
+            flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateTokenRequest.SerializeToString,
+            flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.CreateTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListUsers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flowmaker.orchestrator.v1.OrchestratorService/ListUsers',
+            flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListUsersRequest.SerializeToString,
+            flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListUsersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flowmaker.orchestrator.v1.OrchestratorService/Revoke',
+            flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.RevokeRequest.SerializeToString,
+            flowmaker_dot_orchestrator_dot_v1_dot_orchestrator__pb2.RevokeResponse.FromString,
             options,
             channel_credentials,
             insecure,
