@@ -24,7 +24,8 @@ SERVICES = {
     "selector": ("SelectorService", {"SelectVariant"}),
     "deployer": ("DeployerService", {"Deploy", "Release", "ListInstances", "ListGpus"}),
     "orchestrator": ("OrchestratorService", {"DeployTask", "ApproveWorkflows", "GetTask", "ListTasks", "DeleteTask",
-                                             "Invoke", "InvokeStream"}),
+                                             "Invoke", "InvokeStream", "CreateUser", "CreateToken", "ListUsers",
+                                             "Revoke"}),
 }
 COMMON = ("workflow", "cluster", "selection", "task")
 
