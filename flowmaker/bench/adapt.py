@@ -58,7 +58,13 @@ from flowmaker.domain import (
 )
 from flowmaker.errors import InvalidSpec
 from flowmaker.eval.experiment import Experiment
-from flowmaker.eval.policies import DEFAULT_UTILIZATION_CAP, alone_latency, planned_load, simulated_monitor
+from flowmaker.eval.policies import (
+    DEFAULT_UTILIZATION_CAP,
+    alone_latency,
+    plan_rates,
+    planned_load,
+    simulated_monitor,
+)
 from flowmaker.eval.slo import with_rule_slos
 from flowmaker.eval.tasks import EVAL_TASKS, NOMINAL_STATS, EvalTask
 from flowmaker.eval.trace_stats import TRACE_KINDS
@@ -156,7 +162,9 @@ class _TaskState:
     # task tolerates on its instances (latency SLO / the variant's latency alone; 0: unknown).
     offered: dict[str, float] = field(default_factory=dict)
     tolerance: float = 0.0
-    declared_rate: float = 0.0  # the task's own rate at this load level (what the user declared)
+    # The rate the follower never scales in below (LoadPolicy.floor_at_declared): what the task's deploy planned
+    # for, its burst headroom included (plan_rates), as a user declares the rate it wants capacity for.
+    declared_rate: float = 0.0
 
     def record(self) -> TaskRecord:
         slo = replace(self.task.slo(), arrival_rate_rps=self.declared_rate)
@@ -280,10 +288,10 @@ class _Controller:
         return Cluster(gpus, inst)
 
     def _select(self, task: EvalTask, rate: float, cluster: Cluster, *, scale_out: bool = False,
-                cap: float | None = None) -> Variant | None:
+                cap: float | None = None, blind: bool = False) -> Variant | None:
         """The selector's answer; deploys (both policies alike) as the `flowmaker` policy of bench serving,
         re-selections (`scale_out`) may also scale a stage out to replicas. `cap`: utilization cap (default the
-        config's)."""
+        config's). `blind`: GPU sharing ignored (the deploy's last resort, as the policy's)."""
         slo = replace(task.slo(), arrival_rate_rps=max(rate, 1e-6))
         req = SelectionRequest(slo=slo, workflows=task.nominal_workflows(self.kind, self.cfg.plan_tokens),
                                models=self.models, profiles=self.profiles, cluster=cluster,
@@ -292,7 +300,8 @@ class _Controller:
                                                         seed=self.cfg.seed,
                                                         max_replicas=self.cfg.max_replicas if scale_out else 1,
                                                         capacity_model=CapacityModel[self.cfg.capacity_model.upper()],
-                                                        gpu_sharing=GpuSharing[self.cfg.gpu_sharing.upper()]))
+                                                        gpu_sharing=GpuSharing.IGNORE if blind else
+                                                        GpuSharing[self.cfg.gpu_sharing.upper()]))
         return select(req, "exact").variant
 
     def _materialise(self, task: EvalTask, v: Variant, t: float, rate: float
@@ -344,23 +353,27 @@ class _Controller:
             seen = self.monitor(tuple(self.instances.values()), self.deployments(), at)
             loads = {k: float(m.load) for k, m in seen.items()}
             busy = {k: float(m.busy_share) for k, m in seen.items()}
-        # As PolicyContext.planning_rate: the rate measured before the deploy, never below the declared one.
-        rate = max(self.wl.rate_in(task.name, max(0.0, at - self.wl.window_s), at),
-                   task.nominal_rate_rps * self.load, 1e-6)
+        # As PolicyContext.planning_rates: the burst rate, then the rate measured before the deploy, then the
+        # declared one, each tried when nothing fits at the one before.
+        tries = plan_rates(self.wl.burst_rate(task.name, task.max_latency_s, at),
+                           self.wl.rate_in(task.name, max(0.0, at - self.wl.window_s), at),
+                           task.nominal_rate_rps * self.load)
         cluster = self.cluster(at, loads, busy=busy)
-        v = self._select(task, rate, cluster)
-        declared = max(task.nominal_rate_rps * self.load, 1e-6)
-        if v is None and declared < rate:  # as the policy: a burst that fits nowhere, then the declared rate
-            rate = declared
+        v = None
+        for rate in tries:
             v = self._select(task, rate, cluster)
+            if v is not None:
+                break
         if v is None and self.cfg.utilization_cap < 1.0:  # ... and then without the burst headroom
             v = self._select(task, rate, cluster, cap=1.0)
+        if v is None and self.cfg.gpu_sharing.upper() == GpuSharing.INTERFERENCE.name:  # ... and sharing-blind
+            v = self._select(task, rate, cluster, cap=1.0, blind=True)
         if v is None:
             self.events.append({"t": at, "task": task.name, "kind": "deploy", "outcome": "UNPLACED", "rate": rate})
             return
         route, shares, offered, tol = self._materialise(task, v, at, rate)
         self.live[task.name] = _TaskState(task, at, [route], [at], rate, shares, v, offered=offered, tolerance=tol,
-                                          declared_rate=task.nominal_rate_rps * self.load)
+                                          declared_rate=rate)
         self.events.append({"t": at, "task": task.name, "kind": "deploy", "outcome": "DONE", "rate": rate,
                             "workflow": v.workflow_id, "instances": sorted(set(i for _, i in route.stage_instances))})
 

@@ -148,6 +148,19 @@ class PolicyContext:
         rate the task declared (a task whose first requests have not arrived yet is not sized for nothing)."""
         return max(self.current_rate(task), self.nominal_rate(task))
 
+    def burst_rate(self, task: EvalTask) -> float:
+        """The task's share of the densest burst in the history known at its deploy, over windows of its latency
+        SLO (`SegmentWorkload.burst_rate`): requests that arrive within one SLO must be served within about one
+        SLO, so the instances they share need that rate of capacity, not the mean's."""
+        w = self.workload
+        if w is None:
+            return 0.0
+        return w.burst_rate(task.name, task.max_latency_s, w.deploy_time(task.name))
+
+    def planning_rates(self, task: EvalTask) -> tuple[float, ...]:
+        """What FlowMaker's policies plan a task at, in the order tried (`plan_rates`)."""
+        return plan_rates(self.burst_rate(task), self.current_rate(task), self.nominal_rate(task))
+
     def mean_rate(self, task: EvalTask) -> float:
         return self.workload.mean_rate(task.name) if self.workload is not None else self.nominal_rate(task)
 
@@ -164,6 +177,26 @@ class PolicyContext:
 
     def routellm_sizing_rate(self, task: EvalTask) -> float:
         return self.nominal_rate(task) if self.routellm_rate == "declared" else self.mean_rate(task)
+
+
+BURST_STEPS = 4  # rates tried from the burst rate down to the measured one (plan_rates)
+
+
+def plan_rates(burst: float, measured: float, declared: float) -> tuple[float, ...]:
+    """The rates FlowMaker plans a task at, first to last, each tried when nothing fits at the one before: the
+    burst rate (the task's share of the densest SLO-long window it has seen), the rate measured over the window
+    before its deploy, the rate it declared; each never below the next (a task is never sized for less than it
+    declared), duplicates dropped."""
+    out: list[float] = []
+    floor = max(declared, 1e-6)
+    hi, mid = max(burst, measured, floor), max(measured, floor)
+    # Between the burst and the measured rate, geometric steps: a task that cannot have all of its burst
+    # headroom on a crowded cluster still gets as much of it as fits.
+    steps = [hi * (mid / hi) ** (k / BURST_STEPS) for k in range(BURST_STEPS)]
+    for r in (*steps, mid, floor):
+        if not out or r < out[-1] * (1 - 1e-9):
+            out.append(r)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,14 +330,15 @@ def _stage_load(wf: Workflow, rate: float) -> dict[str, float]:
 
 
 def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
-                        rate: Callable[[EvalTask], float], fixed_workflow: bool, measured: bool,
+                        rate: Callable[[EvalTask], float | tuple[float, ...]], fixed_workflow: bool, measured: bool,
                         sharing: bool = True, capacity_model: CapacityModel | None = None,
-                        fallback: Callable[[EvalTask], float] | None = None) -> Plan:
+                        fallback: bool = False) -> Plan:
     """Deploy tasks one after another with the selector; each sees what the earlier ones deployed.
 
     `measured`: before each deployment the running instances' loads are replaced by what
     `ctx.monitor` measures (the current load); otherwise they are the sums of the planned loads.
-    `fallback`: when nothing fits at `rate` and this rate is lower, the task is selected again at it.
+    `rate`: the arrival rate a task is planned at, or several (`plan_rates`), each tried when nothing fits at
+    the one before. `fallback`: when nothing fits at the last, the headroom kept for bursts is given up.
     """
     st = _ClusterState(ctx)
     deployments: list[TaskDeployment] = []
@@ -323,7 +357,9 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                 st.busy[iid] = max(occupancy(st.offered.get(iid, 0.0)), m.busy_share if m is not None else 0.0)
         wfs = (task.fixed_nominal(ctx.trace_kind, ctx.plan_tokens),) if fixed_workflow else \
             task.nominal_workflows(ctx.trace_kind, ctx.plan_tokens)
-        r = max(rate(task), 1e-6)  # a quiet minute still deploys the task, sized for almost nothing
+        got = rate(task)
+        tries = [max(x, 1e-6) for x in (got if isinstance(got, tuple) else (got,))]
+        r = tries[0]  # a quiet minute still deploys the task, sized for almost nothing
         rates.append((task.name, r))
         slo = replace(task.slo(), arrival_rate_rps=r)
         req = SelectionRequest(slo=slo, workflows=wfs, models=ctx.models, profiles=ctx.profiles,
@@ -334,17 +370,25 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                                    gpu_sharing=GpuSharing.INTERFERENCE if sharing else GpuSharing.IGNORE,
                                    interference=ctx.interference))
         res = select(req, strategy)
-        if res.variant is None and fallback is not None and fallback(task) < r:
-            # A burst measured before the deploy asked for more than fits: the task still gets the plan for the
-            # rate it declared (the load follower scales out if the burst lasts), rather than no plan at all.
-            r = max(fallback(task), 1e-6)
+        for r2 in tries[1:]:
+            if res.variant is not None:
+                break
+            # A burst asked for more than fits: the task still gets the plan for a lower rate, down to the one it
+            # declared (the load follower scales out if the burst comes), rather than no plan at all.
+            r = r2
             rates[-1] = (task.name, r)
             slo = replace(task.slo(), arrival_rate_rps=r)
             req = replace(req, slo=slo)
             res = select(req, strategy)
-        if res.variant is None and fallback is not None and req.options.utilization_cap < 1.0:
+        if res.variant is None and fallback and req.options.utilization_cap < 1.0:
             # Still nothing: the headroom kept for bursts is given up before the task itself is.
             req = replace(req, options=replace(req.options, utilization_cap=1.0))
+            res = select(req, strategy)
+        if res.variant is None and fallback and req.options.gpu_sharing is GpuSharing.INTERFERENCE:
+            # Still nothing: the bursts booked by the tasks before this one leave no GPU whose co-residents'
+            # busy shares it could bear. Served on a plan that ignores sharing rather than refused (a refused task
+            # serves nothing; the load follower then moves it as the measured shares allow).
+            req = replace(req, options=replace(req.options, gpu_sharing=GpuSharing.IGNORE))
             res = select(req, strategy)
         if res.variant is None:
             why = res.reason.value if res.reason is not None else "INFEASIBLE"
@@ -430,36 +474,36 @@ def simulated_monitor(workload: SegmentWorkload, gpus: Sequence[Gpu], models: Ma
 
 @register("flowmaker")
 def flowmaker(ctx: PolicyContext) -> Plan:
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rate, fixed_workflow=False,
-                               measured=True, fallback=ctx.nominal_rate)
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rates, fixed_workflow=False,
+                               measured=True, fallback=True)
 
 
 @register("flowmaker-paper")
 def flowmaker_paper(ctx: PolicyContext) -> Plan:
     """`flowmaker` under the paper-literal contract: output-token capacity, GPUs shared as if free."""
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rate, fixed_workflow=False,
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rates, fixed_workflow=False,
                                measured=True, sharing=False, capacity_model=CapacityModel.OUTPUT_TOKENS,
-                               fallback=ctx.nominal_rate)
+                               fallback=True)
 
 
 @register("flowmaker-noreuse")
 def flowmaker_noreuse(ctx: PolicyContext) -> Plan:
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, rate=ctx.planning_rate, fixed_workflow=False,
-                               measured=True, fallback=ctx.nominal_rate)
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, rate=ctx.planning_rates, fixed_workflow=False,
+                               measured=True, fallback=True)
 
 
 @register("flowmaker-plannedload")
 def flowmaker_plannedload(ctx: PolicyContext) -> Plan:
     """FlowMaker as the orchestrator records load today: an instance's load is the sum of the loads its tasks'
     selections planned (rho x output tokens at the median request), not a measurement."""
-    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rate, fixed_workflow=False,
-                               measured=False, fallback=ctx.nominal_rate)
+    return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rates, fixed_workflow=False,
+                               measured=False, fallback=True)
 
 
 @register("flowmaker-heuristic")
 def flowmaker_heuristic(ctx: PolicyContext) -> Plan:
-    return _select_in_sequence(ctx, strategy="heuristic", allow_reuse=True, rate=ctx.planning_rate,
-                               fixed_workflow=False, measured=True, fallback=ctx.nominal_rate)
+    return _select_in_sequence(ctx, strategy="heuristic", allow_reuse=True, rate=ctx.planning_rates,
+                               fixed_workflow=False, measured=True, fallback=True)
 
 
 # ---- Murakkab ------------------------------------------------------------------------------------

@@ -359,6 +359,10 @@ class SegmentWorkload:
     # over the stretch of the trace just before the segment, time-scaled the same way (replay req/s).
     offline_rates: tuple[tuple[str, float], ...] = ()
     offline_peak_rates: tuple[tuple[str, float], ...] = ()
+    # The preceding stretch's arrival times (all tasks, replay seconds, negative: before the segment starts) and
+    # each task's share of the requests: the history a burst-aware planner reads (`burst_rate`).
+    history_s: tuple[float, ...] = ()
+    shares: tuple[tuple[str, float], ...] = ()
 
     def deploy_time(self, task: str) -> float:
         return dict(self.deploy_s)[task]
@@ -370,6 +374,16 @@ class SegmentWorkload:
     def offline_peak_rate(self, task: str) -> float:
         """The task's peak monitor-window rate over the preceding stretch; the segment's peak without one."""
         return dict(self.offline_peak_rates)[task] if self.offline_peak_rates else self.peak_rate(task)
+
+    def burst_rate(self, task: str, window_s: float, at: float) -> float:
+        """The task's share of the highest arrival rate over any window of `window_s` in the history known at
+        `at`: the preceding stretch and every request that arrived before `at` (all tasks: instances are
+        shared, so the whole stream's bursts matter). 0 without a history or a share."""
+        share = dict(self.shares).get(task, 0.0)
+        if share <= 0 or window_s <= 0:
+            return 0.0
+        times = list(self.history_s) + [a.time_s for a in self.all_arrivals if a.time_s < at]
+        return share * peak_window_count(times, window_s) / window_s
 
     def rate_in(self, task: str, t0: float, t1: float) -> float:
         """Requests/s of `task` arriving in [t0, t1) (before its deploy too)."""
@@ -472,7 +486,20 @@ def build_segment_workload(task_rates: Sequence[tuple[str, float]], trace: Trace
     deploy, scored, everything = _replay(seg, t0, scale, task_rates, f"flowmaker-assign/{trace.kind}/{load:g}/{seed}",
                                          w, DEPLOY_SPAN_FRACTION * segment_s, deploy_order)
     return SegmentWorkload(trace.kind, trace.source, load, off, segment_s, scale, segment_s * scale, deploy,
-                           w * scale, scored, everything, len(seg), seg_rate)
+                           w * scale, scored, everything, len(seg), seg_rate,
+                           shares=tuple((n, r / total) for n, r in task_rates))
+
+
+def peak_window_count(times: Sequence[float], w: float) -> int:
+    """The most of `times` inside any window [t, t + w) (exact: a densest window starts at one of them)."""
+    ts = sorted(times)
+    best, hi = 0, 0
+    for lo, t in enumerate(ts):
+        hi = max(hi, lo)
+        while hi < len(ts) and ts[hi] < t + w:
+            hi += 1
+        best = max(best, hi - lo)
+    return best
 
 
 def _peak_count_rate(times: Sequence[float], t0: float, t1: float, w: float) -> float:
@@ -536,4 +563,6 @@ def build_request_segment_workload(task_rates: Sequence[tuple[str, float]], trac
     return SegmentWorkload(trace.kind, trace.source, load, t0 - reqs[0].arrival_s, seg_s, scale, seg_s * scale,
                            deploy, w * scale, scored, everything, n_requests, seg_rate,
                            offline_rates=tuple((nm, pre_total * x) for nm, x in share.items()),
-                           offline_peak_rates=tuple((nm, pre_peak * x) for nm, x in share.items()))
+                           offline_peak_rates=tuple((nm, pre_peak * x) for nm, x in share.items()),
+                           history_s=tuple((q.arrival_s - t0) * scale for q in reqs[i0 - n_requests:i0]),
+                           shares=tuple(share.items()))

@@ -153,8 +153,8 @@ def test_routellm_dispatches_to_the_least_loaded_replica() -> None:
 
 
 def test_rates_each_policy_plans_with() -> None:
-    """FlowMaker: the trace minute before its deploy, never below the declared rate; Murakkab: the segment mean;
-    -maxload: the peak minute."""
+    """FlowMaker: its burst rate, the trace minute before its deploy, its declared rate, tried in that order (the
+    first that fits); Murakkab: the segment mean; -maxload: the peak minute."""
     wl = _wl()
     ctx = _ctx(workload=wl)
     by = {t.name: t for t in TASKS}
@@ -163,7 +163,11 @@ def test_rates_each_policy_plans_with() -> None:
     mx = dict(plan("murakkab-maxload", _ctx(workload=wl)).planned_rates)
     for name in by:
         d = wl.deploy_time(name)
-        assert fm[name] == pytest.approx(max(wl.rate_in(name, d - wl.window_s, d), by[name].nominal_rate_rps * ctx.load))
+        tries = ctx.planning_rates(by[name])
+        measured, declared = wl.rate_in(name, d - wl.window_s, d), by[name].nominal_rate_rps * ctx.load
+        assert tries[0] == pytest.approx(max(wl.burst_rate(name, by[name].max_latency_s, d), measured, declared))
+        assert tries[-1] == pytest.approx(declared) and list(tries) == sorted(tries, reverse=True)
+        assert any(fm[name] == pytest.approx(r) for r in tries)
         assert mk[name] == pytest.approx(wl.mean_rate(name))
         assert mx[name] == pytest.approx(wl.peak_rate(name)) and mx[name] >= mk[name]
     # Murakkab plans offline: the same rates whatever happens before a deploy; no workload -> load x nominal
@@ -257,10 +261,38 @@ def test_a_burst_that_fits_nowhere_falls_back_to_the_declared_rate() -> None:
     huge = _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=lambda t: 1e6, fixed_workflow=False,
                                measured=False)
     assert len(huge.unplaced) == len(TASKS) and not huge.deployments
-    fb = _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=lambda t: 1e6, fixed_workflow=False,
-                             measured=False, fallback=ctx.nominal_rate)
+    fb = _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=lambda t: (1e6, ctx.nominal_rate(t)),
+                             fixed_workflow=False, measured=False, fallback=True)
     assert not fb.unplaced and len(fb.deployments) == len(TASKS)
     assert dict(fb.planned_rates) == pytest.approx({t.name: ctx.nominal_rate(t) for t in TASKS})
+
+
+def test_plan_rates_step_down_from_the_burst_to_the_declared_rate() -> None:
+    from flowmaker.eval.policies import BURST_STEPS, plan_rates
+    r = plan_rates(16.0, 1.0, 0.5)
+    assert r[0] == 16.0 and r[-2:] == (1.0, 0.5) and len(r) == BURST_STEPS + 2
+    assert list(r) == sorted(set(r), reverse=True)
+    assert r[1] == pytest.approx(16.0 * (1 / 16) ** (1 / BURST_STEPS))  # geometric steps
+    # never below what the task declared; equal rates are tried once
+    assert plan_rates(0.0, 0.0, 2.0) == (2.0,)
+    assert plan_rates(3.0, 0.1, 2.0) == pytest.approx((3.0, *(3.0 * (2 / 3) ** (k / BURST_STEPS)
+                                                              for k in range(1, BURST_STEPS)), 2.0))
+
+
+def test_burst_rate_is_the_share_of_the_densest_window_seen_before_the_deploy() -> None:
+    wl = _wl()
+    name = TASKS[0].name
+    at = wl.deploy_time(name)
+    share = dict(wl.shares)[name]
+    seen = sorted([*wl.history_s, *(a.time_s for a in wl.all_arrivals if a.time_s < at)])
+    w = TASKS[0].max_latency_s
+    # brute force over windows starting at each arrival
+    best = max(sum(1 for x in seen if t <= x < t + w) for t in seen) if seen else 0
+    assert wl.burst_rate(name, w, at) == pytest.approx(share * best / w)
+    assert best >= 1 and wl.burst_rate(name, w, at) > 0
+    # a later deploy has seen at least as much
+    assert wl.burst_rate(name, w, at + 60.0) >= wl.burst_rate(name, w, at)
+    assert wl.burst_rate("nobody", w, at) == 0.0
 
 
 def test_serving_bench_rejects_unknown_options(tmp_path: Path) -> None:
