@@ -40,6 +40,13 @@ class ServiceSettings(BaseSettings):
     tls_key_file: str = Field(default="", description="PEM private key of tls_cert_file.")
     etcd_tls: bool = Field(default=False, description="Dial etcd over mTLS with this service's certificate "
                                                       "(tls_* files; etcd started with --client-cert-auth).")
+    etcd_user: str = Field(default="", description="etcd user to log in as (etcd auth, flowmaker.state.etcd_auth: one "
+                                                   "per service); empty = no etcd login.")
+    etcd_password_file: str = Field(default="", description="File holding etcd_user's password (0600); a path, "
+                                                            "never the password.")
+    engine_key_secret_file: str = Field(default="", description="Secret sealing the engines' API keys in instance "
+                                                                "records (deployer and orchestrator only); empty = "
+                                                                "stored as given.")
     auth_tokens_file: str = Field(default="", description="JSON {token: {user, admin}} of bearer tokens the public "
                                                           "API accepts (orchestrator).")
     metrics_port: int = Field(default=-1, ge=-1, le=65535, description="Prometheus /metrics port (on `host`); "
@@ -64,6 +71,8 @@ class ServiceSettings(BaseSettings):
             raise ValueError("tls_ca_file, tls_cert_file and tls_key_file go together (all set or none)")
         if self.etcd_tls and not all(given):
             raise ValueError("etcd_tls needs tls_ca_file, tls_cert_file and tls_key_file")
+        if bool(self.etcd_user) != bool(self.etcd_password_file):
+            raise ValueError("etcd_user and etcd_password_file go together (both set or neither)")
         return self
 
     @property

@@ -740,6 +740,7 @@ def up(
         shutil.rmtree(work_dir)
     cfg = StackConfig(gpus=gpus, gpu_type=gpu_type, time_scale=time_scale, work_dir=work_dir,
                       keep_work_dir=True, ports={"orchestrator": port} if port else {}, tls=not insecure,
+                      etcd_auth=not insecure,
                       gateway_port=gateway_port, metrics=metrics, orchestrators=orchestrators)
     if etcd_bin:
         cfg.etcd_bin = etcd_bin
@@ -777,6 +778,8 @@ def up(
             tls = st.get("tls")
             tab.add_row("TLS (CA, admin cert, tokens)", f"{tls['ca']}, {tls['cert']}, {tls['tokens_file']}" if tls
                         else "OFF (--insecure): plaintext, no authentication")
+            tab.add_row("etcd auth (a user and role per service)",
+                        f"{st['etcd_auth_dir']} (password files)" if st.get("etcd_auth_dir") else "OFF (--insecure)")
             tab.add_row("state file", str(s.state_file))
             out.print(tab)
             out.print(f"try: flowmaker task deploy \"Summarise a document\" --accuracy 0.3 --latency 20 --rate 0.5 "

@@ -33,7 +33,10 @@ fixes the gateway's (`--gateway-port`, default `DEFAULT_GATEWAY_PORT`) so an Ope
 
 Credentials: the pki dir (CA and keys, `tokens.json`) is 0700 with its keys and tokens 0600; the state file
 (`write_state`, 0600 in a 0700 directory) holds the *paths* of the client's TLS files and of `tokens.json`,
-never a token or a key.
+never a token or a key. With `StackConfig.etcd_auth` (`flowmaker up` unless --insecure), right after etcd is
+healthy `flowmaker.state.etcd_auth` provisions a root user and one etcd user and role per service and enables
+auth; the passwords are in `<work dir>/etcd-auth/` (0700, files 0600), and each service is given its user and the
+path of its own password file (the deployer and the orchestrator also the engine-key sealing secret's).
 
 Supervision (`supervise()`, called by `flowmaker up` every second): a child that exits is started again
 with the same command, environment and port, after an exponential backoff (1 s, doubling to 30 s, reset
@@ -152,13 +155,21 @@ class StackConfig:
     # `flowmaker up` turns it on unless --insecure; plaintext here keeps library callers (tests, benches
     # that open their own channels) working as they are.
     tls: bool = False
+    # etcd's own authentication (flowmaker.state.etcd_auth): after etcd starts, a root user, a role and a user per
+    # service with key-prefix permissions are provisioned and auth is enabled; each service logs in as its own
+    # user (password file 0600 in `<work dir>/etcd-auth`, 0700), and engine API keys are sealed in instance
+    # records with a secret only the deployer and the orchestrator get. `flowmaker up` turns it on unless
+    # --insecure.
+    etcd_auth: bool = False
 
 
 def service_env(svc: str, *, host: str, port: int, addrs: Mapping[str, str], etcd_endpoint: str,
                 cfg: StackConfig, log_dir: Path, pki_dir: Path | None = None,
-                metrics_port: int | None = None) -> dict[str, str]:
+                metrics_port: int | None = None, etcd_auth_dir: Path | None = None) -> dict[str, str]:
     """The FLOWMAKER_<SVC>_* settings the launcher gives one service (read by services/<svc>/settings.py).
-    `metrics_port`: serve Prometheus /metrics there (`ServiceSettings.metrics_port`); None = the service's default."""
+    `metrics_port`: serve Prometheus /metrics there (`ServiceSettings.metrics_port`); None = the service's default.
+    `etcd_auth_dir`: etcd auth is on; the service's etcd user and the *path* of its password file (never the
+    password), and to the deployer and the orchestrator the path of the engine-key sealing secret."""
     p = f"FLOWMAKER_{svc.upper()}_"
     env = {p + "HOST": host, p + "PORT": str(port), p + "ETCD_ENDPOINTS": etcd_endpoint, p + "LOG_LEVEL": cfg.log_level,
            p + "GRACE_S": "2"}
@@ -172,6 +183,13 @@ def service_env(svc: str, *, host: str, port: int, addrs: Mapping[str, str], etc
             env[p + "ENGINE_API_KEYS"] = "true"
         if svc == "orchestrator":
             env[p + "AUTH_TOKENS_FILE"] = str(pki_dir / TOKENS_FILE)
+    if etcd_auth_dir is not None:
+        from flowmaker.state.etcd_auth import ROLES, engine_key_file, password_file
+
+        if svc in ROLES:  # the generator (and the gateway) have no etcd user: they never touch etcd
+            env.update({p + "ETCD_USER": svc, p + "ETCD_PASSWORD_FILE": str(password_file(etcd_auth_dir, svc))})
+        if svc in ("deployer", "orchestrator"):
+            env[p + "ENGINE_KEY_SECRET_FILE"] = str(engine_key_file(etcd_auth_dir))
     # How services find each other: every peer's address is given to every service as
     # FLOWMAKER_<SVC>_<PEER>_ADDRESS (e.g. FLOWMAKER_ORCHESTRATOR_SELECTOR_ADDRESS); a settings class
     # ignores the peers it does not declare. Deployers are found through their node records in etcd.
@@ -265,6 +283,7 @@ class LocalStack:
         self.gateway_url = ""  # http://host:port/v1 once the gateway serves
         self.metrics: dict[str, str] = {}  # service (and "gateway") -> its Prometheus URL http://host:port/metrics
         self.pki_dir: Path | None = None  # with config.tls: the CA, certificates and tokens
+        self.etcd_auth_dir: Path | None = None  # with config.etcd_auth: the etcd users' password files
         self._tmp: Path | None = None
         self.work_dir: Path | None = None
         self.started_at = 0.0
@@ -284,7 +303,9 @@ class LocalStack:
                 "node": self.config.node, "time_scale": self.config.time_scale, "gateway": self.gateway_url,
                 "metrics": dict(self.metrics), "orchestrators": list(self.orchestrators),
                 "pids": {n: c.proc.pid for n, c in self._children.items()},
-                "tls": self.client_tls()}
+                "tls": self.client_tls(),
+                # etcd auth on: the directory of the etcd users' password files (0700; the files 0600), never one
+                "etcd_auth_dir": str(self.etcd_auth_dir or "")}
 
     def client_tls(self) -> dict[str, str] | None:
         """What a client of this stack needs (the CLI reads it from the state file): the paths of the CA, the
@@ -313,6 +334,10 @@ class LocalStack:
             admin_token(self.pki_dir)  # created once, kept with the certificates (tokens.json, 0600)
         try:
             self._start_etcd()
+            # An etcd data dir provisioned before (by an earlier start with etcd auth) has auth on for good: keep
+            # giving the services their users, also when this start did not ask for it (`up --insecure` later).
+            if cfg.etcd_auth or (self.work_dir / "etcd-auth" / "root.password").exists():
+                self._provision_etcd_auth()
             self._start_services()
             if cfg.gateway and "orchestrator" in cfg.services:
                 self._start_gateway()
@@ -461,6 +486,21 @@ class LocalStack:
             time.sleep(0.1)
         self._progress("etcd", f"ready on {self.etcd_endpoint}")
 
+    def _provision_etcd_auth(self) -> None:
+        """Users, roles and key-prefix permissions in the etcd just started, then auth on (idempotent: a restart
+        with the same work dir finds them and changes nothing). Passwords: `<work dir>/etcd-auth/<user>.password`."""
+        from flowmaker.state.etcd_auth import ProvisionError, provision_from_dir
+
+        assert self.work_dir is not None
+        self._progress("etcd", "provisioning users and roles")
+        self.etcd_auth_dir = private_dir(self.work_dir / "etcd-auth", tighten=True)
+        tls = pki_files(self.pki_dir, ADMIN) if self.pki_dir else None
+        try:
+            report = _run_async(provision_from_dir(self.etcd_endpoint, self.etcd_auth_dir, tls=tls, wait_s=10.0))
+        except (ProvisionError, OSError) as e:
+            raise StackError(f"etcd auth could not be provisioned: {e}", field="etcd") from None
+        self._progress("etcd", f"auth on ({len(report.changes)} change(s)): one user and role per service")
+
     def _start_services(self) -> None:
         cfg = self.config
         unknown = set(cfg.services) - set(SERVICES)
@@ -497,7 +537,8 @@ class LocalStack:
             env = {**base_env,
                    **service_env(svc, host=host, port=int(port_s), addrs=self.addresses,
                                  etcd_endpoint=self.etcd_endpoint, cfg=cfg, log_dir=self.log_dir,
-                                 pki_dir=self.pki_dir, metrics_port=metrics_ports.get(name)),
+                                 pki_dir=self.pki_dir, metrics_port=metrics_ports.get(name),
+                                 etcd_auth_dir=self.etcd_auth_dir),
                    **cfg.extra_env}
             if svc == "orchestrator":
                 env["FLOWMAKER_ORCHESTRATOR_REPLICA_ID"] = name
@@ -598,6 +639,15 @@ class LocalStack:
                     os.kill(pid, signal.SIGKILL)
         for c in group:
             self._progress(c.name, f"stopped (exit {c.proc.returncode})")
+
+
+def _run_async(coro: Any) -> Any:
+    """Run a coroutine to completion from this synchronous launcher, also when the caller has a loop running."""
+    import asyncio
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def default_state_dir() -> Path:

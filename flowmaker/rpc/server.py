@@ -159,6 +159,14 @@ async def serve(service_name: str, add_servicers: AddServicers, settings: Servic
         from flowmaker.state.etcd import configure_etcd_tls
 
         configure_etcd_tls(TlsFiles(settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file))
+    if settings.etcd_user:  # etcd auth: this service's own etcd user (flowmaker.state.etcd_auth)
+        from flowmaker.state.etcd import EtcdCredentials, configure_etcd_auth
+
+        configure_etcd_auth(EtcdCredentials.from_file(settings.etcd_user, settings.etcd_password_file))
+    if settings.engine_key_secret_file:  # engine API keys are sealed in instance records (deployer, orchestrator)
+        from flowmaker.state.records import configure_engine_key_sealing
+
+        configure_engine_key_sealing(settings.engine_key_secret_file)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []

@@ -8,10 +8,12 @@ so nothing else in FlowMaker may import another one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, NoReturn
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
 
 import aetcd
 import aetcd.exceptions as aerr
@@ -20,7 +22,15 @@ from aetcd import rpc as arpc
 from aetcd import transactions as atx
 from aetcd import utils as autils
 
-from flowmaker.errors import AlreadyExists, Conflict, InvalidSpec, NotFound, Unavailable
+from flowmaker.errors import (
+    AlreadyExists,
+    Conflict,
+    InvalidSpec,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
 from flowmaker.rpc.tls import TlsFiles
 from flowmaker.state.store import (
     CasOps,
@@ -76,6 +86,11 @@ def _raise_mapped(e: BaseException, what: str) -> NoReturn:
     else:
         detail = str(e) or type(e).__name__
         code = None
+    if code == grpc.StatusCode.PERMISSION_DENIED or "permission denied" in detail:
+        # etcd auth (flowmaker.state.etcd_auth): this identity's role does not cover the key. Not retryable.
+        raise PermissionDenied(f"etcd {what}: {detail}", reason="ETCD_PERMISSION_DENIED") from e
+    if "authentication failed" in detail or "user name is empty" in detail:
+        raise Unauthenticated(f"etcd {what}: {detail}", reason="ETCD_UNAUTHENTICATED") from e
     if "lease not found" in detail:
         raise NotFound(f"{what}: {detail}", reason="LEASE_NOT_FOUND") from e
     if code == grpc.StatusCode.INVALID_ARGUMENT or isinstance(e, aerr.InvalidArgumentError):
@@ -94,6 +109,46 @@ _process_tls: TlsFiles | None = None
 def configure_etcd_tls(files: TlsFiles | None) -> None:
     global _process_tls
     _process_tls = files
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdCredentials:
+    """An etcd user (flowmaker.state.etcd_auth: one per service) and its password."""
+
+    user: str
+    password: str
+
+    def __repr__(self) -> str:  # never the password
+        return f"EtcdCredentials({self.user!r})"
+
+    @staticmethod
+    def from_file(user: str, password_file: str) -> EtcdCredentials:
+        with open(password_file) as f:
+            return EtcdCredentials(user, f.read().strip())
+
+
+# The etcd user of this process, set by the service bootstrap from its settings (`etcd_user`,
+# `etcd_password_file`); stores created without explicit `auth` log in with it. None = no etcd auth.
+_process_auth: EtcdCredentials | None = None
+
+
+def configure_etcd_auth(creds: EtcdCredentials | None) -> None:
+    global _process_auth
+    _process_auth = creds
+
+
+# Errors after which a fresh token (Authenticate again) makes the call work: the simple token expired
+# (--auth-token-ttl seconds unused), the auth store changed, or auth was enabled after we connected. etcd refuses
+# them before applying anything, so the call is safe to make again.
+_RELOGIN = ("invalid auth token", "revision of auth store is old", "user name is empty")
+
+
+def _needs_login(e: BaseException) -> bool:
+    detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+    return any(m in (detail or "") for m in _RELOGIN)
+
+
+T = TypeVar("T")
 
 
 class _TlsClient(aetcd.Client):
@@ -134,7 +189,7 @@ class EtcdStore(CasOps):
     get disjoint key spaces; `keys.*` stays absolute), and it is stripped again on reads."""
 
     def __init__(self, endpoints: Sequence[str] | str = "127.0.0.1:2379", *, namespace: str = "",
-                 timeout_s: float = 5.0, tls: TlsFiles | None = None) -> None:
+                 timeout_s: float = 5.0, tls: TlsFiles | None = None, auth: EtcdCredentials | None = None) -> None:
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         eps = [e for part in eps for e in part.split(",") if e.strip()]
         if not eps:
@@ -146,6 +201,7 @@ class EtcdStore(CasOps):
         self._client: aetcd.Client | None = None
         self._lock = asyncio.Lock()
         self._tls = tls  # None: the process's etcd identity (configure_etcd_tls), if any, at connect time
+        self._auth = auth  # None: the process's etcd user (configure_etcd_auth), if any, at connect time
 
     def __repr__(self) -> str:
         return f"EtcdStore({self.endpoint!r}, namespace={self.namespace!r})"
@@ -177,8 +233,62 @@ class EtcdStore(CasOps):
                     self._client = _TlsClient(tls, host=host, port=port, timeout=self.timeout_s)  # type: ignore[arg-type]
                 else:
                     self._client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)  # type: ignore[arg-type]
-                await self._client.connect()
+                try:
+                    await self._client.connect()
+                    await self._login(self._client)
+                except BaseException:
+                    client, self._client = self._client, None
+                    with contextlib.suppress(Exception):
+                        await client.close()
+                    raise
             return self._client
+
+    @property
+    def credentials(self) -> EtcdCredentials | None:
+        return self._auth or _process_auth
+
+    async def _login(self, client: aetcd.Client) -> None:
+        """With an etcd user configured: get a token (etcd's Authenticate) and send it with every call from now on,
+        new watch streams included. Without one, calls go unauthenticated (or as the TLS certificate's name)."""
+        creds = self.credentials
+        if creds is None:
+            return
+        try:
+            resp = await arpc.AuthStub(client.channel).Authenticate(
+                arpc.AuthenticateRequest(name=creds.user, password=creds.password), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if "authentication is not enabled" in (e.details() or ""):
+                client.metadata = None  # auth off (not provisioned yet): plain calls work; re-login once it is on
+                return
+            raise
+        client.metadata = (("token", resp.token),)
+        # Watches share one stream per watcher, whose token is fixed when it opens: a fresh token gets a fresh
+        # watcher (watches already open keep theirs).
+        from aetcd import watcher as _watcher
+
+        old = client._watcher
+        client._watcher = _watcher.Watcher(arpc.WatchStub(client.channel), timeout=self.timeout_s,
+                                           metadata=client.metadata)
+        if old is not None and not old._callbacks:  # nothing watches through it any more
+            with contextlib.suppress(Exception):
+                await old.shutdown()
+
+    async def _run(self, what: str, call: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        """One etcd call; with an etcd user, an expired or stale token is renewed and the call made once more."""
+        for attempt in (0, 1):
+            client = None
+            try:
+                client = await self._c()
+                return await call(client)
+            except _ETCD_ERRORS as e:
+                if attempt == 0 and client is not None and self.credentials is not None and _needs_login(e):
+                    try:
+                        await self._login(client)
+                    except _ETCD_ERRORS as e2:
+                        await self._failed(e2, what)
+                    continue
+                await self._failed(e, what)
+        raise AssertionError("unreachable")
 
     async def _failed(self, e: BaseException, what: str) -> NoReturn:
         # Move to the next endpoint for the next call; a later call reconnects lazily.
@@ -206,26 +316,17 @@ class EtcdStore(CasOps):
     # -- reads --------------------------------------------------------------------------------
 
     async def get(self, key: str) -> KeyValue | None:
-        try:
-            r = await (await self._c()).get(self._k(key))
-        except _ETCD_ERRORS as e:
-            await self._failed(e, f"get {key}")
+        r = await self._run(f"get {key}", lambda c: c.get(self._k(key)))
         return None if r is None else self._kv(r)
 
     async def get_prefix(self, prefix: str) -> Listing:
-        try:
-            r = await (await self._c()).get_prefix(self._k(prefix))
-        except _ETCD_ERRORS as e:
-            await self._failed(e, f"get_prefix {prefix}")
+        r = await self._run(f"get_prefix {prefix}", lambda c: c.get_prefix(self._k(prefix)))
         return Listing(tuple(self._kv(kv) for kv in r.kvs), r.header.revision)
 
     # -- writes -------------------------------------------------------------------------------
 
     async def put(self, key: str, value: Json, *, lease: int = 0) -> int:
-        try:
-            r = await (await self._c()).put(self._k(key), encode(value), lease=lease or None)
-        except _ETCD_ERRORS as e:
-            await self._failed(e, f"put {key}")
+        r = await self._run(f"put {key}", lambda c: c.put(self._k(key), encode(value), lease=lease or None))
         return int(r.header.revision)
 
     async def create(self, key: str, value: Json, *, lease: int = 0) -> int:
@@ -237,17 +338,11 @@ class EtcdStore(CasOps):
     async def delete(self, key: str, *, etag: int | None = None) -> bool:
         if etag is not None:
             return await self._delete_unchanged(key, etag)
-        try:
-            r = await (await self._c()).delete(self._k(key))
-        except _ETCD_ERRORS as e:
-            await self._failed(e, f"delete {key}")
+        r = await self._run(f"delete {key}", lambda c: c.delete(self._k(key)))
         return r is not None
 
     async def delete_prefix(self, prefix: str) -> int:
-        try:
-            r = await (await self._c()).delete_prefix(self._k(prefix))
-        except _ETCD_ERRORS as e:
-            await self._failed(e, f"delete_prefix {prefix}")
+        r = await self._run(f"delete_prefix {prefix}", lambda c: c.delete_prefix(self._k(prefix)))
         return int(r.deleted)
 
     def _compare(self, c: Compare) -> Any:
@@ -269,11 +364,7 @@ class EtcdStore(CasOps):
         compared = list(dict.fromkeys(c.key for c in compares))
         failure = [arpc.RequestOp(request_range=arpc.RangeRequest(key=self._k(k))) for k in compared]
         req = arpc.TxnRequest(compare=[self._compare(c) for c in compares], success=success, failure=failure)
-        try:
-            client = await self._c()
-            resp = await client.kvstub.Txn(req, timeout=self.timeout_s, metadata=client.metadata)
-        except _ETCD_ERRORS as e:
-            await self._failed(e, "txn")
+        resp = await self._run("txn", lambda c: c.kvstub.Txn(req, timeout=self.timeout_s, metadata=c.metadata))
         if resp.succeeded:
             return TxnResult(True, int(resp.header.revision))
         current: dict[str, KeyValue] = {}
@@ -287,29 +378,26 @@ class EtcdStore(CasOps):
     # -- leases -------------------------------------------------------------------------------
 
     async def grant_lease(self, ttl_s: int) -> int:
-        try:
-            lease = await (await self._c()).lease(int(ttl_s))
-        except _ETCD_ERRORS as e:
-            await self._failed(e, "lease grant")
+        lease = await self._run("lease grant", lambda c: c.lease(int(ttl_s)))
         return int(lease.id)
 
     async def refresh_lease(self, lease_id: int) -> int:
-        try:
-            reply = await (await self._c()).refresh_lease(lease_id)
-        except _ETCD_ERRORS as e:
-            await self._failed(e, f"lease keepalive {lease_id:x}")
+        reply = await self._run(f"lease keepalive {lease_id:x}", lambda c: c.refresh_lease(lease_id))
         # etcd answers an expired/unknown lease with TTL 0 (not an error).
         return 0 if reply is None else int(reply.TTL)
 
     async def revoke_lease(self, lease_id: int) -> None:
-        try:
-            await (await self._c()).revoke_lease(lease_id)
-        except _ETCD_ERRORS as e:
-            await self._failed(e, f"lease revoke {lease_id:x}")
+        await self._run(f"lease revoke {lease_id:x}", lambda c: c.revoke_lease(lease_id))
 
     # -- watch --------------------------------------------------------------------------------
 
     async def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
+        if self.credentials is not None:
+            # A watch etcd refuses is not an error in aetcd (it just never sees an event): check the read permission
+            # (and renew a stale token, which the watch stream would carry) with a cheap read first.
+            await self._run(f"watch {prefix}", lambda c: c.kvstub.Range(
+                arpc.RangeRequest(key=self._k(prefix), range_end=autils.prefix_range_end(self._k(prefix)),
+                                  count_only=True), timeout=self.timeout_s, metadata=c.metadata))
         try:
             client = await self._c()
             w = await client.watch(self._k(prefix), range_end=autils.prefix_range_end(self._k(prefix)),

@@ -71,6 +71,57 @@ def _from(cls: Any, data: dict[str, Any]) -> Any:
     return cls(**{k: v for k, v in data.items() if k in names})
 
 
+# ---- engine API keys, sealed ------------------------------------------------------------------------
+# AES-256-GCM under SHA-256(the secret file's text), the instance id as associated data (a sealed key cannot be
+# moved to another record), and a nonce derived from (id, key), so equal records encode to equal bytes.
+_SEALED_PREFIX = "v1:"
+_engine_key_aead: Any = None
+_engine_key_mac = b""
+
+
+def configure_engine_key_sealing(secret_file: str | None) -> None:
+    """Seal engine API keys in instance records with the secret in `secret_file` (None: store them as given).
+    The deployer and the orchestrator are configured with the same file (`engine_key_secret_file`)."""
+    global _engine_key_aead, _engine_key_mac
+    if not secret_file:
+        _engine_key_aead, _engine_key_mac = None, b""
+        return
+    import hashlib
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    with open(secret_file, "rb") as f:
+        secret = f.read().strip()
+    if not secret:
+        raise ValueError(f"engine key secret file {secret_file} is empty")
+    _engine_key_aead = AESGCM(hashlib.sha256(b"flowmaker engine-key seal\0" + secret).digest())
+    _engine_key_mac = hashlib.sha256(b"flowmaker engine-key nonce\0" + secret).digest()
+
+
+def seal_engine_key(instance_id: str, api_key: str) -> str:
+    import base64
+    import hashlib
+    import hmac
+
+    assert _engine_key_aead is not None, "configure_engine_key_sealing first"
+    nonce = hmac.new(_engine_key_mac, instance_id.encode() + b"\0" + api_key.encode(), hashlib.sha256).digest()[:12]
+    ct = _engine_key_aead.encrypt(nonce, api_key.encode(), instance_id.encode())
+    return _SEALED_PREFIX + base64.urlsafe_b64encode(nonce + ct).decode()
+
+
+def unseal_engine_key(instance_id: str, sealed: str) -> str:
+    """The engine key sealed in `sealed`, or "" when it cannot be opened (another secret, another record)."""
+    import base64
+
+    if _engine_key_aead is None or not sealed.startswith(_SEALED_PREFIX):
+        return ""
+    try:
+        raw = base64.urlsafe_b64decode(sealed[len(_SEALED_PREFIX):])
+        return str(_engine_key_aead.decrypt(raw[:12], raw[12:], instance_id.encode()).decode())
+    except Exception:  # InvalidTag, bad base64: not ours to open
+        return ""
+
+
 @dataclass(frozen=True, slots=True)
 class NodeRecord:
     """Under keys.node(); bound to the node's lease: present = the node is alive."""
@@ -146,7 +197,10 @@ class InstanceRecord:
     engine_identity: str = ""  # procs.identity(engine_pid): "<boot id>/<start time>"
     # The per-instance key the engine's /v1 API requires ("" = none): set by the deployer when it starts the
     # engine; the orchestrator sends it on every call. etcd is mTLS-only in a secure stack; the API never shows it.
+    # With a sealing secret configured (`configure_engine_key_sealing`: the deployer and the orchestrator hold it)
+    # it is stored only sealed, in `api_key_sealed`, so whoever else reads instance records sees ciphertext.
     api_key: str = ""
+    api_key_sealed: str = ""
     # OBSERVED load, written by the node agent from the engine's /metrics (docs/state.md "Load"): output
     # tokens/s in MODEL seconds (the unit of Profile.max_output_tokens_per_s), EWMA-smoothed, and the highest
     # per-scrape rate of the recent window. `observed_load_at` is the unix time of that measurement (0 =
@@ -175,6 +229,8 @@ class InstanceRecord:
         d = asdict(self)
         d["state"] = self.state.value
         d["gpu_ids"] = list(self.gpu_ids)
+        if _engine_key_aead is not None and self.api_key:
+            d["api_key_sealed"], d["api_key"] = seal_engine_key(self.id, self.api_key), ""
         return d
 
     @staticmethod
@@ -182,6 +238,8 @@ class InstanceRecord:
         d = dict(data)
         d["state"] = InstanceState(d.get("state", "STARTING"))
         d["gpu_ids"] = tuple(d.get("gpu_ids", ()))
+        if _engine_key_aead is not None and d.get("api_key_sealed") and not d.get("api_key"):
+            d["api_key"] = unseal_engine_key(str(d.get("id", "")), str(d["api_key_sealed"]))
         return _from(InstanceRecord, d)  # type: ignore[no-any-return]
 
     def to_domain(self) -> Instance:

@@ -289,3 +289,44 @@ def test_two_orchestrator_replicas_answer_to_one_name(compose: dict[str, Any]) -
     prom = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
     assert {"orchestrator:9464", "orchestrator-2:9464"} <= targets
+
+
+def test_etcd_roles_are_provisioned_and_each_service_holds_only_its_own_password(compose: dict[str, Any]) -> None:
+    """Issue 22, item 3: the one-shot `etcd-auth` service provisions etcd's users and roles (the same module
+    `flowmaker up` calls) before any service starts; each etcd-using service logs in as its own user with the
+    password from its own volume, mounts no other service's (nor the root's), and only the deployer and the
+    orchestrator get the engine-key sealing secret; the generator and the gateway have no etcd user at all."""
+    from flowmaker.state.etcd_auth import ROLES, engine_key_file, password_file
+
+    services = compose["services"]
+    job = services["etcd-auth"]
+    script = " ".join(job["command"])
+    assert "python -m flowmaker.state.etcd_auth provision" in script and "--nested" in script
+    assert "--tls-cert /pki/admin.pem" in script and "--endpoints etcd:2379" in script
+    assert importlib.util.find_spec("flowmaker.state.etcd_auth") is not None
+    job_vols = {v.split(":")[0]: v.split(":")[1] for v in job["volumes"]}
+    assert job["depends_on"]["etcd"]["condition"] == "service_healthy"
+    engine = str(engine_key_file("/etcd-auth", nested=True))
+    for name, svc in services.items():
+        cmd = svc.get("command")
+        if not (isinstance(cmd, list) and cmd[:2] == ["python", "-m"] and cmd[2].startswith("services.")):
+            continue
+        role = cmd[2].split(".")[1]
+        env = _env_of(svc)
+        p = f"FLOWMAKER_{role.upper()}_"
+        vols = {v.split(":")[0]: v.split(":")[1] for v in svc.get("volumes", []) if not v.startswith("$")}
+        auth_vols = {v for v in vols if v.startswith("etcd-auth-")}
+        if role not in ROLES:
+            assert p + "ETCD_USER" not in env and not auth_vols, name
+            continue
+        assert svc["depends_on"]["etcd-auth"]["condition"] == "service_completed_successfully", name
+        assert env[p + "ETCD_USER"] == role, name
+        pw = env[p + "ETCD_PASSWORD_FILE"]
+        assert pw == str(password_file("/etcd-auth", role, nested=True)), name
+        assert vols[f"etcd-auth-{role}"] == job_vols[f"etcd-auth-{role}"] == str(Path(pw).parent), name
+        assert all(v.endswith(":ro") for v in svc["volumes"] if v.startswith("etcd-auth-")), name
+        wants_engine = role in ("deployer", "orchestrator")
+        assert auth_vols == {f"etcd-auth-{role}", *(["etcd-auth-engine"] if wants_engine else [])}, name
+        assert (env.get(p + "ENGINE_KEY_SECRET_FILE") == engine) == wants_engine, name
+    assert set(job_vols) >= {"etcd-auth-root", "etcd-auth-engine", *(f"etcd-auth-{r}" for r in ROLES if r != "admin")}
+    assert "etcd-auth-root" in compose["volumes"]

@@ -348,3 +348,67 @@ def test_orchestrator_replicas_behind_a_headless_service(docs: list[dict[str, An
     assert env["FLOWMAKER_ORCHESTRATOR_REPLICA_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert by_kind(docs, "Service")["orchestrator"]["spec"]["clusterIP"] == "None"
     assert by_kind(docs, "PodDisruptionBudget")["orchestrator"]["spec"]["maxUnavailable"] == 1
+
+
+ETCD_AUTH_DIR = "/etc/flowmaker/etcd-auth"
+
+
+def test_etcd_roles_job_and_each_service_mounts_only_its_own_password(docs: list[dict[str, Any]]) -> None:
+    """Issue 22, item 3: the etcd-auth Job runs the provisioner (`python -m flowmaker.state.etcd_auth provision`,
+    the code `flowmaker up` calls) with every etcd member, the whole flowmaker-etcd-auth Secret and, with mTLS, a
+    suite certificate; each etcd-using service logs in as its own user with only its own password mounted from
+    that Secret (the deployer and the orchestrator also the engine-key sealing secret); the generator and the
+    gateway have no etcd user and mount none of it. In both overlays (etcd auth needs no TLS)."""
+    from flowmaker.state.etcd_auth import ENGINE_KEY_SECRET, ROLES, main, password_file
+
+    secrets = by_kind(docs, "Secret")
+    assert "flowmaker-etcd-auth" in secrets
+    job = by_kind(docs, "Job")["etcd-auth"]
+    spec = pod_spec(job)
+    c = spec["containers"][0]
+    assert c["command"] == ["python", "-m", "flowmaker.state.etcd_auth"]
+    assert importlib.util.find_spec("flowmaker.state.etcd_auth") is not None and callable(main)
+    args = dict(a.removeprefix("--").split("=", 1) if "=" in a else (a.removeprefix("--"), "") for a in c["args"])
+    assert c["args"][0] == "provision" and "no-create" in args
+    replicas = by_kind(docs, "StatefulSet")["etcd"]["spec"]["replicas"]
+    assert args["endpoints"].split(",") == [f"etcd-{i}.etcd:2379" for i in range(replicas)]
+    assert args["secrets-dir"] == ETCD_AUTH_DIR
+    vols = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert vols[mounts[ETCD_AUTH_DIR]]["secret"] == {"secretName": "flowmaker-etcd-auth", "defaultMode": 288}
+    if is_secure(docs):
+        tls = vols[mounts[TLS_DIR]]["secret"]
+        files = {f"{TLS_DIR}/{i['path']}" for i in tls["items"]}
+        assert {args["tls-ca"], args["tls-cert"], args["tls-key"]} <= files and not tls.get("optional")
+    else:
+        assert not any(a.startswith("--tls") for a in c["args"])
+    assert spec["restartPolicy"] == "OnFailure"
+    assert job["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "flowmaker"  # etcd's policy
+    for d in workloads(docs):
+        spec = pod_spec(d)
+        for c in spec["containers"]:
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            p = f"FLOWMAKER_{c['name'].upper()}_"
+            auth_vols = [v for v in spec.get("volumes", []) if v.get("secret", {}).get("secretName")
+                         == "flowmaker-etcd-auth"]
+            if c["name"] not in ROLES:
+                assert p + "ETCD_USER" not in env and not auth_vols, c["name"]
+                continue
+            assert env[p + "ETCD_USER"] == c["name"]
+            assert env[p + "ETCD_PASSWORD_FILE"] == str(password_file(ETCD_AUTH_DIR, c["name"]))
+            (vol,) = auth_vols
+            wanted = {f"{c['name']}.password"} | ({ENGINE_KEY_SECRET} if c["name"] in ("deployer", "orchestrator")
+                                                  else set())
+            assert {i["key"] for i in vol["secret"]["items"]} == {i["path"] for i in vol["secret"]["items"]} == wanted
+            assert not vol["secret"].get("optional")
+            mount = next(m for m in c["volumeMounts"] if m["name"] == vol["name"])
+            assert mount["mountPath"] == ETCD_AUTH_DIR and mount["readOnly"] is True
+            engine = env.get(p + "ENGINE_KEY_SECRET_FILE")
+            assert (engine == f"{ETCD_AUTH_DIR}/{ENGINE_KEY_SECRET}") == (c["name"] in ("deployer", "orchestrator"))
+
+
+def test_docs_create_the_etcd_auth_secret() -> None:
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert "python -m flowmaker.state.etcd_auth secrets etcd-auth" in text
+    block = text.split("create secret generic flowmaker-etcd-auth", 1)[1].split("```", 1)[0]
+    assert "etcd-auth" in block
