@@ -278,9 +278,18 @@ class _ClusterState:
         self.prof = {p.key: p for p in ctx.profiles}
         self._n = 0
 
-    def as_cluster(self) -> Cluster:
+    def as_cluster(self, measured: Mapping[str, MeasuredLoad] | None = None) -> Cluster:
+        """The cluster the next selection sees; `measured`: running instances at their measured load and busy share
+        alone (not the larger of planned and measured)."""
         gpus = tuple(Gpu(g.id, g.node, g.memory_total_gb, g.memory_total_gb - self.free[g.id], g.gpu_type)
                      for g in self.gpus)
+        if measured is not None:
+            zero = MeasuredLoad(0.0, 0.0)
+            inst = tuple(Instance(i.id, i.profile.model_id, i.profile.tp, i.profile.pp, i.gpu_ids,
+                                  measured.get(i.id, zero).load, max_slowdown=self.tolerance.get(i.id, 0.0),
+                                  busy_share=min(1.0, measured.get(i.id, zero).busy_share))
+                         for i in self.instances)
+            return Cluster(gpus, inst)
         inst = tuple(Instance(i.id, i.profile.model_id, i.profile.tp, i.profile.pp, i.gpu_ids, self.load[i.id],
                               max_slowdown=self.tolerance.get(i.id, 0.0),
                               busy_share=min(1.0, self.busy.get(i.id, occupancy(self.offered.get(i.id, 0.0)))))
@@ -347,6 +356,7 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
     rates: list[tuple[str, float]] = []
     for task in ctx.tasks:
         at = ctx.deploy_time(task)
+        seen: Mapping[str, MeasuredLoad] | None = None
         if measured and ctx.monitor is not None and st.instances and allow_reuse:
             seen = ctx.monitor(tuple(st.instances), tuple(deployments), at)
             for iid in st.load:
@@ -383,6 +393,11 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
         if res.variant is None and fallback and req.options.utilization_cap < 1.0:
             # Still nothing: the headroom kept for bursts is given up before the task itself is.
             req = replace(req, options=replace(req.options, utilization_cap=1.0))
+            res = select(req, strategy)
+        if res.variant is None and fallback and seen is not None:
+            # Still nothing: the headroom booked by the tasks before this one (their planned loads above what is
+            # measured) is lent to it, as the load follower would give it back once they scale in.
+            req = replace(req, cluster=st.as_cluster(seen))
             res = select(req, strategy)
         if res.variant is None and fallback and req.options.gpu_sharing is GpuSharing.INTERFERENCE:
             # Still nothing: the bursts booked by the tasks before this one leave no GPU whose co-residents'
