@@ -754,8 +754,9 @@ def failure_to_status_proto(f: Failure) -> status_pb2.Status:
 
 
 def task_to_proto(t: TaskRecord, *, etag: int = 0, state: TaskState | None = None,
-                  failure: Failure | None = None, observed_rate_rps: float = 0.0) -> task_pb2.Task:
-    """The task as the API shows it; `state`/`failure` override the stored ones (derived DEGRADED)."""
+                  failure: Failure | None = None, observed_rate_rps: float = 0.0, owner: str = "") -> task_pb2.Task:
+    """The task as the API shows it; `state`/`failure` override the stored ones (derived DEGRADED). `owner` is
+    the owner's stable id, kept beside the record (`keys.owner`), not in it."""
     st = state or t.state
     f = failure if state is not None else t.failure
     m = task_pb2.Task(
@@ -764,7 +765,8 @@ def task_to_proto(t: TaskRecord, *, etag: int = 0, state: TaskState | None = Non
         approved_workflow_ids=list(t.approved_workflow_ids), strategy=t.strategy,
         stage_instances=dict(t.stage_instances), predicted_latency_s=t.predicted_latency_s,
         observed_latency_p50_s=t.observed_p(0.5), observed_latency_p95_s=t.observed_p(0.95),
-        requests_served=t.requests_served, state=task_state_to_proto(st), etag=str(etag) if etag else "")
+        requests_served=t.requests_served, state=task_state_to_proto(st), etag=str(etag) if etag else "",
+        owner=owner)
     if t.variant is not None:
         m.variant.CopyFrom(variant_to_proto(t.variant))
     if f is not None:

@@ -196,6 +196,8 @@ def _variant_table(t: Any) -> Table:
 def _print_task(t: Any) -> None:
     slo = t.slo
     out.print(f"[bold]task {t.id}[/bold] {t.name!r}  state {_task_state(t)}")
+    if t.owner:  # a plaintext stack has no identities
+        out.print(f"  owner: {escape(t.owner)}", markup=True)
     out.print(f"  description: {t.description}")
     out.print(f"  SLO: accuracy >= {slo.min_accuracy:g}, latency <= {slo.max_latency_s:g}s, "
               f"rate {slo.arrival_rate_rps:g} req/s")
@@ -554,14 +556,15 @@ _TASK_COLUMNS = (KeyedColumn("name", 8, keep=2), KeyedColumn("state", 6, keep=1)
                  KeyedColumn("accuracy >=", 5, "right", keep=3), KeyedColumn("latency <=", 6, "right", keep=4),
                  KeyedColumn("rate", 4, "right", keep=5), KeyedColumn("workflow", 8, keep=9),
                  KeyedColumn("predicted", 6, "right", keep=8), KeyedColumn("p50", 5, "right", keep=7),
-                 KeyedColumn("requests", 4, "right", keep=6))
+                 KeyedColumn("requests", 4, "right", keep=6), KeyedColumn("owner", 6, keep=10))
 
 
 def _tasks_table(resp: Any) -> None:
     rows = [(t.id, {"state": _task_state(t), "name": t.name, "accuracy >=": f"{t.slo.min_accuracy:g}",
                     "latency <=": f"{t.slo.max_latency_s:g}s", "rate": f"{t.slo.arrival_rate_rps:g}",
                     "requests": str(t.requests_served), "p50": _s(t.observed_latency_p50_s),
-                    "predicted": _s(t.predicted_latency_s), "workflow": t.variant.workflow_id or "-"})
+                    "predicted": _s(t.predicted_latency_s), "workflow": t.variant.workflow_id or "-",
+                    "owner": t.owner or "-"})
             for t in resp.tasks]
     out.print(keyed_table(f"{len(resp.tasks)} task(s)", "id", _TASK_COLUMNS, rows, width=out.width))
 
@@ -693,6 +696,10 @@ def up(
                                                               "debugging only). Default: mTLS between all services "
                                                               "with a local CA in <work dir>/pki, and bearer tokens "
                                                               "at the orchestrator.")] = False,
+    engine_user: Annotated[str, typer.Option(
+        "--engine-user", help="Run the engines as this user (name or uid), unable to read the suite's keys and "
+                              "tokens; needs root, and a Python that user can run. Default: the deployer's own "
+                              "user.")] = "",
     as_json: JsonOpt = False,
 ) -> None:
     """Start a local stack (etcd + the five services + an emulated GPU node) and keep it running until Ctrl-C.
@@ -719,6 +726,16 @@ def up(
     if gateway_port and gateway_port == port:
         _die(error_line("INVALID_ARGUMENT", f"--gateway-port {gateway_port} is also the orchestrator's --port",
                         field="--gateway-port"))
+    if engine_user:
+        from pydantic import ValidationError
+
+        from services.deployer.settings import DeployerSettings
+
+        try:  # the deployer's own check (a known user, and root), here before anything starts
+            DeployerSettings(engine_user=engine_user, use_nvml=False)
+        except ValidationError as e:
+            _die(error_line("INVALID_ARGUMENT", str(e.errors()[0]["msg"]).removeprefix("Value error, "),
+                            field="--engine-user"))
     host = StackConfig.host
     if gateway_port and not port_free(host, gateway_port):
         _die(error_line("UNAVAILABLE", f"{host}:{gateway_port} is in use (another `flowmaker up`, or another "
@@ -741,7 +758,8 @@ def up(
     cfg = StackConfig(gpus=gpus, gpu_type=gpu_type, time_scale=time_scale, work_dir=work_dir,
                       keep_work_dir=True, ports={"orchestrator": port} if port else {}, tls=not insecure,
                       etcd_auth=not insecure,
-                      gateway_port=gateway_port, metrics=metrics, orchestrators=orchestrators)
+                      gateway_port=gateway_port, metrics=metrics, orchestrators=orchestrators,
+                      engine_user=engine_user)
     if etcd_bin:
         cfg.etcd_bin = etcd_bin
     con = err

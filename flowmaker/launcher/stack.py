@@ -161,6 +161,8 @@ class StackConfig:
     # records with a secret only the deployer and the orchestrator get. `flowmaker up` turns it on unless
     # --insecure.
     etcd_auth: bool = False
+    # The user the deployer starts engines as (`DeployerSettings.engine_user`: needs root); "" = the deployer's.
+    engine_user: str = ""
 
 
 def service_env(svc: str, *, host: str, port: int, addrs: Mapping[str, str], etcd_endpoint: str,
@@ -206,6 +208,8 @@ def service_env(svc: str, *, host: str, port: int, addrs: Mapping[str, str], etc
                     p + "USE_NVML": "false", p + "BACKEND": "emulated", p + "ENGINE_HOST": host,
                     p + "ENGINE_TIME_SCALE": repr(cfg.time_scale), p + "ENGINE_STOP_GRACE_S": "3",
                     p + "ENGINE_LOG_DIR": str(log_dir / "engines")})
+        if cfg.engine_user:
+            env[p + "ENGINE_USER"] = cfg.engine_user
     return env
 
 

@@ -31,6 +31,8 @@ import math
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine
@@ -66,7 +68,7 @@ from flowmaker.state.records import (
 )
 from flowmaker.state.store import Compare, KeyValue, LeaseKeeper, Put, StateStore
 from services.deployer.backends import EngineBackend, EngineProcess, EngineSpec, get_backend
-from services.deployer.backends.base import engine_log_path
+from services.deployer.backends.base import engine_base_env, engine_log_path
 from services.deployer.settings import DeployerSettings, GpuInfo, gpu_id, gpu_inventory
 
 log = logging.getLogger(__name__)
@@ -384,6 +386,7 @@ class NodeAgent:
     async def start(self) -> None:
         """Claim the node key (under a fresh lease), reconcile leftovers, publish the GPUs."""
         self._prepare_log_dir()
+        await self._check_engine_user()
         await self._claim_node()
         await self._reconcile()
         if self.settings.load_scrape_interval_s > 0:
@@ -394,6 +397,29 @@ class NodeAgent:
             self._spawn(self._liveness_loop())
         log.info("node %s registered: %d x %s, backend %s", self.node, len(self.gpus), self.gpu_type,
                  self.settings.backend)
+
+    async def _check_engine_user(self) -> None:
+        """With `engine_user`, the emulated engine's Python must be runnable by that user (a venv under a 0700
+        home is not): found out here, at start, rather than as a failed start of every engine."""
+        ids = self.settings.engine_ids
+        if ids is None or self.settings.backend != "emulated":
+            return
+        backend = get_backend("emulated")
+        argv = [getattr(backend, "python", sys.executable), "-m", "flowmaker.engine.server", "--help"]
+        try:
+            p = await asyncio.create_subprocess_exec(
+                *argv, env=engine_base_env(), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE, user=ids[0], group=ids[1], extra_groups=[], cwd="/")
+            _, errb = await asyncio.wait_for(p.communicate(), 60)
+            why = "" if p.returncode == 0 else errb.decode(errors="replace").strip()[-500:]
+        except (OSError, subprocess.SubprocessError) as e:
+            why = str(e)
+        except TimeoutError:
+            p.kill()
+            why = "no answer within 60 s"
+        if why:
+            raise InvalidSpec(f"engine_user {self.settings.engine_user!r} (uid {ids[0]}) cannot run the engine "
+                              f"{' '.join(argv[:3])}: {why}", field="engine_user")
 
     def _prepare_log_dir(self) -> None:
         """Create the engine log directory up front. Without it every engine's output reader would
@@ -722,7 +748,8 @@ class NodeAgent:
             self._prepare_log_dir()  # removed since start (a cleaned-up temp dir): recreate, never hang
             log_path = engine_log_path(self.settings.engine_log_dir, rec.id)  # never outside the dir
         api_key = secrets.token_urlsafe(24) if self.settings.engine_api_keys else ""  # per instance
-        return EngineProcess(backend, spec, on_exit=self._on_engine_exit, log_path=log_path, api_key=api_key)
+        return EngineProcess(backend, spec, on_exit=self._on_engine_exit, log_path=log_path, api_key=api_key,
+                             user=self.settings.engine_ids)
 
     def _gpu_share_dir(self) -> str:
         """This agent's GPU-sharing directory for its emulated engines: private (0700), one per agent life (the
@@ -730,6 +757,9 @@ class NodeAgent:
         made again if something removed it."""
         if not self._share_dir or not os.path.isdir(self._share_dir):
             self._share_dir = make_share_dir(self.node)
+            ids = self.settings.engine_ids
+            if ids is not None:  # engines of another user make their busy marks in it; still private to them
+                os.chown(self._share_dir, *ids)
         return self._share_dir
 
     async def _start_engine(self, rec: InstanceRecord, backend: EngineBackend, profile: Profile) -> InstanceRecord:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import pwd
 import socket
 from dataclasses import dataclass
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from flowmaker.settings import DEFAULT_PORTS, ServiceSettings, settings_config
 
@@ -33,6 +35,12 @@ class DeployerSettings(ServiceSettings):
     engine_api_keys: bool = Field(default=False, description="Start each engine with its own random API key (its /v1 "
                                   "then requires it), recorded in the instance record and returned by Deploy; "
                                   "`flowmaker up` and compose turn it on with TLS.")
+    # Least privilege: engines run arbitrary model code, so where the deployer is root they may run as another
+    # user who cannot read the suite's keys, tokens and etcd passwords (0600, owned by the deployer's user).
+    # Off by default: a venv under a 0700 home (pip install --user, pyenv) is not executable by anyone else.
+    engine_user: str = Field(default="", description="User (name or uid) engines run as, with that user's "
+                             "primary group and no supplementary groups; needs the deployer to run as root. "
+                             "Empty = the deployer's own user.")
     lease_ttl_s: int = Field(default=10, ge=2, description="TTL of the node's etcd lease; refreshed every TTL/3.")
     commit_retries: int = Field(default=20, ge=1, description="Retries of a GPU-memory transaction that lost a race.")
     resync_interval_s: float = Field(default=5.0, ge=0, description="How often the agent reconciles its instance "
@@ -66,9 +74,47 @@ class DeployerSettings(ServiceSettings):
     saturation_slowdown: float = Field(default=4.0, gt=1, description="...and so is one whose recent requests take "
                                        "this many times as long as a lone request of their size.")
 
+    @field_validator("engine_user")
+    @classmethod
+    def _engine_user(cls, v: str) -> str:
+        v = v.strip()
+        if v:
+            uid, _ = resolve_user(v)  # an unknown user is an error here, at startup, not at the first Deploy
+            # Never silently run engines as the deployer's (root's) own user, nor fail at the first Deploy.
+            if uid != os.geteuid() and os.geteuid() != 0:
+                raise ValueError(f"engine_user {v!r} needs the deployer to run as root (it runs as uid "
+                                 f"{os.geteuid()}); unset it to run engines as the deployer's own user")
+        return v
+
+    @property
+    def engine_ids(self) -> tuple[int, int] | None:
+        """(uid, gid) engines are started with, None = unchanged (the deployer's own user)."""
+        if not self.engine_user:
+            return None
+        ids = resolve_user(self.engine_user)
+        return None if ids[0] == os.geteuid() else ids
+
     @property
     def advertise_address_host(self) -> str:
         return self.advertise_host or self.host
+
+
+def resolve_user(user: str) -> tuple[int, int]:
+    """(uid, primary gid) of a user name or numeric uid; ValueError naming engine_user when unknown. A uid
+    with no passwd entry (containers often run as one) gets the group of the same number."""
+    if user.isdigit():
+        uid = int(user)
+        if not 0 <= uid < 2**32 - 1:
+            raise ValueError(f"engine_user {user!r}: not a valid uid")
+        try:
+            return uid, pwd.getpwuid(uid).pw_gid
+        except KeyError:
+            return uid, uid
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        raise ValueError(f"engine_user {user!r}: no such user on this host") from None
+    return pw.pw_uid, pw.pw_gid
 
 
 @dataclass(frozen=True, slots=True)

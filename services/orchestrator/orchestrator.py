@@ -48,6 +48,7 @@ from services.orchestrator.replicas import ReplicaBoard
 from services.orchestrator.router import OnEvent, Router
 from services.orchestrator.selecting import Selections
 from services.orchestrator.settings import OrchestratorSettings
+from services.orchestrator.users import TokenPruner, Users
 from services.orchestrator.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class Orchestrator:
             workers=self.workers, lifecycle=self.lifecycle, healer=self.healer, follower=self.follower,
             engines=self.engines, interval_s=s.reconcile_interval_s, heal=s.reconcile_heal,
             load_policy=LoadPolicy(band=s.load_band, hold_down_s=s.load_hold_down_s) if s.follow_load else None)
+        self.users = Users(store, self.cache)
+        self.pruner = TokenPruner(self.users, interval_s=s.token_prune_interval_s, grace_s=s.token_prune_grace_s)
         self.election: Election | None = None
         if s.leader_election:
             self.election = Election(store, keys.ORCHESTRATOR_LEADER, self._identity(), ttl_s=s.leader_lease_ttl_s,
@@ -138,12 +141,14 @@ class Orchestrator:
     async def _elected(self) -> None:
         metrics.set_leader("orchestrator", True)
         self.reconciler.start()
+        self.pruner.start()
 
     async def _deposed(self) -> None:
         # Stop acting at once: the new leader's first pass resumes what our workers leave half done (every step
         # is idempotent and guarded by compare-and-set, so a worker overlapping the new leader's is harmless).
         metrics.set_leader("orchestrator", False)
         await self.reconciler.stop()
+        await self.pruner.stop()
         await self.workers.cancel_all()
 
     def _inflight(self, iid: str) -> int:
@@ -166,6 +171,7 @@ class Orchestrator:
             self.board.start()
         if self.election is None:
             self.reconciler.start()
+            self.pruner.start()
         else:
             metrics.set_leader("orchestrator", False)
             self.election.start()
@@ -185,6 +191,7 @@ class Orchestrator:
         if self.election is not None:
             await self.election.stop()  # the next replica takes over at once
         await self.reconciler.stop()
+        await self.pruner.stop()
         if self.board is not None:
             await self.board.stop()
         await self.router.close()

@@ -22,7 +22,6 @@ from flowmaker.state import keys
 from services.orchestrator.cache import RoutingCache
 from services.orchestrator.engines import request_sampling
 from services.orchestrator.orchestrator import Orchestrator, TaskView
-from services.orchestrator.users import Users
 
 T = TypeVar("T")
 
@@ -37,9 +36,9 @@ def _workflows_from_proto(workflows: Any) -> list[Any]:
     return out
 
 
-def _task(v: TaskView) -> task_pb2.Task:
+def _task(v: TaskView, owner: str) -> task_pb2.Task:
     return convert.task_to_proto(v.task, etag=v.etag, state=v.state, failure=v.failure,
-                                 observed_rate_rps=v.observed_rate_rps)
+                                 observed_rate_rps=v.observed_rate_rps, owner=owner)
 
 
 class Owners:
@@ -76,6 +75,24 @@ class Owners:
         if owner != p.name:
             raise PermissionDenied(f"{p.shown!r} may not use task {task_id[:64]!r}: it is not theirs, or does not "
                                    "exist", field="task_id", reason="NOT_TASK_OWNER")
+
+    async def of(self, task_id: str) -> str:
+        """The task's owner id ("" for none: a plaintext stack's), from the cache, else etcd (the owner key
+        may reach this replica's watch after the task's)."""
+        owner = self.cache.owner(task_id) if self.cache is not None else None
+        if owner is None:
+            kv = await self.store.get(keys.owner(task_id))
+            owner = kv.value.get("owner") if kv is not None and isinstance(kv.value, dict) else None
+        return str(owner or "")
+
+    async def of_all(self, task_ids: list[str]) -> dict[str, str]:
+        """Owner ids of many tasks: from a synced cache (no etcd read on a listing), else one etcd range."""
+        if self.cache is not None and self.cache.fresh:
+            return {tid: self.cache.owner(tid) or "" for tid in task_ids}
+        listing = await self.store.get_prefix(keys.OWNERS)
+        owners = {keys.parse_owner(kv.key): str(kv.value.get("owner") or "") for kv in listing.items
+                  if isinstance(kv.value, dict)}
+        return {tid: owners.get(tid, "") for tid in task_ids}
 
     async def visible(self) -> set[str] | None:
         """Task ids the caller may see; None = all (admin)."""
@@ -128,7 +145,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.router = orch.router
         self.lifecycle = orch.lifecycle
         self.owners = Owners(orch.store, orch.cache, max_tasks=orch.settings.max_tasks_per_user)
-        self.users = Users(orch.store, orch.cache)
+        self.users = orch.users  # the same directory its token pruner (on the leader) prunes
 
     async def DeployTask(self, request: orchestrator_pb2.DeployTaskRequest, context: grpc.aio.ServicerContext
                          ) -> orchestrator_pb2.DeployTaskResponse:
@@ -139,7 +156,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             name=request.name, max_workflows=request.max_workflows,
             workflows=await offload(_workflows_from_proto, request.workflows),  # a big DAG: off the event loop
             owner=current_principal.get().name)
-        return orchestrator_pb2.DeployTaskResponse(task=_task(v))
+        return orchestrator_pb2.DeployTaskResponse(task=_task(v, current_principal.get().name))
 
     async def ApproveWorkflows(self, request: orchestrator_pb2.ApproveWorkflowsRequest,
                                context: grpc.aio.ServicerContext) -> orchestrator_pb2.ApproveWorkflowsResponse:
@@ -148,28 +165,32 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         v = await self.lifecycle.approve(tid, list(request.workflow_ids), strategy=request.strategy,
                                     options=request.options if request.HasField("options") else None,
                                     etag=request.etag)
-        return orchestrator_pb2.ApproveWorkflowsResponse(task=_task(v))
+        return orchestrator_pb2.ApproveWorkflowsResponse(task=_task(v, await self.owners.of(tid)))
 
     async def GetTask(self, request: orchestrator_pb2.GetTaskRequest, context: grpc.aio.ServicerContext
                       ) -> orchestrator_pb2.GetTaskResponse:
         tid = await self.owners.resolve(request.task_id)
         await self.owners.check(tid)
-        return orchestrator_pb2.GetTaskResponse(task=_task(await self.lifecycle.view(tid)))
+        v = await self.lifecycle.view(tid)
+        return orchestrator_pb2.GetTaskResponse(task=_task(v, await self.owners.of(tid)))
 
     async def ListTasks(self, request: orchestrator_pb2.ListTasksRequest, context: grpc.aio.ServicerContext
                         ) -> orchestrator_pb2.ListTasksResponse:
         # A user's own tasks are looked up by id in the cache's owner index, not filtered out of a scan.
         views = await self.lifecycle.list_tasks(convert.task_state_from_proto(request.state),
                                                 ids=await self.owners.visible())
-        return orchestrator_pb2.ListTasksResponse(tasks=[_task(v) for v in views])
+        owners = await self.owners.of_all([v.task.id for v in views])
+        return orchestrator_pb2.ListTasksResponse(tasks=[_task(v, owners[v.task.id]) for v in views])
 
     async def DeleteTask(self, request: orchestrator_pb2.DeleteTaskRequest, context: grpc.aio.ServicerContext
                          ) -> orchestrator_pb2.DeleteTaskResponse:
         tid = await self.owners.resolve(request.task_id)
         await self.owners.check(tid)
+        owner = await self.owners.of(tid)  # before its key goes with the task
         t, stopped = await self.lifecycle.delete(tid)
         await self.owners.forget(tid)
-        return orchestrator_pb2.DeleteTaskResponse(task=convert.task_to_proto(t), released_instance_ids=stopped)
+        return orchestrator_pb2.DeleteTaskResponse(task=convert.task_to_proto(t, owner=owner),
+                                                   released_instance_ids=stopped)
 
     async def Invoke(self, request: orchestrator_pb2.InvokeRequest, context: grpc.aio.ServicerContext
                      ) -> orchestrator_pb2.InvokeResponse:

@@ -100,5 +100,9 @@ class OrchestratorSettings(ServiceSettings):
                                   "instances, nodes, owners), besides its etcd watches.")
     max_tasks_per_user: int = Field(default=100, ge=0, description="Tasks one user (a non-admin principal) may "
                                     "own at once; DeployTask beyond it is RESOURCE_EXHAUSTED. 0 = no limit.")
+    token_prune_interval_s: float = Field(default=300.0, ge=0, description="How often the leader deletes live "
+                                          "tokens that expired more than token_prune_grace_s ago; 0 = never.")
+    token_prune_grace_s: float = Field(default=3600.0, ge=0, description="An expired token stays this long (listed "
+                                       "as expired by `flowmaker user list`) before it is pruned.")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="After a switch, how long requests already on "
                                    "the old instances may take before their references are released.")

@@ -9,6 +9,9 @@ expired token is refused at once. No gRPC here: the servicer converts.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -20,6 +23,8 @@ from flowmaker.rpc.auth import LIVE_ID_PREFIX, Principal, reserved_name, token_d
 from flowmaker.state import keys
 from flowmaker.state.store import Compare, Put, StateStore
 from services.orchestrator.cache import RoutingCache
+
+log = logging.getLogger(__name__)
 
 TOKEN_ID_PREFIX = "t-"
 MAX_EXPIRES_IN_S = 10 * 365 * 86400.0
@@ -146,6 +151,25 @@ class Users:
                 self.cache.note_user(k, rev, None)
         return user, True, [t.id for _, t in mine]
 
+    async def prune_expired(self, grace_s: float) -> list[str]:
+        """Delete the tokens that expired more than `grace_s` ago (until then `list_users` still shows them,
+        marked expired); the ids deleted. Each delete is guarded by the token's mod_revision, so a replica
+        racing this one (a leader being replaced) deletes each at most once and never a rewritten record."""
+        now = self.clock()
+        listing = await self.store.get_prefix(keys.TOKENS)
+        pruned: list[str] = []
+        for kv in listing.items:
+            if not isinstance(kv.value, dict):
+                continue
+            tok = _token(kv.value)
+            if not (tok.expire_time > 0 and tok.expire_time + grace_s <= now):
+                continue
+            res = await self.store.txn([Compare.unchanged(kv.key, kv.mod_revision)], deletes=[kv.key])
+            if res.succeeded:
+                self.cache.note_user(kv.key, res.revision, None)
+                pruned.append(tok.id)
+        return pruned
+
     # ---- helpers ---------------------------------------------------------------------------------
 
     def _new_token(self, uid: str, expires_in_s: float, now: float, *, field_name: str
@@ -177,3 +201,38 @@ class Users:
             raise NotFound(f"no live user {ref[:64]!r} (tokens-file users are managed in tokens.json)",
                            field=field_name, reason="USER_NOT_FOUND")
         return kv, _user(kv.value)
+
+
+class TokenPruner:
+    """On the leader only: every `interval_s`, `Users.prune_expired(grace_s)`, so that expired tokens do not stay
+    in etcd (and in every replica's cache) for ever. An etcd outage only delays it to the next round."""
+
+    def __init__(self, users: Users, *, interval_s: float, grace_s: float) -> None:
+        self.users = users
+        self.interval_s = interval_s
+        self.grace_s = grace_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.interval_s > 0 and self._task is None:
+            self._task = asyncio.create_task(self._run(), name="token-pruner")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                pruned = await self.users.prune_expired(self.grace_s)
+                if pruned:
+                    log.info("pruned %d token(s) expired more than %gs ago: %s", len(pruned), self.grace_s,
+                             ", ".join(pruned))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # etcd unavailable, permission: try again next round
+                log.warning("pruning expired tokens failed: %s", e)
+            await asyncio.sleep(self.interval_s)

@@ -5,6 +5,7 @@ user created, expired or revoked takes effect on every replica through its watch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -193,3 +194,85 @@ async def test_the_user_commands(secure: Secure) -> None:
     assert rc == 0 and made["token_id"] in out, err
     for tok in (erin, third):
         assert await code_of(stub.ListTasks(pb.ListTasksRequest(), metadata=bearer(tok))) == UNAUTH
+
+
+async def test_a_task_shows_its_owner_id_to_its_owner_and_to_no_other_user(secure: Secure) -> None:
+    """Task.owner (output only) is the owner's stable id: a live user's "u-..." id, a tokens-file user's name; shown
+    by `task get` and `task list` (--json and tables), never to another user, who cannot see the task at all."""
+    root, r_md = secure.orch("root-token-0123456789")
+    alice, a_md = secure.orch("alice-token-0123456789")
+    made = await root.CreateUser(pb.CreateUserRequest(name="hana"), metadata=r_md)
+    uid, hana = made.user.id, bearer(made.token)
+    t = (await alice.DeployTask(pb.DeployTaskRequest(description="d", name="hanas", slo=SLO, workflows=[ONE]),
+                                metadata=hana)).task
+    assert t.owner == uid and uid.startswith("u-")
+    mine = (await alice.DeployTask(pb.DeployTaskRequest(description="d", slo=SLO, workflows=[ONE]),
+                                   metadata=a_md)).task
+    assert mine.owner == "alice"
+    try:
+        assert (await alice.GetTask(pb.GetTaskRequest(task_id="hanas"), metadata=hana)).task.owner == uid
+        assert [(x.id, x.owner) for x in (await alice.ListTasks(pb.ListTasksRequest(), metadata=hana)).tasks] == \
+            [(t.id, uid)]
+        # The admin sees every task with its owner.
+        listed = {x.id: x.owner for x in (await root.ListTasks(pb.ListTasksRequest(), metadata=r_md)).tasks}
+        assert listed[t.id] == uid and listed[mine.id] == "alice"
+
+        rc, out, err = await flowmaker("task", "get", "hanas", "--json", token=made.token, secure=secure)
+        assert rc == 0 and json.loads(out)["owner"] == uid, err
+        rc, out, err = await flowmaker("task", "list", "--json", token=made.token, secure=secure)
+        assert rc == 0 and [(x["id"], x["owner"]) for x in json.loads(out)["tasks"]] == [(t.id, uid)], err
+        rc, out, err = await flowmaker("task", "get", t.id, token=made.token, secure=secure)
+        assert rc == 0 and f"owner: {uid}" in out, err
+        rc, out, err = await flowmaker("task", "list", token="root-token-0123456789", secure=secure)
+        assert rc == 0 and uid in out and "alice" in out, err
+
+        # Another user cannot see it: not by id, not in a listing; the CLI says so in one line.
+        assert await code_of(alice.GetTask(pb.GetTaskRequest(task_id=t.id), metadata=a_md)) == DENIED
+        rc, out, err = await flowmaker("task", "get", t.id, "--json", token="alice-token-0123456789", secure=secure)
+        assert rc != 0 and "PERMISSION_DENIED" in err and uid not in out + err
+        rc, out, err = await flowmaker("task", "list", "--json", token="alice-token-0123456789", secure=secure)
+        assert rc == 0 and [(x["id"], x["owner"]) for x in json.loads(out)["tasks"]] == [(mine.id, "alice")], err
+        # The deleted task still names its owner (read before its owner key goes with it).
+        assert (await alice.DeleteTask(pb.DeleteTaskRequest(task_id=t.id), metadata=hana)).task.owner == uid
+    finally:
+        for task_id in (t.id, mine.id):
+            with contextlib.suppress(grpc.RpcError):  # hana's is gone already unless an assertion failed first
+                await root.DeleteTask(pb.DeleteTaskRequest(task_id=task_id), metadata=r_md)
+        await root.Revoke(pb.RevokeRequest(target=uid), metadata=r_md)
+
+
+async def test_the_leader_prunes_expired_tokens_after_a_grace(etcd_store: Any, start_control_plane: Any,
+                                                             tmp_path: Path) -> None:
+    """Expired tokens do not stay in etcd for ever: the leader deletes each one `token_prune_grace_s` after it
+    expired. Within the grace ListUsers still shows it (expired); after it, its key is gone and ListUsers no longer
+    lists it, while a token without expiry stays."""
+    write_tokens(tmp_path / "tokens.json", {"root-token-0123456789": {"user": "root", "admin": True}})
+    orch, stub = await start_control_plane(etcd_store, auth_tokens_file=str(tmp_path / "tokens.json"),
+                                           token_prune_interval_s=0.2, token_prune_grace_s=1.5)
+    root = bearer("root-token-0123456789")
+    made = await stub.CreateUser(pb.CreateUserRequest(name="ivy"), metadata=root)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()  # before the token is made: it cannot be pruned before t0 + 1 s + 1.5 s
+    short = await stub.CreateToken(pb.CreateTokenRequest(user="ivy", expires_in=seconds(1.0)), metadata=root)
+
+    async def token_ids() -> dict[str, bool]:
+        (u,) = [u for u in (await stub.ListUsers(pb.ListUsersRequest(), metadata=root)).users if u.name == "ivy"]
+        return {t.id: t.expired for t in u.tokens}
+
+    async def stored() -> set[str]:
+        return {str(kv.value.get("token_id")) for kv in (await etcd_store.get_prefix(keys.TOKENS)).items}
+
+    await until_code(lambda: stub.ListTasks(pb.ListTasksRequest(), metadata=bearer(short.token)), UNAUTH)
+    # Expired, and still within its grace (1.5 s after its 1 s expiry): listed as expired, not yet pruned.
+    if loop.time() - t0 < 2.0:
+        assert (await token_ids()).get(short.token_id) is True
+        assert short.token_id in await stored()
+    end = t0 + 20.0
+    while short.token_id in await stored():
+        assert loop.time() < end, "the expired token was never pruned"
+        await asyncio.sleep(0.1)
+    assert loop.time() - t0 >= 2.45, "pruned before its grace was over"  # 1 s expiry + 1.5 s grace
+    assert await token_ids() == {made.token_id: False}
+    assert made.token_id in await stored()
+    assert await code_of(stub.ListTasks(pb.ListTasksRequest(), metadata=bearer(made.token))) == OK
+    assert orch.is_leader()

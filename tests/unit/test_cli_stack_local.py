@@ -119,6 +119,25 @@ def test_up_refuses_a_taken_gateway_port_naming_the_option(tmp_path: Path) -> No
     assert p.returncode == 2 and "--gateway-port" in p.stderr
 
 
+def test_up_engine_user_reaches_only_the_deployer_and_a_bad_one_is_refused_first(tmp_path: Path) -> None:
+    """`flowmaker up --engine-user` becomes FLOWMAKER_DEPLOYER_ENGINE_USER (no other service gets it); an unknown
+    user is one INVALID_ARGUMENT line naming the option before anything starts."""
+    from flowmaker.launcher.stack import StackConfig, service_env
+
+    for svc in ("deployer", "orchestrator"):
+        env = service_env(svc, host="127.0.0.1", port=1, addrs={}, etcd_endpoint="e:1",
+                          cfg=StackConfig(engine_user="nobody"), log_dir=tmp_path)
+        assert (env.get("FLOWMAKER_DEPLOYER_ENGINE_USER") == "nobody") == (svc == "deployer")
+        assert not any(k.endswith("_ENGINE_USER") for k in env if svc != "deployer")
+    assert "FLOWMAKER_DEPLOYER_ENGINE_USER" not in service_env(
+        "deployer", host="127.0.0.1", port=1, addrs={}, etcd_endpoint="e:1", cfg=StackConfig(), log_dir=tmp_path)
+    p = run("up", "--engine-user", "no-such-user-fm", env={"FLOWMAKER_STATE_FILE": str(tmp_path / "st" / "stack.json")})
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("error: INVALID_ARGUMENT: --engine-user:") and "no-such-user-fm" in lines[0]
+    assert not (tmp_path / "st" / "stack.json").exists()
+
+
 def test_stack_config_gateway_port_taken_is_a_stack_error(tmp_path: Path) -> None:
     from flowmaker.launcher import LocalStack, StackConfig, StackError
 

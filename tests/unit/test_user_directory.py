@@ -83,6 +83,27 @@ async def test_expiry_and_token_revocation(users: Any) -> None:
         await u.create_token("nobody")
 
 
+async def test_expired_tokens_are_pruned_only_after_the_grace(users: Any) -> None:
+    u, clock, store = users
+    user, first, first_id = await u.create_user("gail", expires_in_s=60)
+    _, second, second_id = await u.create_token(user.id, expires_in_s=600)
+    _, third, third_id = await u.create_token(user.id)  # never expires
+    assert await u.prune_expired(grace_s=3600) == []
+    clock.now += 60 + 3599  # the first expired 3599 s ago: still within the grace, still listed
+    assert await u.prune_expired(grace_s=3600) == []
+    (listed,) = await u.list_users()
+    assert {t.id for t in listed.tokens} == {first_id, second_id, third_id}
+    clock.now += 1
+    assert await u.prune_expired(grace_s=3600) == [first_id]
+    assert await store.get(keys.token(token_digest(first))) is None
+    assert await store.get(keys.token(token_digest(second))) is not None
+    (listed,) = await u.list_users()
+    assert {t.id for t in listed.tokens} == {second_id, third_id}
+    clock.now += 10 * 86400
+    assert await u.prune_expired(grace_s=0) == [second_id]
+    assert u.lookup(token_digest(third)) is not None and [t.id for t in (await u.list_users())[0].tokens] == [third_id]
+
+
 @pytest.mark.parametrize("name", ["orchestrator", "selector", "admin", "u-abc", "t-abc", "", "-x", "a/b", "x" * 65])
 async def test_reserved_and_malformed_names_are_refused(users: Any, name: str) -> None:
     u, _, _ = users

@@ -185,7 +185,7 @@ class EngineProcess:
 
     def __init__(self, backend: EngineBackend, spec: EngineSpec, *, env: Mapping[str, str] | None = None,
                  on_exit: ExitCallback | None = None, log_path: str | None = None, keep_lines: int = 200,
-                 api_key: str = "") -> None:
+                 api_key: str = "", user: tuple[int, int] | None = None) -> None:
         spec.validate()
         if spec.port == 0 and not backend.announces_port:
             raise InvalidSpec(f"backend {backend.name!r} needs a concrete port", field="spec.port")
@@ -199,6 +199,9 @@ class EngineProcess:
         if api_key:
             self._env.update({k: api_key for k in ENGINE_API_KEY_VARS})
         self._on_exit = on_exit
+        # (uid, gid) to run as (`DeployerSettings.engine_user`), None = ours. The log file stays ours either
+        # way: the engine only writes its stdout pipe, which this process copies into the file.
+        self._user = user
         self._log_path = log_path
         self._lines: deque[str] = deque(maxlen=keep_lines)
         self._proc: asyncio.subprocess.Process | None = None
@@ -246,11 +249,17 @@ class EngineProcess:
             # The engine listens on loopback only; the key check listens where the engine would have.
             argv = [sys.executable, "-m", "flowmaker.engine.keyproxy", "--host", self.spec.host,
                     "--port", str(self.spec.port), "--", *argv]
+        as_user: dict[str, Any] = {}
+        if self._user is not None:
+            # Its own uid and primary group, none of ours (extra_groups=[] drops root's supplementary groups),
+            # and a working directory it can enter: the deployer's may be a 0700 home.
+            as_user = {"user": self._user[0], "group": self._user[1], "extra_groups": [], "cwd": "/"}
         try:
-            # Its own session (a stop reaches its workers), but never an orphan: it dies with the deployer.
+            # Its own session (a stop reaches its workers), but never an orphan: it dies with the deployer
+            # (setpriv sets the parent-death signal after the uid change, which would otherwise clear it).
             self._proc = await asyncio.create_subprocess_exec(
                 *exec_dying_with_parent(argv), env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True, **as_user)
         except (FileNotFoundError, PermissionError) as e:
             raise EngineStartError(f"cannot run {argv[0]!r} for {self.backend.name} engine "
                                    f"{self.spec.instance_id}: {e}", field="backend") from None
