@@ -250,17 +250,18 @@ class _Controller:
         return [i for i in self.instances.values() if i.id not in self.released]
 
     def cluster(self, t: float, loads: dict[str, float], hide: frozenset[str] | set[str] = frozenset(),
-                busy: dict[str, float] | None = None, exclude: str = "") -> Cluster:
+                busy: dict[str, float] | None = None, exclude: str = "", measured_only: bool = False) -> Cluster:
         """The selector's view at t: GPU memory of every instance holding it; offered for reuse, the instances a
         task uses (their load: the larger of measured and planned, plus what pending switches will put there;
         their busy share, the larger of measured and planned; the least slowdown their tasks tolerate), less
-        `hide`. `exclude`: a task re-selecting (its own plan is not counted)."""
+        `hide`. `exclude`: a task re-selecting (its own plan is not counted). `measured_only`: loads and busy
+        shares as measured alone (the policy's fallback that lends the headroom booked before)."""
         busy = busy or {}
         planned: dict[str, float] = {}
         offered: dict[str, float] = {}
         tol: dict[str, float] = {}
         for name, s in self.live.items():
-            if name == exclude:
+            if name == exclude or measured_only:
                 continue
             for iid, x in s.shares.items():
                 planned[iid] = planned.get(iid, 0.0) + x
@@ -288,10 +289,10 @@ class _Controller:
         return Cluster(gpus, inst)
 
     def _select(self, task: EvalTask, rate: float, cluster: Cluster, *, scale_out: bool = False,
-                cap: float | None = None, blind: bool = False) -> Variant | None:
+                cap: float | None = None) -> Variant | None:
         """The selector's answer; deploys (both policies alike) as the `flowmaker` policy of bench serving,
         re-selections (`scale_out`) may also scale a stage out to replicas. `cap`: utilization cap (default the
-        config's). `blind`: GPU sharing ignored (the deploy's last resort, as the policy's)."""
+        config's)."""
         slo = replace(task.slo(), arrival_rate_rps=max(rate, 1e-6))
         req = SelectionRequest(slo=slo, workflows=task.nominal_workflows(self.kind, self.cfg.plan_tokens),
                                models=self.models, profiles=self.profiles, cluster=cluster,
@@ -300,8 +301,7 @@ class _Controller:
                                                         seed=self.cfg.seed,
                                                         max_replicas=self.cfg.max_replicas if scale_out else 1,
                                                         capacity_model=CapacityModel[self.cfg.capacity_model.upper()],
-                                                        gpu_sharing=GpuSharing.IGNORE if blind else
-                                                        GpuSharing[self.cfg.gpu_sharing.upper()]))
+                                                        gpu_sharing=GpuSharing[self.cfg.gpu_sharing.upper()]))
         return select(req, "exact").variant
 
     def _materialise(self, task: EvalTask, v: Variant, t: float, rate: float
@@ -366,8 +366,8 @@ class _Controller:
                 break
         if v is None and self.cfg.utilization_cap < 1.0:  # ... and then without the burst headroom
             v = self._select(task, rate, cluster, cap=1.0)
-        if v is None and self.cfg.gpu_sharing.upper() == GpuSharing.INTERFERENCE.name:  # ... and sharing-blind
-            v = self._select(task, rate, cluster, cap=1.0, blind=True)
+        if v is None and self.live:  # ... and on what is measured alone, as the policy does
+            v = self._select(task, rate, self.cluster(at, loads, busy=busy, measured_only=True), cap=1.0)
         if v is None:
             self.events.append({"t": at, "task": task.name, "kind": "deploy", "outcome": "UNPLACED", "rate": rate})
             return

@@ -37,6 +37,7 @@ SENSITIVITY: tuple[tuple[str, dict[str, Any]], ...] = (
     ("sharing-blind Murakkab", {"baseline_sharing": False}),
     ("product accuracy targets", {"experiment": "product-targets"}),
     ("loads x4", {"loads": "x4"}),
+    ("no burst headroom", {"burst_headroom": False}),
 )
 
 

@@ -238,7 +238,8 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
                       plots: bool = True, plan_tokens: str = "median", colocation: str = DEFAULT_COLOCATION,
                       langchain_rule: str = "smallest", experiment: Experiment | None = None,
                       segment_requests: int | None = None, baseline_workflow: str = "fixed",
-                      baseline_sharing: bool = True, quiet: bool = False) -> dict[str, Any]:
+                      baseline_sharing: bool = True, quiet: bool = False,
+                      burst_headroom: bool = True) -> dict[str, Any]:
     """Run the matrix, write `serving.json` (+ PNG plots) into `out_dir`, print the tables; return the report.
 
     `experiment`: the declared experiment (default: `flowmaker/eval/data/paper-scale.toml`): tasks' accuracy
@@ -249,7 +250,8 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     (`flowmaker.sim.COLOCATION_MODES`, default "dynamic"). `segment_requests` overrides the experiment's
     segment size (tests). `baseline_workflow`: "fixed" (the declared fixed workflows) or "single-stage" (a
     sensitivity run). `baseline_sharing`: Murakkab plans under FlowMaker's GPU-sharing contract (the
-    declared setting) or sharing-blind (a sensitivity run). `langchain_rule`: how the LangChain baseline picks its model (`LANGCHAIN_MODEL_RULES`).
+    declared setting) or sharing-blind (a sensitivity run). `burst_headroom`: FlowMaker's policies plan for the
+    bursts seen before each deploy (default) or at the measured rate (the published system; sensitivity). `langchain_rule`: how the LangChain baseline picks its model (`LANGCHAIN_MODEL_RULES`).
     Every setup choice is recorded in the JSON's "setup", with the experiment file's SHA-256.
     """
     t_start = time.perf_counter()
@@ -311,6 +313,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
             ctx = PolicyContext(tasks, kind, load, models, profiles, cluster, gpu, seed=seed, monitor=monitor,
                                 plan_tokens=plan_tokens, workload=wl, langchain_model=langchain_rule,
                                 utilization_cap=exp.utilization_cap, baseline_sharing=baseline_sharing,
+                                burst_headroom=burst_headroom,
                                 routellm_rate="declared", routellm_gpu_budget_gb=exp.routellm_gpu_budget_gb)
             for pol in pols:
                 t0 = time.perf_counter()
@@ -372,6 +375,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
         "experiment": {"name": exp.name, "sha256": exp.sha256, "source": exp.source, "settings": exp.as_json()},
         "plan_tokens": plan_tokens, "colocation": colocation, "utilization_cap": exp.utilization_cap,
         "segment_requests": n_req, "baseline_workflow": baseline_workflow, "baseline_sharing": baseline_sharing,
+        "burst_headroom": burst_headroom,
         "monitor_window_fraction": exp.monitor_window_fraction,
         "deploy_span_fraction": exp.deploy_span_fraction, "segments": segments,
         "slo_reference_deployment": {"model": exp.reference_model, "tp": exp.reference_tp, "pp": 1,

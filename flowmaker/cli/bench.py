@@ -170,6 +170,9 @@ def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output fol
             loads: str = typer.Option("", help="Comma-separated load levels (default: the experiment's)."),
             policies: str = typer.Option("", help="Comma-separated policies (default: all)."),
             trace_kinds: str = typer.Option("code,conv", "--trace-kinds", help="Comma-separated: code, conv."),
+            burst_headroom: bool = typer.Option(True, "--burst-headroom/--no-burst-headroom",
+                                                help="FlowMaker plans for the bursts seen before each deploy, or "
+                                                     "at the measured rate (the published system)."),
             json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
     """Trace-driven simulation of every policy on 8xA6000: every published comparison per trace and load."""
     from flowmaker.bench.serving import run_serving_bench
@@ -183,7 +186,8 @@ def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output fol
                                baseline_workflow=baseline_workflow, langchain_rule=langchain_model, quiet=json_out,
                                loads=[float(x) for x in loads.split(",") if x.strip()] or None,
                                policies=[x.strip() for x in policies.split(",") if x.strip()] or None,
-                               traces=[x.strip() for x in trace_kinds.split(",") if x.strip()])
+                               traces=[x.strip() for x in trace_kinds.split(",") if x.strip()],
+                               burst_headroom=burst_headroom)
     if json_out:
         import json
 

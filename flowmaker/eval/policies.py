@@ -128,6 +128,9 @@ class PolicyContext:
     baseline_sharing: bool = False
     routellm_rate: str = "segment-mean"
     routellm_gpu_budget_gb: float = 0.0
+    # FlowMaker's policies plan for the bursts they have seen (`planning_rates`); False: at the measured rate,
+    # never below the declared one (the published system; a sensitivity run).
+    burst_headroom: bool = True
 
     def deploy_time(self, task: EvalTask) -> float:
         return self.workload.deploy_time(task.name) if self.workload is not None else 0.0
@@ -153,7 +156,7 @@ class PolicyContext:
         SLO (`SegmentWorkload.burst_rate`): requests that arrive within one SLO must be served within about one
         SLO, so the instances they share need that rate of capacity, not the mean's."""
         w = self.workload
-        if w is None:
+        if w is None or not self.burst_headroom:
             return 0.0
         return w.burst_rate(task.name, task.max_latency_s, w.deploy_time(task.name))
 
@@ -398,12 +401,6 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
             # Still nothing: the headroom booked by the tasks before this one (their planned loads above what is
             # measured) is lent to it, as the load follower would give it back once they scale in.
             req = replace(req, cluster=st.as_cluster(seen))
-            res = select(req, strategy)
-        if res.variant is None and fallback and req.options.gpu_sharing is GpuSharing.INTERFERENCE:
-            # Still nothing: the bursts booked by the tasks before this one leave no GPU whose co-residents'
-            # busy shares it could bear. Served on a plan that ignores sharing rather than refused (a refused task
-            # serves nothing; the load follower then moves it as the measured shares allow).
-            req = replace(req, options=replace(req.options, gpu_sharing=GpuSharing.IGNORE))
             res = select(req, strategy)
         if res.variant is None:
             why = res.reason.value if res.reason is not None else "INFEASIBLE"
