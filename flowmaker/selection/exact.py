@@ -3,7 +3,8 @@
 Two phases when the first does not settle it (`flowmaker/selection/milp.py`, `select_hybrid`): the
 branch and bound below runs alone for a number of search nodes (`milp.FIRST_NODES`; phases switch by work
 done, never by the clock, so the machine's load does not change the path), which answers most requests.
-If it has not finished by then, the (memory, latency) Pareto front of every workflow is walked with
+If it has not finished by then, its incumbent is improved by local moves (`flowmaker/selection/local.py`), and
+the (memory, latency) Pareto front of every workflow is walked with
 mixed-integer programs over instance counts and stage assignments with placement relaxed (HiGHS; see the
 milp module; a chain workflow's front is walked over instance multisets instead, see the chain module). Its points become incumbents once their instances are packed and placed exactly as the
 spec places them, and the walk proves a lower bound of every variant; when the best placed variant costs
@@ -498,12 +499,16 @@ class _Search:
             M = mem_now[0]
             cut = -INF
             tie_cap = -INF  # classes costing up to this can tie the incumbent: their latency matters
+            # Classes already above the incumbent without the priced capacity need no pricing (a partial bound:
+            # it only decides pruning, which such a class cannot change; `full` bounds price every class).
+            skip = INF
             if not full:
                 best = search.best
                 if best is None:
                     cut = INF
                 else:
                     tie_cap = best[0] * (1 + REL_TOL)
+                    skip = tie_cap + 1e-300
                     # Below the cut a completion could still beat the incumbent (at equal cost only
                     # with a strictly shorter latency).
                     cut = best[0] * (1 + REL_TOL) if Lb < best[1] * (1 - REL_TOL) else best[0] * (1 - REL_TOL)
@@ -704,7 +709,7 @@ class _Search:
             Lt = INF  # least latency of the classes that can tie the incumbent
             if n_inf == 0 and need == 0.0:
                 L0 = lp(zl)
-                if cons:
+                if cons and (M + dm) * L0 <= skip:
                     L0 = max(L0, lag_lp(-1))
                     if use_lp and leq(L0, lam) and (M + dm) * L0 < (best_t if full else cut):
                         L0 = max(L0, lp_lp(-1))
@@ -751,7 +756,7 @@ class _Search:
                         if mm * Lb >= best_t and mm * Lb > tie_cap:
                             continue
                 L = lp(lat)
-                if mm * L < best_t and cons:
+                if mm * L < best_t and cons and mm * L <= skip:
                     L = max(L, lag_lp(i))
                     if use_lp and leq(L, lam) and mm * L < (best_t if full else min(best_t, cut)):
                         L = max(L, lp_lp(i))
@@ -777,13 +782,16 @@ class _Search:
                 return True
             if best is None:
                 return False
-            bc, bl, _ = best
+            bc, bl, bg = best
             if canon:  # only completions that tie the optimum are looked for
                 return lb > bc * (1 + REL_TOL) + 1e-300 or Lb > bl * (1 + REL_TOL) + 1e-300
             if lb > bc * (1 + REL_TOL) + 1e-300:
                 return True
-            # A completion of equal cost is only worth finding for a strictly shorter latency.
-            return lb >= bc * (1 - REL_TOL) and Lb >= bl * (1 - REL_TOL)
+            if lb < bc * (1 - REL_TOL) or Lb < bl * (1 - REL_TOL):
+                return False
+            # A completion of equal cost is only worth finding for a strictly shorter latency, or at an equal
+            # latency with fewer new GPUs (the spec's third key; the new GPUs so far only grow down the tree).
+            return Lb > bl * (1 + REL_TOL) + 1e-300 or gpus_now[0] >= bg
 
         def leaf() -> None:
             search.leaves += 1

@@ -7,7 +7,13 @@ The cost M * L is a product of the new memory M and the workflow latency L, so a
     y[p] in Z+          new instances of profile p;  M = sum_p memory_p * y[p]
     t[v] >= t[pred] + sum_o latency[v, o] * x[v, o]   (longest path; L >= t[v], L <= lambda)
     sum_o x[u, o] = 1;  x[u, p] <= y[p];  M >= memory_p * x[u, p];  load placed on r <= its spare;
-    load on p <= capacity_p * y[p];  stages heavier than capacity_p / (k + 1) on p <= k * y[p] (k = 1..3)
+    load on p <= capacity_p * y[p];  sum over stages on p of f_k(load / capacity_p) <= y[p] (k = 1..CUT_K)
+    room: sum of y[p] (replicas) over profiles of >= k GPUs and >= t per GPU <= what the nodes can hold
+
+where f_k are Fekete and Schepers' dual feasible functions (`_dff`: what one instance carries weighs at most
+1, so stages of different sizes too heavy to share count together) and the room rows (`room_rows`) count, per
+(k GPUs, t per GPU) of a profile, how many such instances the free memory of the nodes can physically hold
+under any placement rule: a point whose instances never fit is not a point of the relaxation.
 
 Profiles that another one dominates in this workflow (no more memory or GPUs, at least the capacity, no
 slower on any stage) are left out. The walk (`RelaxedModel.walk`) first solves for the least L (Lmin) and
@@ -26,6 +32,9 @@ relaxes bin packing, so each point's stages are packed into its instances exactl
 not fit, a cut (all of these stages on p => at least as many instances as they need) is added and the interval
 solved again. A packed point is numbered in the spec's order (slots by first stage) and checked exactly
 (`Problem.check`: capacity and the LeastLoaded placement); then it is an incumbent.
+
+Before the walks, `exact` improves the first branch and bound's incumbent by local moves (`local.improve`,
+bounded by counts of work): a better incumbent is a better anytime answer and prunes the walks.
 
 A chain workflow (one path of stages) is walked instead by `chain.walk_chain` (instance multisets best
 first, each packed exactly), unless an all-reuse variant (cost 0) is already known; it settles the new-GPU
@@ -58,7 +67,7 @@ from flowmaker.selection.problem import (
 from flowmaker.selection.registry import register
 
 MIP_TOL = 1e-9  # feasibility tolerances handed to HiGHS
-CUT_K = 3  # bin-packing cuts: stages heavier than capacity / (k + 1), k = 1..CUT_K
+CUT_K = 3  # bin-packing cuts: the dual feasible functions u^(k), k = 1..CUT_K (4 measured no better)
 MEM_ROWS = True
 
 
@@ -161,6 +170,12 @@ class RelaxedModel:
                 for pi in profs:
                     entries[self.y[pi]].append((mem_u[s], pb.p_mem[pi]))
         spare_row = {r: row(-big, _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r] if check_cap else big) for r in reus}
+        # Room on the cluster: new instances that no placement can hold at once are ruled out (`room_rows`).
+        self.room = room_rows(pb, profs, len(llm))
+        for members, cap in self.room:
+            r_ = row(-big, float(cap))
+            for pi in members:
+                entries[self.y[pi]].append((r_, float(pb.p_reps[pi])))
         # Path rows: per stage v and each predecessor (or none): t_v - t_p - lat_v >= 0; L - t_v >= 0.
         path_rows: list[list[int]] = []
         for v in range(n):
@@ -195,14 +210,17 @@ class RelaxedModel:
                     link = row(-big, 0.0)
                     e.append((link, 1.0))
                     entries[self.y[ref]].append((link, -1.0))
-                    # Bin packing: stages heavier than capacity / (k + 1) fit at most k to an instance.
+                    # Bin packing: sum of f_k(load / capacity) over the stages on p <= y[p] for the dual feasible
+                    # functions f_k (Fekete-Schepers), k = 1..CUT_K: weights that any one instance's stages keep
+                    # within 1, so that heavy stages of different sizes count together.
                     for kk in range(1, CUT_K + 1):
-                        if check_cap and ld * (kk + 1) > _tol(pb.p_cap[ref]) * (1 + 1e-12):
+                        w = _dff(ld, _tol(pb.p_cap[ref]), kk) if check_cap else 0.0
+                        if w > 0.0:
                             key = (ref, kk)
                             if key not in heavy_row:
                                 heavy_row[key] = row(-big, 0.0)
-                                entries[self.y[ref]].append((heavy_row[key], -float(kk)))
-                            e.append((heavy_row[key], 1.0))
+                                entries[self.y[ref]].append((heavy_row[key], -1.0))
+                            e.append((heavy_row[key], w))
                     if MEM_ROWS:
                         e.append((mem_u[s], -pb.p_mem[ref]))
                 xs.append(c)
@@ -424,6 +442,50 @@ class RelaxedModel:
         return None if bad is not None else self.realize(assign, inst)
 
 
+def _dff(x: float, cap: float, k: int) -> float:
+    """Fekete-Schepers' dual feasible function u^(k) scaled to [0, 1]: floor((k + 1) x / cap) / k, or x / cap where
+    (k + 1) x / cap is an integer. Loads that fit one instance together weigh at most 1. Near an integer the
+    linear value (the smaller one) is taken, so float noise never makes a weight too large."""
+    q = (k + 1) * x / cap
+    if abs(q - round(q)) <= 1e-7 * max(1.0, q):
+        return x / cap * (1 - 1e-9)
+    return math.floor(q) / k
+
+
+def _node_room(free: list[int], k: int, t: int) -> int:
+    """How many instances of k GPUs taking t units on each fit on one node with these free memories, at most:
+    the largest m with m * k <= sum over its GPUs of min(free // t, m) (an instance uses a GPU once)."""
+    if len(free) < k:
+        return 0
+    c = [f // t for f in free]
+    lo, hi = 0, sum(c) // k
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid * k <= sum(min(x, mid) for x in c):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def room_rows(pb: Problem, profs: list[int], most: int) -> list[tuple[list[int], int]]:
+    """Physical room for new instances, valid whatever the placement rule (both contracts): for every (k GPUs,
+    t units per GPU) of a profile in `profs`, the instances (replicas) of profiles with at least k GPUs and at
+    least t units per GPU number at most the sum over nodes of `_node_room` (each such instance takes, on k of
+    its GPUs, at least t units on one node). Rows (profiles, room) that can bind when each profile has up to
+    `most` instances; a multiset of new instances beyond one of them never places."""
+    by_node = [[pb.free0[g] for g in ids] for ids in pb.layout.gpus_by_node]
+    out: dict[tuple[int, ...], int] = {}
+    for k, t in sorted({(pb.p_k[pi], pb.p_need[pi]) for pi in profs}):
+        if t <= 0:
+            continue
+        members = tuple(pi for pi in profs if pb.p_k[pi] >= k and pb.p_need[pi] >= t)
+        cap = sum(_node_room(free, k, t) for free in by_node)
+        if cap < most * sum(pb.p_reps[pi] for pi in members) and cap < out.get(members, cap + 1):
+            out[members] = cap
+    return [(list(m), c) for m, c in out.items()]
+
+
 def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
     """Profiles that another one dominates in this workflow with placement relaxed: no more memory, at least
     the capacity, no more GPUs, no slower on any LLM stage (ties: the lower index stays). Any instance of a dominated
@@ -450,16 +512,21 @@ def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
 # Phases switch by work done, never by the clock (issue 24: the same answer at any machine load); the clock
 # only enforces the caller's final deadline. `exact`: the branch and bound alone for FIRST_NODES search nodes
 # (most requests end there; fewer for a small budget, scaled by a fixed reference rate, not a measured one),
-# then the Pareto walks, each for at most WALK_SOLVES MILPs (chains: CHAIN_POINTS multisets), then the branch
-# and bound again until the final deadline.
+# then local moves around its incumbent (LOCAL; `local.LOCAL_CHECKS`), then the Pareto walks, each for at most
+# WALK_SOLVES MILPs (chains: the multiset walk for CHAIN_POINTS_FIRST multisets, then the MILP walk), then the
+# branch and bound again until the final deadline. Measured on fresh chain_clones instances (issue 24): the
+# MILP walk of a long chain with many clones takes 0.3-2 s a solve, while its multiset walk settles or bounds
+# far more in the same time, so a chain's multiset walk is no longer cut short at 60 multisets or 4 MILPs.
 FIRST_NODES = 5_000
 REF_NODES_PER_S = 20_000  # this machine's rate, measured once; only scales FIRST_NODES down for small budgets
 FIRST_SHARE = 0.08
 WALK_SOLVES = 400
-CHAIN_POINTS_FIRST = 60  # a chain's multiset walk visits this many multisets before its MILP walk,
-CHAIN_MILPS_FIRST = 4  # or solves this many of their packings as MILPs
+CHAIN_POINTS_FIRST = 5_000  # a chain's multiset walk visits this many multisets before its MILP walk,
+CHAIN_MILPS_FIRST = 0  # or solves this many of their packings as MILPs (0: no limit)
 CHAIN_POINTS = 5_000
+CHAIN_FIRST_NODES = 800  # the first branch and bound's nodes when every workflow is a chain
 CHAIN_NODES = 3_000_000  # depth-first nodes of a chain walk's packings, all multisets together
+LOCAL = True  # local moves around the first incumbent before the walks (`flowmaker.selection.local`)
 
 Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]]
 
@@ -475,6 +542,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
     again from the best variant known, until the deadline."""
     from flowmaker.selection import exact as ex
     from flowmaker.selection.chain import is_chain, walk_chain
+    from flowmaker.selection.local import improve
 
     started = time.perf_counter()
     budget = req.options.time_budget_s or ex.DEFAULT_BUDGET_S
@@ -484,6 +552,10 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
     if first is None or _CORE is None:
         return ex.finish(pb, strategy, ex.solve(pb, deadline=deadline, grace=grace), started, budget)
     search = None
+    if first > 0 and all(is_chain(pw) for pw in pb.workflows):
+        # Chains: the first branch and bound rarely settles them (3 of 40 fresh chain_clones instances, measured)
+        # and the multiset walk does: it only needs an incumbent, so it stops sooner (by structure, not load).
+        first = min(first, CHAIN_FIRST_NODES)
     if first > 0:
         # `grace=started`: a search stopped for its node count leaves its frontier as is (the walk follows).
         search = ex.solve(pb, deadline=deadline, grace=started, max_nodes=first)
@@ -493,6 +565,10 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
     if search is not None and search.best is not None and search.best_at is not None:
         best = (search.best, search.best_at)
     usable = ex.usable_profiles(pb)
+    if best is not None and LOCAL:
+        # A better incumbent first (local moves; bounded work): it shrinks the gap of an unsettled answer and
+        # lets the walks and the branch and bound below prune earlier.
+        best = improve(pb, best, usable, deadline)
     d2 = deadline  # the walks stop by work done (WALK_SOLVES, CHAIN_POINTS), or at the final deadline
     lb = INF
     complete = True

@@ -93,13 +93,14 @@ def test_search_space_counts_accuracy_infeasible_and_unplaceable_profiles() -> N
 
 def test_the_walks_packing_cuts_keep_the_optimum(monkeypatch: pytest.MonkeyPatch) -> None:
     """Loads 55, 30, 30, 30, 30, 25 tok/s on instances of 100 tok/s (10 GB; 200 tok/s take 35 GB): the aggregated
-    capacity admits two instances of 100, no packing does, and no stage is heavy enough for the walk's
-    per-instance rows to see it. The walk must cut (y >= need - stages left out), keep a valid bound and still
-    reach the brute force's optimum (three instances of 100)."""
+    capacity admits two instances of 100, no packing does. With the walk's dual-feasible rows off (CUT_K = 0; they
+    see this packing, `test_the_walks_dual_feasible_rows_see_the_packing`) the walk must cut (y >= need - stages
+    left out), keep a valid bound and still reach the brute force's optimum (three instances of 100)."""
     from test_selection_properties import agree
 
     import flowmaker.selection.milp as milp
 
+    monkeypatch.setattr(milp, "CUT_K", 0)
     cuts: list[int] = []
     orig = milp.RelaxedModel.cut
 
@@ -127,3 +128,82 @@ def test_the_walks_packing_cuts_keep_the_optimum(monkeypatch: pytest.MonkeyPatch
     assert cuts  # the walk did cut
     assert fr.complete and fr.lower_bound <= want[0] * (1 + 1e-9)
     assert min(c[0][0] for c in fr.candidates) <= want[0] * (1 + 1e-9)
+
+
+def test_the_walks_dual_feasible_rows_see_the_packing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The instance of `test_the_walks_packing_cuts_keep_the_optimum` with the dual-feasible rows on (u^(3): the
+    55 tok/s stage weighs 2/3, each 30 one 1/3, the 25 one 1/4 > 2 in all): the walk needs no cut, and its bound
+    and best point are the brute force's optimum. Each weight keeps what one instance can carry within 1."""
+    from test_selection_properties import brute_force
+
+    import flowmaker.selection.milp as milp
+    from flowmaker.selection.exact import usable_profiles
+    from flowmaker.selection.problem import Problem
+
+    for k in range(1, 6):  # a bin's loads (x_i <= cap in total) never weigh more than 1
+        for loads in ((55, 45), (30, 30, 30, 10), (25, 25, 25, 25), (34, 33, 33), (50, 50), (99.9,)):
+            assert sum(milp._dff(x, 100.0, k) for x in loads) <= 1.0 + 1e-12, (k, loads)
+    cuts: list[int] = []
+    orig = milp.RelaxedModel.cut
+
+    def counted(self: milp.RelaxedModel, pi: int, stages: list[int], nbins: int) -> None:
+        cuts.append(nbins)
+        orig(self, pi, stages, nbins)
+
+    monkeypatch.setattr(milp.RelaxedModel, "cut", counted)
+    stages = tuple(Stage(f"s{i}", depends_on=("s0",) if i else (), input_tokens=100, output_tokens=out)
+                   for i, out in enumerate((55, 30, 30, 30, 30, 25)))
+    gpus = tuple(Gpu(f"n0-g{i}", "n0", 48.0, 0.0) for i in range(4))
+    profs = (Profile("a", 1, 1, 10.0, 0.01, 1e-4, 0.01, 100.0), Profile("b", 1, 1, 35.0, 0.01, 1e-4, 0.009, 200.0))
+    req = SelectionRequest(Slo(0.1, 100.0, 1.0), (Workflow("w", stages),), MODELS, profs, Cluster(gpus))
+    want, _ = brute_force(req)
+    assert want is not None
+    pb = Problem(req)
+    fr = milp.RelaxedModel(pb, pb.workflows[0], usable_profiles(pb)).walk(math.inf, None)
+    assert not cuts
+    assert fr.complete and fr.lower_bound <= want[0] * (1 + 1e-9)
+    assert min(c[0][0] for c in fr.candidates) <= want[0] * (1 + 1e-9)
+
+
+def test_the_walk_never_opens_more_instances_than_the_cluster_holds() -> None:
+    """One node of 4 GPUs with 30 GB free each: two 2-GPU instances of 20 GB per GPU fit, a third does not
+    (placement relaxed, the walk's aggregated capacity would take three). Three heavy stages each want their
+    own fast instance; the walk's room row (at most 2) keeps its bound valid and it reaches the optimum."""
+    from test_selection_properties import agree, brute_force
+
+    import flowmaker.selection.milp as milp
+    from flowmaker.selection.exact import usable_profiles
+    from flowmaker.selection.problem import Problem
+
+    stages = tuple(Stage(f"s{i}", depends_on=("s0",) if i else (), input_tokens=100, output_tokens=80)
+                   for i in range(3))
+    gpus = tuple(Gpu(f"n0-g{i}", "n0", 48.0, 18.0) for i in range(4))
+    profs = (Profile("a", 2, 1, 20.0, 0.01, 1e-4, 0.005, 100.0), Profile("b", 1, 1, 10.0, 0.05, 1e-3, 0.05, 100.0))
+    req = SelectionRequest(Slo(0.1, 100.0, 1.0), (Workflow("w", stages),), MODELS, profs, Cluster(gpus))
+    pb = Problem(req)
+    m = milp.RelaxedModel(pb, pb.workflows[0], usable_profiles(pb))
+    a = pb.prof_by_key[("a", 2, 1)]
+    assert any(a in members and cap == 2 for members, cap in m.room)
+    want, _ = brute_force(req)
+    assert want is not None
+    fr = m.walk(math.inf, None)
+    assert fr.complete and fr.lower_bound <= want[0] * (1 + 1e-9)
+    assert min(c[0][0] for c in fr.candidates) <= want[0] * (1 + 1e-9)  # its best point places
+    agree(req, ("milp", "exact"), proven=True)
+
+
+def test_equal_cost_and_latency_with_fewer_new_gpus_is_not_pruned() -> None:
+    """Two profiles of one model with the same memory (tp2 x 10 GB, tp1 x 20 GB) and the same speed: every
+    variant ties on cost and L, and the spec's third key wants the one-GPU instance. The branch and bound meets
+    the tp2 one first; its pruning must still look at equal-cost, equal-latency completions with fewer new GPUs
+    (found by the property test: `exact` answered 2 GPUs, proven)."""
+    from test_selection_properties import agree
+
+    stages = tuple(Stage(f"s{i}", input_tokens=50, output_tokens=10) for i in range(2))
+    profs = (Profile("a", 2, 1, 10.0, 0.0, 0.0005, 0.03, 40.0), Profile("a", 1, 1, 20.0, 0.0, 0.0005, 0.03, 40.0))
+    gpus = (Gpu("n0-g0", "n0", 48.0, 0.0), *(Gpu(f"n1-g{i}", "n1", 48.0, 0.0) for i in range(4)))
+    req = SelectionRequest(Slo(0.0, 0.5, 0.0), (Workflow("w", stages),), MODELS, profs, Cluster(gpus),
+                           SelectionOptions(allow_reuse=False))
+    res = select(req, "exact")
+    assert res.optimal and res.variant is not None and res.variant.new_gpus == 1
+    agree(req, ("exact", "milp", "exhaustive"), proven=True)
