@@ -82,7 +82,8 @@ class EtcdServer:
             self.proc.wait()
 
 
-def start_etcd(base: Path) -> EtcdServer:
+def start_etcd(base: Path, extra_args: tuple[str, ...] = ()) -> EtcdServer:
+    """A real etcd on two free loopback ports, data and log under `base`; `extra_args` go on its command line."""
     if not os.path.exists(ETCD_BIN):
         pytest.skip(f"etcd not installed at {ETCD_BIN} (apt-get install etcd-server)")
     cport, pport = free_port(), free_port()
@@ -93,7 +94,7 @@ def start_etcd(base: Path) -> EtcdServer:
            "--listen-client-urls", curl, "--advertise-client-urls", curl,
            "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
            "--initial-cluster", f"fm-test={purl}", "--initial-cluster-state", "new",
-           "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"]
+           *extra_args, "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"]
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = EtcdServer(proc, cport, pport, data_dir, log_path)

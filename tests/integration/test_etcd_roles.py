@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -40,7 +39,7 @@ from flowmaker.state.records import (
     read_cluster,
 )
 from flowmaker.state.store import Compare, EventKind, Put
-from tests.conftest import ETCD_BIN, EtcdServer, free_port
+from tests.conftest import EtcdServer, start_etcd
 
 pytestmark = pytest.mark.integration
 
@@ -50,25 +49,7 @@ ENGINE_KEY = "sk-engine-0123456789abcdef"
 
 
 def _start_auth_etcd(base: Path) -> EtcdServer:
-    if not os.path.exists(ETCD_BIN):
-        pytest.skip(f"etcd not installed at {ETCD_BIN}")
-    cport, pport = free_port(), free_port()
-    curl, purl = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
-    cmd = [ETCD_BIN, "--name", "fm-roles", "--data-dir", str(base / "etcd-data"),
-           "--listen-client-urls", curl, "--advertise-client-urls", curl,
-           "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
-           "--initial-cluster", f"fm-roles={purl}", "--initial-cluster-state", "new",
-           "--auth-token-ttl", str(TOKEN_TTL_S), "--bcrypt-cost", "4",
-           "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"]
-    log = open(base / "etcd.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = EtcdServer(proc, cport, pport, base / "etcd-data", base / "etcd.log")
-    try:
-        server.wait_healthy()
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return start_etcd(base, ("--auth-token-ttl", str(TOKEN_TTL_S), "--bcrypt-cost", "4"))
 
 
 @pytest.fixture(scope="module")
