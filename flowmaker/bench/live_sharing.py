@@ -700,6 +700,7 @@ def _report(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str, Any], 
     shared_stages = [s for s in stages_out if s["shared"] and s["ratio_measured_over_predicted"] is not None]
     ratios = [s["ratio_measured_over_predicted"] for s in shared_stages]
     alone_stages = [s for s in stages_out if not s["shared"] and s["ratio_measured_over_predicted"] is not None]
+    finals = [_r(_div(s["measured_multiplier"], s.get("multiplier_predicted_final"))) for s in shared_stages]
     return {
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
                    "tasks": [r.name for r in runs], "contract": "orchestrator defaults (BUSY_TIME + INTERFERENCE)",
@@ -717,6 +718,10 @@ def _report(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str, Any], 
             "shared_ratio_max": _r(max(ratios) if ratios else None),
             "shared_within_25pct": sum(abs(x - 1) <= 0.25 for x in ratios),
             "unshared_ratio_mean": _r(_mean([s["ratio_measured_over_predicted"] for s in alone_stages])),
+            # The selector's own sharing model re-evaluated on the FINAL placement (every co-resident deployed):
+            # measured multiplier / predicted multiplier per shared stage.
+            "shared_final_ratios": finals,
+            "shared_final_within_25pct": len([x for x in finals if x is not None and abs(x - 1) <= 0.25]),
             # The plan's digital twin (`twin_slowdowns`): the same placement and rates through the simulator.
             "shared_twin_ratios": [s["ratio_measured_over_twin"] for s in shared_stages],
             "shared_twin_within_25pct": sum(abs(s["ratio_measured_over_twin"] - 1) <= 0.25 for s in shared_stages
@@ -852,7 +857,9 @@ def render(res: dict[str, Any], console: Console) -> None:
     sm = res["summary"]
     console.print(f"shared stages: {sm['shared_stages']}, measured/predicted mean {_fmt(sm['shared_ratio_mean'])} "
                   f"(min {_fmt(sm['shared_ratio_min'])}, max {_fmt(sm['shared_ratio_max'])}), within 25%: "
-                  f"{sm['shared_within_25pct']}; unshared stages' mean ratio {_fmt(sm['unshared_ratio_mean'])}; "
+                  f"{sm['shared_within_25pct']}; the selector's model on the final placement: within 25% "
+                  f"{sm.get('shared_final_within_25pct')} / {sm['shared_stages']} (ratios {sm.get('shared_final_ratios')}); "
+                  f"unshared stages' mean ratio {_fmt(sm['unshared_ratio_mean'])}; "
                   f"against the plan's simulated twin: shared stages within 25% "
                   f"{sm.get('shared_twin_within_25pct')} / {sm['shared_stages']} (ratios {sm.get('shared_twin_ratios')}), "
                   f"unshared {sm.get('unshared_twin_ratios')}{'; twin error ' + sm['twin_error'] if sm.get('twin_error') else ''}; "

@@ -91,6 +91,10 @@ def test_live_sharing_smoke(tmp_path: Path) -> None:
     assert all(i["shared"] for i in res["instances"])
     assert res["summary"]["shared_stages"] == len(shared)
     assert not res["summary"]["twin_error"] and len(res["summary"]["shared_twin_ratios"]) == len(shared)
+    # the selector's model re-evaluated on the final placement: one ratio per shared stage, counted consistently
+    finals = res["summary"]["shared_final_ratios"]
+    assert len(finals) == len(shared) and all(x is None or x > 0 for x in finals), finals
+    assert res["summary"]["shared_final_within_25pct"] == sum(x is not None and abs(x - 1) <= 0.25 for x in finals)
 
     # Everything the bench started (etcd, services, engines) is gone.
     assert not _stack_processes(work), "processes of the bench's stack still running"
