@@ -15,13 +15,19 @@ Every variant V with new instances y_V costs M(y_V) * L_V >= M(y_V) * L(y_V), so
 (Lfast: every stage on its fastest option in y, capacity ignored). The multisets are visited best first by
 that last bound (a heap; a multiset's extensions, keyed by their least memory times the least latency of
 the workflow, are generated in canonical order), until no bound is at or below the incumbent (ties
-included). A multiset is evaluated lazily: popped first, it goes back to the heap under M(y) times its
-Lagrangian bound of L(y) (the LP dual prices of the aggregated capacities: unlike Lfast it counts capacity,
+included). A multiset is evaluated lazily: popped first, it goes back to the heap under M(y) times a
+Lagrangian bound of L(y) with the last LP's prices (no LP), popped again under M(y) times its own Lagrangian
+bound of L(y) (the LP dual prices of the aggregated capacities: unlike Lfast it counts capacity,
 which is what separates near-identical clones), and only when it comes up again is its packing searched.
 The depth-first search prunes by capacity too (the load left must fit the room of the bins that can still
 take the least of it); when it gives up, the multiset goes back once more under the bound it proved, and
 its second search may use a MILP (HiGHS; an unsettled MILP still proves its dual bound). A multiset left
-unsettled keeps that bound, and it stops `complete` only when the bound is at or below the incumbent. Each visited y gives its point (M(y), L(y)) and, when the search's assignment places
+unsettled keeps that bound, and it stops `complete` only when the bound is at or below the incumbent. Before the
+MILP, the packing may be searched bin by bin (`binpack.least_l_bins`: its bound counts the room a closed bin
+wastes, which the capacity prices cannot see), as long as that has settled some packing of this walk (or for the
+first one). Expansions are keyed by their least memory times the least latency of any multiset below them (each
+stage on its fastest option in the multiset or on a profile the expansion may still add), and nothing keyed above
+the incumbent is pushed (it would never be popped). Each visited y gives its point (M(y), L(y)) and, when the search's assignment places
 (`Problem.check`), a candidate, which uses at most the instances of y, so it is at least as good as every
 variant with those instances in (cost, L, new GPUs). Hence when every visited y that could tie the best cost
 gave a placed candidate, the best candidate is the optimum, tie-breaks included (`complete`); otherwise, or
@@ -37,6 +43,7 @@ import time
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+from flowmaker.selection.binpack import Bin, least_l_bins
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
 
 if TYPE_CHECKING:
@@ -44,7 +51,13 @@ if TYPE_CHECKING:
 
 CHAIN_PREPS = 10  # Lagrangian bounds (one small LP each) per multiset the walk may search
 NODE_LIMIT = 4_000  # depth-first nodes per search of a multiset (measured: 4,000 settles more than 1,000 in 1 s)
+CHEAP_FIRST = True  # a multiset's first bound uses the last LP's prices; its own LP comes when it is popped again
+BIN_NODES = 40_000  # nodes of the bin-by-bin search (`binpack`) of a packing before its MILP (0: none)
+BIN_TRIES = 1  # packings searched so before the first that it settles; none after, unless one was settled
 MILP_GAP = 0.0  # solved to optimality: the walk's tie-break argument needs the least L of every multiset
+MILP_SYMMETRY = False  # order the identical bins by load in the MILP (measured on chain_clones packings: without
+# these rows HiGHS (its own symmetry detection) settled 6 of 8 packings that took 0.9-1.5 s or were left open with
+# them, in 0.1-1.0 s; one infeasibility proof took 0.56 s instead of 0.45 s)
 MILP_NODES = 3_000  # branch-and-bound nodes of HiGHS for one packing; past it the multiset keeps its bound
 # (measured on fresh chain_clones instances: 500 left packings of a single new instance unsettled that 3,000 settle)
 
@@ -129,6 +142,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         room = {(REUSE, r): _tol(spare[r]) for r in spare}
         room.update({(NEW, pi): y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]]})
         mu = _prices(so, [pw.load[s] for s in llm], room)
+        last_mu[0] = mu
         rem_mu = [0.0] * (n_llm + 1)
         for j in range(n_llm - 1, -1, -1):
             ld = pw.load[llm[j]]
@@ -137,6 +151,33 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         got: Prep = (so, mu, rem, rem_mu, pen0, max(rem[0], rem_mu[0] - pen0) + tool)
         preps[y] = got
         return got
+
+    last_mu: list[dict[tuple[str, int], float]] = [{}]  # the prices of the last multiset's LP
+
+    def cheap(y: tuple[int, ...]) -> float:
+        """A Lagrangian bound of the L of every assignment that fits y, with the last LP's prices (any prices >= 0
+        give one; a class the last LP did not price gets 0): no LP, so that a multiset it lifts above the incumbent
+        costs no LP."""
+        mu = last_mu[0]
+        plain = lag = 0.0
+        for s_ in llm:
+            ld = pw.load[s_]
+            b0 = bl = INF
+            for k, ref, lat in opts[s_]:
+                if k == NEW and not y[pos[ref]]:
+                    continue
+                if lat < b0:
+                    b0 = lat
+                v = lat + mu.get((k, ref), 0.0) * ld
+                if v < bl:
+                    bl = v
+            if b0 == INF:
+                return INF
+            plain += b0
+            lag += bl
+        pen = sum(mu.get((REUSE, r), 0.0) * _tol(spare[r]) for r in spare)
+        pen += sum(mu.get((NEW, pi), 0.0) * y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]])
+        return tool + max(plain, lag - pen)
 
     def least_l(y: tuple[int, ...], cap_l: float, use_milp: bool
                 ) -> tuple[float, list[tuple[str, int, int]] | None, bool]:
@@ -249,6 +290,22 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         if best_a[0] is None:  # no assignment seen: first fit, heaviest stage first, fastest option first
             best_a[0] = _first_fit(so, [pw.load[s] for s in llm], y, pos,
                                    {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for r in spare}, pb.p_cap)
+        if use_milp and BIN_NODES and (bins_tried[0] < BIN_TRIES or bins_won[0]):
+            # The depth-first search gave up twice: bin by bin (`binpack`), whose bound sees the room a packing
+            # wastes, before the MILP, for as long as that settles some packings (measured on chain_clones: it
+            # settles in 0.1 s packings that HiGHS leaves open after 1 s, and on other instances it settles
+            # none of those that HiGHS settles in 5 ms; counted in work, never in time).
+            bins_tried[0] += 1
+            bl: list[Bin] = [(k, ref, 0, pb.r_load0[ref], pb.p_cap[pb.r_prof[ref]]) if k == REUSE
+                             else (k, ref, b, 0.0, pb.p_cap[ref])
+                             for k, ref in classes for b in (range(1) if k == REUSE else range(y[pos[ref]]))]
+            got_b = least_l_bins(so, [pw.load[s] for s in llm], bl, mu, tool, cap_l, BIN_NODES)
+            work[0] += got_b[3]
+            if got_b[2]:
+                bins_won[0] += 1
+                return got_b[0], got_b[1], True
+            if got_b[1] is not None and (best_a[0] is None or tool + _lat_of(so, got_b[1]) < best_l[0]):
+                best_a[0] = got_b[1]
         if use_milp:  # the depth-first search gave up: the same question as a MILP (HiGHS)
             milps[0] += 1
             got = _least_l_milp(pb, [pw.load[s] for s in llm], so, y, profs, pos, tool, cap_l, deadline)
@@ -266,11 +323,26 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     tick = 0
     work = [0]  # depth-first nodes of every multiset so far
     milps = [0]  # packings solved as MILPs so far
+    bins_tried, bins_won = [0], [0]  # packings searched bin by bin before their MILP, and settled so
+
+    spare_all = sum(spare.values())
+    # lat_new[q][j]: stage j's fastest option on a new instance of profile q (INF: none), for Lfast by increments
+    lat_new = [[INF] * n_llm for _ in range(P)]
+    for j, s_ in enumerate(llm):
+        for k, ref, lat in opts[s_]:
+            if k == NEW and lat < lat_new[pos[ref]][j]:
+                lat_new[pos[ref]][j] = lat
+
+    # sufmin_lat[q][j]: stage j's fastest option on a new instance of any profile >= q (the expansions of (z, q)
+    # add only those): with the fastest options of z, a lower bound of the latency of every multiset below it
+    sufmin_lat = [[INF] * n_llm for _ in range(P + 1)]
+    for q in range(P - 1, -1, -1):
+        sufmin_lat[q] = [min(a, b) for a, b in zip(sufmin_lat[q + 1], lat_new[q], strict=True)]
 
     def push_eval(y: tuple[int, ...]) -> None:
         nonlocal tick
         m = m_of(y)
-        if sum(c * cp for c, cp in zip(y, cap, strict=True)) + sum(spare.values()) < total_load * (1 - 1e-9):
+        if sum(c * cp for c, cp in zip(y, cap, strict=True)) + spare_all < total_load * (1 - 1e-9):
             return  # cannot hold the load even aggregated
         f = fast(y)
         if f < INF and leq(f, pb.lam):
@@ -281,15 +353,64 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         nonlocal tick
         if i >= P or sum(y) >= n_llm:
             return
+        key = (m_of(y) + suffix_min_mem[i]) * lmin_all
+        if key > inc * (1 + 1e-9):
+            return  # never popped: the walk stops at the first key above the incumbent (which only falls)
         tick += 1
-        heapq.heappush(heap, ((m_of(y) + suffix_min_mem[i]) * lmin_all, tick, y, i, True))
+        heapq.heappush(heap, (key, tick, y, i, True))
+
+    def expand(y: tuple[int, ...], i: int) -> None:
+        """Push the multisets z = y + one instance of profile q >= i, and their expansions (z, q). The keys of
+        `push_eval`, computed by increments (Lfast(z) = tool + sum over the stages of the least of their fastest
+        option in y and on q); an expansion's key is its least memory (z's plus the least of a profile >= q)
+        times the least latency of any multiset below it (each stage on its fastest option in z or on a profile
+        >= q). A multiset or expansion whose key is above the incumbent is never popped, so it is not pushed."""
+        nonlocal tick
+        m = m_of(y)
+        capsum = sum(c * cp for c, cp in zip(y, cap, strict=True)) + spare_all
+        by = list(reuse_lat)
+        for q, c in enumerate(y):
+            if c:
+                ln = lat_new[q]
+                for j in range(n_llm):
+                    if ln[j] < by[j]:
+                        by[j] = ln[j]
+        room_n = sum(y) + 1 < n_llm
+        lim = inc * (1 + 1e-9)
+        for q in range(i, P):
+            if y[q] >= users[q]:
+                continue
+            mz = m + mem[q]
+            ln = lat_new[q]
+            f = tool
+            for j in range(n_llm):
+                f += ln[j] if ln[j] < by[j] else by[j]
+            ok_eval = f < INF and leq(f, pb.lam) and mz * f <= lim \
+                and capsum + cap[q] >= total_load * (1 - 1e-9)
+            ok_exp = False
+            if room_n:
+                sl = sufmin_lat[q]
+                fs = tool
+                for j in range(n_llm):
+                    fs += sl[j] if sl[j] < by[j] else by[j]
+                kx = (mz + suffix_min_mem[q]) * fs
+                ok_exp = kx <= lim
+            if not ok_eval and not ok_exp:
+                continue
+            z = (*y[:q], y[q] + 1, *y[q + 1:])
+            if ok_eval:
+                tick += 1
+                heapq.heappush(heap, (mz * f, tick, z, 0, False))
+            if ok_exp:
+                tick += 1
+                heapq.heappush(heap, (kx, tick, z, q, True))
 
     push_eval(y0)
     push_expand(y0, 0)
     stopped = False
     unsettled = INF  # least bound of the multisets whose packing was left open
     while heap:
-        key, _, y, i, expand = heap[0]
+        key, _, y, i, is_exp = heap[0]
         if key > inc * (1 + 1e-9):
             break
         if time.perf_counter() > deadline or fr.solves >= (max_points or CHAIN_POINTS) or work[0] > CHAIN_NODES \
@@ -297,20 +418,22 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             stopped = True  # the final deadline, or the work this walk may do
             break
         heapq.heappop(heap)
-        if expand:
-            for q in range(i, P):
-                if y[q] >= users[q]:
-                    continue
-                z = (*y[:q], y[q] + 1, *y[q + 1:])
-                push_eval(z)
-                push_expand(z, q)
+        if is_exp:
+            expand(y, i)
             continue
         m = m_of(y)
         # A multiset is evaluated lazily, cheapest bound first: on its first pop (i = 0) it goes back to the
-        # heap keyed by its Lagrangian bound (capacity counted, unlike the key's), then (i = 1) its packing is
+        # heap keyed by a Lagrangian bound with the last LP's prices (no LP; CHEAP_FIRST), on the next (i = 3)
+        # keyed by its own Lagrangian bound (capacity counted, unlike the key's), then (i = 1) its packing is
         # searched depth first; if that search gives up, it goes back keyed by the bound the search proved
         # (i = 2), and by the time it comes up again the incumbent may have fallen below it, or a MILP settles it.
-        if i == 0:
+        if i == 0 and CHEAP_FIRST:
+            c = cheap(y)
+            if c < INF:
+                tick += 1
+                heapq.heappush(heap, (max(key, m * c), tick, y, 3, False))
+            continue
+        if i in (0, 3):
             pr = prep(y)
             if pr is not None:
                 tick += 1
@@ -366,9 +489,9 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
                   deadline: float) -> tuple[float, list[tuple[str, int, int]] | None, bool] | None:
     """`least_l` as a MILP: each stage j (load loads[j], options so[j] = (latency, kind, ref)) on one running
     instance with room or one of the y[p] instances of each new profile p (bins, identical: ordered by load to
-    break their symmetry), every bin within its capacity, least total latency <= cap_l. Returns (L, assignment,
-    True), (cap_l, None, True) when nothing fits within cap_l, (its proven lower bound of L, None, False) when
-    HiGHS did not settle it, or None when it proved nothing."""
+    break their symmetry only if MILP_SYMMETRY; HiGHS detects it otherwise), every bin within its capacity, least
+    total latency <= cap_l. Returns (L, assignment, True), (cap_l, None, True) when nothing fits within cap_l, (its
+    proven lower bound of L, None, False) when HiGHS did not settle it, or None when it proved nothing."""
     from flowmaker.selection.milp import _CORE, MIP_TOL, _tol
 
     if _CORE is None:
@@ -397,7 +520,7 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
         rows_hi.append(_tol(pb.p_cap[pb.r_prof[key[1]]]) - pb.r_load0[key[1]] if key[0] == REUSE
                        else _tol(pb.p_cap[key[1]]))
     sym: dict[tuple[int, int], int] = {}  # bin b of profile p carries at least the load of bin b + 1
-    for pi in profs:
+    for pi in profs if MILP_SYMMETRY else ():
         for b in range(y[pos[pi]] - 1):
             sym[(pi, b)] = len(rows_lo)
             rows_lo.append(0.0)
@@ -452,6 +575,11 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
     if db is not None and math.isfinite(db):
         L = min(L, tool + db * (1 - 1e-12))
     return L, out, True
+
+
+def _lat_of(so: list[list[tuple[float, str, int]]], a: list[tuple[str, int, int]]) -> float:
+    """The latency of the LLM stages under assignment a (per stage (kind, ref, bin))."""
+    return sum(min(lat for lat, k, ref in so[j] if (k, ref) == (kind, r)) for j, (kind, r, _) in enumerate(a))
 
 
 def _first_fit(so: list[list[tuple[float, str, int]]], loads: list[float], y: tuple[int, ...], pos: dict[int, int],

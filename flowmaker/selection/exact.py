@@ -295,8 +295,12 @@ class _Search:
 
     def __init__(self, pb: Problem, *, check_cap: bool = True, check_place: bool = True,
                  stop_first: bool = False, deadline: float = INF, grace: float = INF,
-                 max_nodes: int | None = None, canonical: tuple[float, float, int] | None = None) -> None:
+                 max_nodes: int | None = None, canonical: tuple[float, float, int] | None = None,
+                 lat_cap: float | None = None) -> None:
         self.pb = pb
+        # Only variants of latency <= lat_cap (up to REL_TOL) are looked for: `milp.select_hybrid` under GPU
+        # sharing, once the cost is proven and only the tie-break (a shorter L or fewer new GPUs) is left.
+        self.lat_cap = lat_cap
         self.check_cap = check_cap
         self.check_place = check_place
         self.stop_first = stop_first
@@ -336,7 +340,8 @@ class _Search:
         for pw in pb.workflows:
             if self.canon_enc is not None and pw.index > self.canon_wf:
                 continue  # after the known optimum's workflow: later in the canonical order
-            st = _static(pb, pw, self.check_cap, usable)
+            # GPU sharing: the bounds (and the options they rule out) take the slowed latencies' lower bounds.
+            st = _static(pb, pb.bound_view(pw) if self.check_place else pw, self.check_cap, usable)
             if not st.feasible:
                 continue
             root_lb, go = self._workflow(st, pw)
@@ -365,8 +370,11 @@ class _Search:
         llm = pw.llm
         nd = len(llm)
         preds = pw.preds
-        lat_new = pw.lat_new
-        lat_reuse = pw.lat_reuse
+        # GPU sharing: latencies for bounds and pruning are `Problem.bound_view`'s lower bounds of the slowed ones
+        # (`leaf` and `sharing_prefix_ok` evaluate the true ones from `pw`); the base contract's otherwise.
+        bview = pb.bound_view(pw) if self.check_place else pw
+        lat_new = bview.lat_new
+        lat_reuse = bview.lat_reuse
         load = pw.load
         tool_lat = pw.tool_lat
         lam = pb.lam
@@ -379,6 +387,8 @@ class _Search:
             lam = min(lam, l_t * (1 + REL_TOL) + 1e-300)
             mem_cap = (c_t / l_t if l_t > 0 else 0.0) * (1 + 1e-9) + 1e-12
             gpu_cap = g_t
+        if self.lat_cap is not None:
+            lam = min(lam, self.lat_cap * (1 + REL_TOL) + 1e-300)
         p_cap, p_mem, p_k, p_reps, p_need, p_gpus = pb.p_cap, pb.p_mem, pb.p_k, pb.p_reps, pb.p_need, pb.p_gpus
         r_prof, r_load0 = pb.r_prof, pb.r_load0
         layout = pb.layout
@@ -799,7 +809,14 @@ class _Search:
             M = mem_now[0]
             if sharing and check_place:
                 # GPU sharing: the complete variant's budget and slowed latency (every bound above used the
-                # latency alone, a lower bound of this one).
+                # latency alone, a lower bound of this one). Floats first: a variant clearly costlier than the
+                # incumbent is left without the exact arithmetic (the float multipliers are within 1e-12 of it).
+                inc = search.best
+                if inc is not None:
+                    fast = pb.sharing_factors_fast(pw, choice, slots, places)
+                    if fast is not None and M * pb.longest_path(pw, pb.stage_latencies(pw, choice, slots, fast)) \
+                            * (1 - 1e-9) > inc[0] * (1 + REL_TOL) + 1e-300:
+                        return
                 factors = pb.sharing_factors(pw, choice, slots, places)
                 if factors is None:
                     return
@@ -843,10 +860,25 @@ class _Search:
 
         def sharing_prefix_ok() -> bool:
             """GPU sharing: shares only grow as stages are added, so a prefix over a budget fails every completion,
-            and its slowed latency is a lower bound of every completion's (a bound on latency and cost)."""
+            and its slowed latency is a lower bound of every completion's (a bound on latency and cost). Floats
+            first (`Problem.sharing_factors_fast`): a prefix that passes every check clearly is kept without the
+            exact arithmetic, which decides every prefix that fails or is close."""
+            best = search.best
+            fast = pb.sharing_factors_fast(pw, choice, slots, places)
+            if fast is not None:
+                Lf = slowed_path(fast) * (1 + 1e-9)  # above the exact slowed latency (floats within 1e-12)
+                if leq(Lf, lam) and (best is None or mem_now[0] * Lf <= best[0] * (1 + REL_TOL)):
+                    return True
             factors = pb.sharing_factors(pw, choice, slots, places)
             if factors is None:
                 return False
+            Lp = slowed_path(factors)
+            if not leq(Lp, lam):
+                return False
+            return best is None or mem_now[0] * Lp <= best[0] * (1 + REL_TOL) + 1e-300
+
+        def slowed_path(factors: list[float]) -> float:
+            """The longest path over the assigned stages with these multipliers on the prefix's LLM stages."""
             slowed = {s2: f for s2, f in zip(llm, factors, strict=False)}
             fin2: dict[int, float] = {}
             Lp = 0.0
@@ -855,17 +887,14 @@ class _Search:
                     continue
                 if s2 in slowed:
                     kind, ref = choice[llm_pos[s2]]
-                    base = lat_reuse[s2][ref] if kind == REUSE else lat_new[s2][slots[ref]]
+                    base = pw.lat_reuse[s2][ref] if kind == REUSE else pw.lat_new[s2][slots[ref]]
                 else:
                     base = tool_lat[s2]
                 f2 = max((fin2.get(p, 0.0) for p in preds[s2]), default=0.0) + base * slowed.get(s2, 1.0)
                 fin2[s2] = f2
                 if f2 > Lp:
                     Lp = f2
-            if not leq(Lp, lam):
-                return False
-            best = search.best
-            return best is None or mem_now[0] * Lp <= best[0] * (1 + REL_TOL) + 1e-300
+            return Lp
 
         def descend(j: int, lb: float) -> None:
             # Called with stage llm[j] and its following TOOL stages already set.

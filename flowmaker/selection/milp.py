@@ -110,21 +110,24 @@ class RelaxedModel:
         llm = pw.llm
         # Options per LLM stage.
         opts: dict[int, list[tuple[str, int, float]]] = {}
+        bv = pb.bound_view(pw)  # GPU sharing: lower bounds of the slowed latencies (the points stay bounds)
         for s in llm:
             ld = pw.load[s]
             o: list[tuple[str, int, float]] = []
             for r, pi in enumerate(pb.r_prof):
                 if pb.p_ok[pi] and (not check_cap or leq(pb.r_load0[r] + ld, pb.p_cap[pi])) \
-                        and leq(pw.lat_reuse[s][r], lam):
-                    o.append((REUSE, r, pw.lat_reuse[s][r]))
+                        and leq(bv.lat_reuse[s][r], lam):
+                    o.append((REUSE, r, bv.lat_reuse[s][r]))
             for pi in range(len(pb.profiles)):
-                if usable[pi] and (not check_cap or leq(ld, pb.p_cap[pi])) and leq(pw.lat_new[s][pi], lam):
-                    o.append((NEW, pi, pw.lat_new[s][pi]))
+                if usable[pi] and (not check_cap or leq(ld, pb.p_cap[pi])) and leq(bv.lat_new[s][pi], lam):
+                    o.append((NEW, pi, bv.lat_new[s][pi]))
             if not o:
                 self.ok = False
             opts[s] = o
         if self.ok:
-            drop = _dominated_here(pb, pw, sorted({ref for s in llm for k, ref, _ in opts[s] if k == NEW}))
+            # (GPU sharing: dominance on the latencies the model uses, `bv`'s, so that a dominated option's
+            # dominator is an option of the same stage.)
+            drop = _dominated_here(pb, bv, sorted({ref for s in llm for k, ref, _ in opts[s] if k == NEW}))
             for s in llm:
                 opts[s] = [o for o in opts[s] if not (o[0] == NEW and o[1] in drop)]
         self.opts = opts
@@ -526,6 +529,7 @@ CHAIN_MILPS_FIRST = 0  # or solves this many of their packings as MILPs (0: no l
 CHAIN_POINTS = 5_000
 CHAIN_FIRST_NODES = 800  # the first branch and bound's nodes when every workflow is a chain
 CHAIN_NODES = 3_000_000  # depth-first nodes of a chain walk's packings, all multisets together
+SHARING_FIRST_NODES = 150  # the first branch and bound's nodes under GPU sharing
 LOCAL = True  # local moves around the first incumbent before the walks (`flowmaker.selection.local`)
 
 Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]]
@@ -556,6 +560,10 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         # Chains: the first branch and bound rarely settles them (3 of 40 fresh chain_clones instances, measured)
         # and the multiset walk does: it only needs an incumbent, so it stops sooner (by structure, not load).
         first = min(first, CHAIN_FIRST_NODES)
+    if first > 0 and pb.sharing:
+        # GPU sharing: a node costs 20-30 times as much (exact shares on every prefix; measured 1-1.5 ms), the walks, whose
+        # bounds hold under sharing, prove most instances: the first branch and bound only seeds an incumbent.
+        first = min(first, SHARING_FIRST_NODES)
     if first > 0:
         # `grace=started`: a search stopped for its node count leaves its frontier as is (the walk follows).
         search = ex.solve(pb, deadline=deadline, grace=started, max_nodes=first)
@@ -612,6 +620,18 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
             best = (alt[0], (pw, alt[1], alt[2], alt[3]))
         if alt is not None:
             return _canonical_result(pb, strategy, best, started, evaluated, grace)
+    if complete and best is not None and pb.sharing and best[0][0] <= lb * (1 + 2e-9) + 1e-300:
+        # GPU sharing: the walk's bound still holds (latencies are lower bounds of the slowed ones, placement
+        # relaxed) and its candidates carry their true costs (`RelaxedModel.realize` checks Feasibility 5), so the
+        # cost is proven. Its tie-break argument does not hold: a variant of equal cost with a shorter L or fewer
+        # new GPUs is looked for by the branch and bound among the variants of L <= the best's (any better one
+        # has a cost no lower, so an L no longer), which also settles the canonical order (`finish`).
+        s4 = ex.make_search(pb, deadline=deadline, grace=grace, lat_cap=best[0][1])
+        s4.best, s4.best_at = best
+        s4.run()
+        if s4.stopped:
+            s4.frontier = lb  # every variant costs at least the walk's bound (those of longer L included)
+        return ex.finish(pb, strategy, s4, started, budget)
     if complete and best is None and lb == INF:
         # Nothing is feasible even with placement relaxed: the branch and bound names the reason.
         return ex.finish(pb, strategy, ex.solve(pb, deadline=deadline, grace=grace), started, budget)

@@ -9,6 +9,7 @@ must not depend on that.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -79,6 +80,18 @@ def free_units(gpus: Sequence[Gpu]) -> dict[str, int]:
     return {g.id: gb_units(g.memory_total_gb) - gb_units(g.memory_used_gb) for g in gpus}
 
 
+def _least_busy(cand: list[str], busy: Mapping[str, Fraction], free_u: Mapping[str, int]) -> list[str]:
+    """`cand` (ids ascending) sorted by (busy share, -free memory), stable: smaller id first on ties. By the
+    doubles of the shares first (float(Fraction) rounds correctly, so it is monotone: a smaller double means a
+    smaller share); the exact sort whenever two candidates have equal doubles but different shares."""
+    fk = {g: float(busy.get(g, _ZERO)) for g in cand}
+    out = sorted(cand, key=lambda g: (fk[g], -free_u[g]))
+    for a, b in itertools.pairwise(out):
+        if fk[a] == fk[b] and busy.get(a, _ZERO) != busy.get(b, _ZERO):
+            return sorted(cand, key=lambda g: (busy.get(g, _ZERO), -free_u[g]))
+    return out
+
+
 def place_least_busy(layout: NodeGpus, free_u: Mapping[str, int], busy: Mapping[str, Fraction], k: int,
                      need_u: int) -> tuple[str, tuple[str, ...]] | None:
     """Load-aware LeastLoaded (docs/selection-spec.md, "Extension: GPU sharing"), free memory in units.
@@ -93,7 +106,7 @@ def place_least_busy(layout: NodeGpus, free_u: Mapping[str, int], busy: Mapping[
         cand = [g for g in ids if free_u[g] >= need_u]
         if len(cand) < k:
             continue
-        chosen = sorted(cand, key=lambda g: (busy.get(g, _ZERO), -free_u[g]))[:k]  # stable: smaller id first
+        chosen = _least_busy(cand, busy, free_u)[:k]
         kth = chosen[-1]
         key = (busy.get(kth, _ZERO), free_u[kth])
         if best is None or key[0] < best[0] or (key[0] == best[0] and key[1] > best[1]):

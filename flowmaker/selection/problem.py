@@ -34,6 +34,7 @@ from flowmaker.sharing import add_offered, busy_share, gpu_totals, multiplier, o
 REL_TOL = 1e-12
 # Capacity / latency comparisons tolerate float noise from sums.
 EPS = 1e-9
+_MARGIN = 1e-7  # `Problem.sharing_factors_fast`: how clearly a float check must pass to stand for the exact one
 
 REUSE = "R"
 NEW = "N"
@@ -119,6 +120,10 @@ class Problem:
                 self.on_gpu.setdefault(g, []).append(i)
         self.r_unit = tuple(self.profiles[rp].max_output_tokens_per_s for rp in self.r_prof)
         self.workflows = tuple(self._compile(i, w) for i, w in enumerate(req.workflows))
+        self._bound_views: dict[int, PWorkflow] = {}
+        # GPU sharing: per running instance (rho0, b0, m0) of Feasibility 5.4 (m0 None: infinite)
+        self._m0: dict[str, tuple[Fraction, Fraction, Fraction | None]] = {}
+        self._fast0: tuple[dict[str, float], dict[str, float]] | None = None  # rho0, occ0 as floats  # GPU sharing: `bound_view` per workflow
 
     def _compile(self, index: int, wf: Workflow) -> PWorkflow:
         pos = {s.id: i for i, s in enumerate(wf.stages)}
@@ -138,6 +143,63 @@ class Problem:
                           for i, s in enumerate(wf.stages))
         return PWorkflow(index, wf, topo, preds, tuple(tuple(x) for x in succ), llm, tool_lat, load,
                          lat_new, lat_reuse)
+
+    def bound_view(self, pw: PWorkflow) -> PWorkflow:
+        """GPU sharing: `pw` with each LLM stage's latency per option raised to a lower bound of its slowed latency
+        in any variant (Feasibility 5.2), infinite where no variant can keep the option within the compute cap;
+        `pw` itself without sharing. For bounds only (branch and bound, Pareto walks): every true evaluation
+        (`check`, `sharing_factors`, `stage_latencies`) takes `pw`.
+
+        Why it is a lower bound: in any variant an instance x's co-residents on a GPU g carry at least g's running
+        busy share B0_g (shares only grow; a reused instance's own share is taken out), and a new instance lands on
+        GPUs whose initial free memory fits it, k of them on one node, so its f is at least 1 + kappa x the least,
+        over nodes, k-th smallest B0 among those GPUs; its compute share is at least the stage's own load over its
+        capacity (per replica). m = f (1 - rho) / (1 - rho f) grows in both f and rho. Floats with a 1e-9 margin:
+        an option is only ruled out well beyond the cap, and a multiplier is only lowered."""
+        if not self.sharing:
+            return pw
+        cached = self._bound_views.get(pw.index)
+        if cached is not None:
+            return cached
+        kappa = float(self.kappa)
+        u = self.u
+        busy0 = {g: float(b) for g, b in self.occ0.items()}
+
+        def m_lo(f: float, rho: float) -> float:
+            x = rho * f
+            if x >= 1 + 1e-9 or x > u * (1 + 1e-9) * (1 + 1e-9):
+                return math.inf
+            if x > 1 - 1e-6:
+                return 1.0
+            return max(1.0, f * (1 - rho) / (1 - x) * (1 - 1e-9))
+
+        f_new: list[float] = []
+        for pi in range(len(self.profiles)):
+            k, need = self.p_k[pi], self.p_need[pi]
+            least = math.inf
+            for ids in self.layout.gpus_by_node:
+                cand = sorted(busy0.get(g, 0.0) for g in ids if self.free0[g] >= need)
+                if len(cand) >= k:
+                    least = min(least, cand[k - 1])
+            f_new.append(1.0 + kappa * least if least < math.inf else 1.0)
+        f_reuse: list[float] = []
+        for inst in self.reusable:
+            own = float(self.run_busy0[inst.id])
+            f_reuse.append(1.0 + kappa * max([0.0] + [busy0.get(g, 0.0) - own for g in inst.gpu_ids]))
+        lat_new = list(pw.lat_new)
+        lat_reuse = list(pw.lat_reuse)
+        for s in pw.llm:
+            ld = pw.load[s]
+            lat_new[s] = tuple(
+                lat * m_lo(f_new[pi], busy_share(ld / self.p_reps[pi], self.profiles[pi].max_output_tokens_per_s))
+                for pi, lat in enumerate(pw.lat_new[s]))
+            lat_reuse[s] = tuple(
+                lat * m_lo(f_reuse[r], busy_share(self.r_load0[r] + ld, self.r_unit[r]))
+                for r, lat in enumerate(pw.lat_reuse[s]))
+        view = PWorkflow(pw.index, pw.wf, pw.topo, pw.preds, pw.succs, pw.llm, pw.tool_lat, pw.load,
+                         tuple(lat_new), tuple(lat_reuse))
+        self._bound_views[pw.index] = view
+        return view
 
     # ---- evaluation of one complete choice (the reference used by exhaustive and to build answers) ----
 
@@ -168,6 +230,111 @@ class Problem:
             if self.sharing:
                 occ[g] = occ.get(g, _ZERO) + self.u_frac
         return pl
+
+    def sharing_factors_fast(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
+                             places: Sequence[tuple[str, tuple[str, ...]]]) -> list[float] | None:
+        """`sharing_factors` in floats, for the branch and bound's prefix checks: the multipliers (within 1e-12
+        relative of the exact ones) when every check of Feasibility 5 passes with a relative margin of 1e-7 (so
+        the exact arithmetic passes too), else None: unsure, ask `sharing_factors`. Never a verdict of failure."""
+        llm = pw.llm[:len(choice)]
+        first = self.slot_offsets(slot_prof)
+        slot_load = [0.0] * len(slot_prof)
+        slot_n = [0.0] * len(slot_prof)
+        r_add: dict[int, float] = {}
+        r_n: dict[int, float] = {}
+        for s, (kind, ref) in zip(llm, choice, strict=True):
+            if kind == REUSE:
+                r_add[ref] = r_add.get(ref, 0.0) + pw.load[s]
+                r_n[ref] = r_n.get(ref, 0.0) + self.rho * pw.lat_reuse[s][ref]
+            else:
+                slot_load[ref] += pw.load[s]
+                slot_n[ref] += self.rho * pw.lat_new[s][slot_prof[ref]]
+        if self._fast0 is None:
+            self._fast0 = ({g: float(x) for g, x in self.rho0.items()}, {g: float(x) for g, x in self.occ0.items()})
+        comp = dict(self._fast0[0])
+        busy = dict(self._fast0[1])
+        r_rho: dict[str, float] = {}
+        r_busy: dict[str, float] = {}
+        for ref, add in r_add.items():
+            inst = self.reusable[ref]
+            r_rho[inst.id] = rf = busy_share(self.r_load0[ref] + add, self.r_unit[ref])
+            r_busy[inst.id] = bf = add_offered(self.run_busy0[inst.id], r_n[ref])
+            d_rho, d_busy = rf - self.run_rho0[inst.id], bf - self.run_busy0[inst.id]
+            for g in inst.gpu_ids:
+                comp[g] = comp.get(g, 0.0) + d_rho
+                busy[g] = busy.get(g, 0.0) + d_busy
+        rep: list[tuple[float, float]] = []
+        for j, pi in enumerate(slot_prof):
+            reps = self.p_reps[pi]
+            rf = busy_share(slot_load[j] / reps, self.profiles[pi].max_output_tokens_per_s)
+            bf = occupancy(slot_n[j] / reps)
+            rep.append((rf, bf))
+            for i in range(reps):
+                for g in places[first[j] + i][1]:
+                    comp[g] = comp.get(g, 0.0) + rf
+                    busy[g] = busy.get(g, 0.0) + bf
+        lo = self.u * (1 + EPS) * (1 - _MARGIN)  # clearly within the budget
+        touched = {g for ref in r_add for g in self.reusable[ref].gpu_ids}
+        touched.update(g for _, gids in places for g in gids)
+        if any(not comp.get(g, 0.0) <= lo for g in touched):
+            return None
+        kappa = float(self.kappa)
+
+        def factor(gids: Sequence[str], own: float, totals: dict[str, float]) -> float:
+            worst = 0.0
+            for g in gids:
+                x = totals.get(g, 0.0) - own
+                if x > worst:
+                    worst = x
+            return 1.0 + kappa * worst
+
+        seen: set[str] = set()
+        for g in touched:
+            for inst in self.on_gpu.get(g, ()):
+                if inst.id in seen:
+                    continue
+                seen.add(inst.id)
+                rho0, b0 = self.run_rho0[inst.id], self.run_busy0[inst.id]
+                f0 = factor(inst.gpu_ids, b0, self._fast0[1])
+                x0 = rho0 * f0
+                if abs(x0 - 1.0) <= _MARGIN:
+                    return None
+                rho1, b1 = r_rho.get(inst.id, rho0), r_busy.get(inst.id, b0)
+                f1 = factor(inst.gpu_ids, b1, busy)
+                x1 = rho1 * f1
+                if not x1 < 1.0 - _MARGIN:
+                    return None
+                m1 = f1 * (1 - rho0) / (1 - x1)
+                if x0 > 1.0:  # m0 infinite: not made slower
+                    continue
+                m0 = f0 * (1 - rho0) / (1 - x0)
+                if m1 < m0 * (1 - _MARGIN):
+                    continue
+                if not x1 <= lo:
+                    return None
+                if inst.max_slowdown > 0 and not m1 <= inst.max_slowdown * (1 + EPS) * (1 - _MARGIN):
+                    return None
+        out: list[float] = []
+        done: dict[tuple[str, int], float] = {}
+        for kind, ref in choice:
+            if (kind, ref) in done:
+                out.append(done[kind, ref])
+                continue
+            if kind == REUSE:
+                inst = self.reusable[ref]
+                pairs = [(inst.gpu_ids, r_rho[inst.id], r_busy[inst.id])]
+            else:
+                pairs = [(places[first[ref] + i][1], *rep[ref]) for i in range(self.p_reps[slot_prof[ref]])]
+            m = 1.0
+            for gids, rho, own in pairs:
+                f = factor(gids, own, busy)
+                x = rho * f
+                if not (x <= lo and x < 1.0 - _MARGIN):
+                    return None
+                m = max(m, f * (1 - rho) / (1 - x))
+            done[kind, ref] = m
+            out.append(m)
+        return out
 
     def sharing_factors(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
                         places: Sequence[tuple[str, tuple[str, ...]]]) -> list[float] | None:
@@ -233,11 +400,14 @@ class Problem:
                 if inst.id in seen:
                     continue
                 seen.add(inst.id)
-                rho0, b0 = _frac(self.run_rho0[inst.id]), _frac(self.run_busy0[inst.id])
+                got = self._m0.get(inst.id)
+                if got is None:  # the variant-independent part, once per request
+                    rho0, b0 = _frac(self.run_rho0[inst.id]), _frac(self.run_busy0[inst.id])
+                    f0 = speed_factor(inst.gpu_ids, b0, self.occ0, self.kappa)
+                    got = self._m0[inst.id] = (rho0, b0, None if rho0 * f0 >= 1 else f0 * (1 - rho0) / (1 - rho0 * f0))
+                rho0, b0, m0 = got
                 rho1, b1 = r_rho.get(inst.id, rho0), r_busy.get(inst.id, b0)
-                f0 = speed_factor(inst.gpu_ids, b0, self.occ0, self.kappa)
                 f1 = speed_factor(inst.gpu_ids, b1, busy, self.kappa)
-                m0 = None if rho0 * f0 >= 1 else f0 * (1 - rho0) / (1 - rho0 * f0)
                 m1 = None if rho1 * f1 >= 1 else f1 * (1 - rho0) / (1 - rho1 * f1)
                 if m1 is not None and (m0 is None or m1 <= m0):
                     continue  # not made slower
@@ -247,7 +417,11 @@ class Problem:
                     return None
 
         out: list[float] = []
+        done: dict[tuple[str, int], float] = {}  # one multiplier per instance, however many stages it serves
         for kind, ref in choice:
+            if (kind, ref) in done:
+                out.append(done[kind, ref])
+                continue
             if kind == REUSE:
                 inst = self.reusable[ref]
                 m = mult(inst.gpu_ids, r_rho[inst.id], r_busy[inst.id])
@@ -258,7 +432,8 @@ class Problem:
                 if any(x is None for x in ms):
                     return None
                 m = max(x for x in ms if x is not None)
-            out.append(float(m))
+            done[kind, ref] = float(m)
+            out.append(done[kind, ref])
         return out
 
     @staticmethod

@@ -638,6 +638,51 @@ def test_ignore_is_the_base_contract(req: SelectionRequest, kappa: float) -> Non
             assert res.variant.new_gpus == want[2]
 
 
+def with_clone(req: SelectionRequest) -> SelectionRequest:
+    """`req` with a model "c" identical to "a" (same accuracy and sizes, the same profiles under its id): variants
+    that differ only in the model tie in (cost, L_s, new GPUs), which the tie-break and the canonical order settle."""
+    a = next((m for m in req.models if m.id == "a"), None)
+    if a is None:
+        return req
+    clones = tuple(dataclasses.replace(p, model_id="c") for p in req.profiles if p.model_id == "a")
+    return dataclasses.replace(req, models=(*req.models, dataclasses.replace(a, id="c")),
+                               profiles=(*req.profiles, *clones))
+
+
+_SHARING_PROOFS = [0]  # how often the walk proved a sharing optimum's cost (the restricted branch and bound ran)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(under_sharing(st.one_of(shared_requests(), shared_requests().map(with_clone), requests().map(with_clone),
+                               dense_requests())))
+def _the_walks_proof_under_sharing_equals_the_brute_force(req: SelectionRequest) -> None:
+    """`milp` (the walk first) and `exact`: when the walk's bound meets the best realized variant's true cost, the
+    cost is proven and a branch and bound restricted to L <= its L settles the tie-break; the answer is the brute
+    force's (cost, L_s, new GPUs), on requests with model clones (exact ties) among others."""
+    from flowmaker.selection import exact as ex
+
+    real = ex.make_search
+
+    def spy(pb: object, **kw: object) -> object:
+        if kw.get("lat_cap") is not None:
+            _SHARING_PROOFS[0] += 1
+            event("the walk proved the cost under sharing")
+        return real(pb, **kw)  # type: ignore[arg-type]
+
+    ex.make_search = spy  # type: ignore[assignment]
+    try:
+        agree(req, ("milp", "exact"))
+    finally:
+        ex.make_search = real  # type: ignore[assignment]
+
+
+def test_the_walks_proof_under_sharing_equals_the_brute_force_ties_included() -> None:
+    """The property above, and it reaches the new proof path (not only the branch and bound's own proofs)."""
+    _SHARING_PROOFS[0] = 0
+    _the_walks_proof_under_sharing_equals_the_brute_force()
+    assert _SHARING_PROOFS[0] > 0
+
+
 def _outcomes(family: st.SearchStrategy[SelectionRequest], examples: int) -> list[Outcome]:
     seen: list[Outcome] = []
 

@@ -870,13 +870,15 @@ def test_the_chain_walk_bounds_every_variant_and_proves_the_optimum(req: Selecti
 @settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(requests(), dense_requests()).map(_as_chains), st.sampled_from([None, 1.0, 2.0]),
-       st.sampled_from([1, 2, 4]), st.booleans())
+       st.sampled_from([1, 2, 4]), st.booleans(), st.sampled_from([0, 3, 40_000]))
 def test_the_chain_walk_stays_exact_when_its_packing_searches_give_up(req: SelectionRequest, inc: float | None,
-                                                                      nodes: int, milp_settles: bool) -> None:
+                                                                      nodes: int, milp_settles: bool,
+                                                                      bin_nodes: int) -> None:
     """With the depth-first packing search cut to a few nodes, multisets go back to the heap under the bound
-    their search proved, then to the MILP (or, `milp_settles` False, to a MILP that settles nothing): the
-    walk's lower bound stays at most the optimum, its candidates are feasible, and when it says complete its
-    best candidate is the brute force's answer, tie-breaks included."""
+    their search proved, then to the bin-by-bin search (`bin_nodes` nodes: none, too few to settle anything, or
+    enough) and the MILP (or, `milp_settles` False, to a MILP that settles nothing): the walk's lower bound stays
+    at most the optimum, its candidates are feasible, and when it says complete its best candidate is the brute
+    force's answer, tie-breaks included."""
     import math as _m
 
     from flowmaker.selection import chain
@@ -888,8 +890,9 @@ def test_the_chain_walk_stays_exact_when_its_packing_searches_give_up(req: Selec
     pb = Problem(req)
     usable = usable_profiles(pb)
     best = None if want is None or inc is None else (want[0] * inc, want[1], 0)
-    saved, saved_milp = chain.NODE_LIMIT, chain._least_l_milp
+    saved, saved_milp, saved_bins = chain.NODE_LIMIT, chain._least_l_milp, chain.BIN_NODES
     chain.NODE_LIMIT = nodes
+    chain.BIN_NODES = bin_nodes
     if not milp_settles:
         chain._least_l_milp = lambda *a: None  # type: ignore[assignment]
     try:
@@ -904,6 +907,7 @@ def test_the_chain_walk_stays_exact_when_its_packing_searches_give_up(req: Selec
                     found = sc
     finally:
         chain.NODE_LIMIT, chain._least_l_milp = saved, saved_milp  # type: ignore[assignment]
+        chain.BIN_NODES = saved_bins
     if want is None:
         assert found is None
         return

@@ -1,0 +1,166 @@
+"""The least latency of a chain for a fixed multiset of new instances, by bin completion (issue 24).
+
+`chain.walk_chain` needs, for a multiset y of new instances, the least total latency L(y) of an assignment of the
+chain's LLM stages (items: load, options) to bins (the running instances with room, and the y instances) with every
+bin within its capacity. With near-identical clones this is a bin-packing problem in disguise: the latencies are
+nearly proportional to the load, so the least L fills the fast bins as full as the loads allow, and a bound that
+prices capacity (the LP's duals) cannot see the room a packing must waste. The stage-by-stage search of
+`chain.walk_chain` and a MILP then need thousands of nodes to close a gap of a fraction of a percent.
+
+Here the search decides bin by bin (bin completion): bins in order of their capacity price, most contested first;
+for each bin, depth first over the subsets of the remaining stages it may take (heaviest first, the empty set
+included), then the next bin. Bins of one new profile are identical: the first (heaviest) stage of each is later
+in the order than the first stage of the bin before (an empty bin is followed only by empty bins of its profile),
+which breaks their symmetry without losing any packing (any packing sorts its identical bins so). The bound at every node is a Lagrangian relaxation with the capacity prices mu
+(any mu >= 0 is valid):
+
+    L >= partial + sum over undecided stages of min over the bins still open (lat + mu * load)
+                 - sum over the open bins of mu * (their room left)
+
+where the stages already skipped by the current bin may use only the bins after it. Once a bin is closed its
+unused room is no longer priced, so the waste of a packing raises the bound at once, which is what the
+stage-by-stage bound misses. It also prunes when the load left exceeds the room of the bins left. Capacity is
+checked as `problem.leq(base + fill + load, capacity)`, as the spec's checks do. A state (next bin, the stages left)
+reached again at no lower latency so far is not searched again. The search is exact when it
+finishes within its node limit (the least L <= cap_l, or None when nothing fits within cap_l).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flowmaker.selection.problem import INF, NEW, leq
+
+Bin = tuple[str, int, int, float, float]  # (kind, ref, bin index within the profile, base load, capacity)
+
+
+def least_l_bins(so: Sequence[Sequence[tuple[float, str, int]]], loads: Sequence[float], bins: Sequence[Bin],
+                 mu: dict[tuple[str, int], float], tool: float, cap_l: float, node_limit: int
+                 ) -> tuple[float, list[tuple[str, int, int]] | None, bool, int]:
+    """(least L <= cap_l, the assignment per stage (kind, ref, bin), True, nodes) when the search finishes:
+    (cap_l, None, True, nodes) when nothing fits within cap_l. When it gives up after node_limit nodes:
+    (a lower bound of the least L, the best assignment found or None, False, nodes)."""
+    n = len(so)
+    lat_of: list[dict[tuple[str, int], float]] = []
+    for opts in so:
+        d: dict[tuple[str, int], float] = {}
+        for lat, k, ref in opts:
+            if (k, ref) not in d or lat < d[(k, ref)]:
+                d[(k, ref)] = lat
+        lat_of.append(d)
+    # bins in order: most contested class first (highest price), a class's bins together
+    order = sorted(range(len(bins)), key=lambda b: (-mu.get((bins[b][0], bins[b][1]), 0.0), bins[b][0], bins[b][1],
+                                                    bins[b][2]))
+    bl = [bins[b] for b in order]
+    nb = len(bl)
+    keys = [(k, ref) for k, ref, _, _, _ in bl]
+    rooms = [max(0.0, cp - base) for _, _, _, base, cp in bl]
+    same_prev = [i > 0 and bl[i][0] == NEW and keys[i] == keys[i - 1] for i in range(nb)]
+    # mc[i][j]: min over the classes of bins >= i that stage j may use of lat + mu * load (Lagrangian), and of lat
+    mcl = [[INF] * n for _ in range(nb + 1)]
+    mc0 = [[INF] * n for _ in range(nb + 1)]
+    for i in range(nb - 1, -1, -1):
+        key = keys[i]
+        m_c = mu.get(key, 0.0)
+        for j in range(n):
+            a, b = mcl[i + 1][j], mc0[i + 1][j]
+            lt = lat_of[j].get(key)
+            if lt is not None:
+                a = min(a, lt + m_c * loads[j])
+                b = min(b, lt)
+            mcl[i][j], mc0[i][j] = a, b
+    pen_suf = [0.0] * (nb + 1)  # priced room of bins > i (all unused when bin i is being filled)
+    room_suf = [0.0] * (nb + 1)
+    for i in range(nb - 1, -1, -1):
+        pen_suf[i] = pen_suf[i + 1] + mu.get(keys[i], 0.0) * rooms[i]
+        room_suf[i] = room_suf[i + 1] + rooms[i]
+
+    best_l = [cap_l]
+    best_a: list[list[tuple[str, int, int]] | None] = [None]
+    cur: list[tuple[str, int, int]] = [("", 0, 0)] * n
+    nodes = [0]
+    limit = node_limit
+
+    def prune(bound: float) -> bool:
+        if best_a[0] is None:
+            return bound > best_l[0] * (1 + 1e-12)
+        return bound >= best_l[0] * (1 - 1e-12)
+
+    seen: dict[tuple[int, int, int], float] = {}
+
+    def open_bin(i: int, remaining: list[int], part: float, prev_first: int) -> bool:
+        """Fill bin i (and the rest) with the stages `remaining`; False when the node limit is hit."""
+        if not remaining:
+            if part < best_l[0] or (best_a[0] is None and part <= best_l[0] * (1 + 1e-12)):
+                best_l[0] = part
+                best_a[0] = list(cur)
+            return True
+        if i == nb:
+            return True
+        # The same stages left for the same bins (and the same symmetry limit) after a cheaper or equal start:
+        # that subtree was searched in full already (a search cut short returns False at once).
+        state = (i, sum(1 << j for j in remaining), prev_first if same_prev[i] else -1)
+        old = seen.get(state)
+        if old is not None and part >= old:
+            return True
+        seen[state] = part
+        load_left = sum(loads[j] for j in remaining)
+        if load_left > room_suf[i] * (1 + 1e-9) + 1e-9:
+            return True
+        k, ref, bidx, base, cp = bl[i]
+        key = keys[i]
+        m_c = mu.get(key, 0.0)
+        und_l = sum(mcl[i][j] for j in remaining)
+        und_0 = sum(mc0[i][j] for j in remaining)
+        if und_l == INF or und_0 == INF:
+            return True
+        lim = prev_first if same_prev[i] else -1  # identical bins: every stage of this bin comes after lim
+        r = len(remaining)
+        nxt_l, nxt_0 = mcl[i + 1], mc0[i + 1]
+        cur_l, cur_0 = mcl[i], mc0[i]
+        lat_j = lat_of
+        chosen: list[int] = []
+        skipped: list[int] = []
+
+        def sub(p: int, fill: float, first: int, s_l: float, s_0: float, u_l: float, u_0: float,
+                k_l: float, k_0: float) -> bool:
+            # s: latency of the stages chosen for bin i; u: undecided (may use bins >= i); k: skipped (bins > i)
+            nodes[0] += 1
+            if nodes[0] > limit:
+                return False
+            b_l = part + s_l + u_l + k_l - m_c * (cp - base - fill) - pen_suf[i + 1]
+            b_0 = part + s_0 + u_0 + k_0
+            if prune(max(b_l, b_0)):
+                return True
+            if p == r:
+                for j in chosen:
+                    cur[j] = (k, ref, bidx)
+                rest = skipped[:]
+                return open_bin(i + 1, rest, part + s_0, first)
+            j = remaining[p]
+            lat = lat_j[j].get(key)
+            # include j (first: fuller bins first)
+            if lat is not None and j > lim and leq(base + fill + loads[j], cp):
+                chosen.append(j)
+                ok = sub(p + 1, fill + loads[j], min(first, j), s_l + lat, s_0 + lat, u_l - cur_l[j],
+                         u_0 - cur_0[j], k_l, k_0)
+                chosen.pop()
+                if not ok:
+                    return False
+            # skip j: it goes to a later bin
+            if nxt_l[j] == INF:
+                return True
+            skipped.append(j)
+            ok = sub(p + 1, fill, first, s_l, s_0, u_l - cur_l[j], u_0 - cur_0[j],
+                     k_l + nxt_l[j], k_0 + nxt_0[j])
+            skipped.pop()
+            return ok
+
+        return sub(0, 0.0, n, 0.0, 0.0, und_l, und_0, 0.0, 0.0)
+
+    done = open_bin(0, list(range(n)), tool, n)
+    if done:
+        if best_a[0] is None:
+            return cap_l, None, True, nodes[0]
+        return best_l[0], best_a[0], True, nodes[0]
+    return -INF, best_a[0], False, nodes[0]

@@ -1,0 +1,99 @@
+"""`binpack.least_l_bins` (issue 24) against a brute force of every assignment, on small packings with clones."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from flowmaker.selection.binpack import least_l_bins
+from flowmaker.selection.chain import _prices
+from flowmaker.selection.problem import INF, NEW, REUSE, leq
+
+
+def _instance(seed: int) -> tuple[list[list[tuple[float, str, int]]], list[float], list[tuple[str, int, int, float,
+                                                                                                float]]]:
+    rng = random.Random(seed)
+    n = rng.randint(1, 6)
+    loads = sorted((rng.uniform(1.0, 10.0) for _ in range(n)), reverse=True)
+    if rng.random() < 0.3:  # equal loads (ties)
+        loads = [round(x) for x in loads]
+    n_prof = rng.randint(1, 3)
+    rates = [rng.uniform(0.5, 2.0) for _ in range(n_prof)]
+    if n_prof > 1 and rng.random() < 0.5:  # a near-identical clone
+        rates[1] = rates[0] * rng.uniform(0.995, 1.005)
+    caps = [rng.uniform(5.0, 20.0) for _ in range(n_prof)]
+    bins: list[tuple[str, int, int, float, float]] = []
+    for p in range(n_prof):
+        bins.extend((NEW, 100 + p, b, 0.0, caps[p]) for b in range(rng.randint(0, 3)))
+    n_run = rng.randint(0, 2)
+    run_rate = [rng.uniform(0.5, 2.0) for _ in range(n_run)]
+    for r in range(n_run):
+        cp = rng.uniform(5.0, 20.0)
+        bins.append((REUSE, r, 0, rng.uniform(0.0, cp), cp))
+    have = {(k, ref) for k, ref, *_ in bins}
+    so: list[list[tuple[float, str, int]]] = []
+    for j in range(n):
+        opts = [(loads[j] * rates[p] * rng.uniform(0.98, 1.02), NEW, 100 + p) for p in range(n_prof)
+                if rng.random() < 0.85]
+        opts += [(loads[j] * run_rate[r], REUSE, r) for r in range(n_run) if rng.random() < 0.7]
+        so.append(sorted(o for o in opts if (o[1], o[2]) in have))
+    return so, loads, bins
+
+
+def _brute(so: list[list[tuple[float, str, int]]], loads: list[float], bins: list[tuple[str, int, int, float, float]],
+           tool: float) -> float:
+    best = INF
+    per_stage = []
+    for opts in so:
+        ch: list[tuple[float, int]] = []
+        for lat, k, ref in opts:
+            ch.extend((lat, i) for i, b in enumerate(bins) if (b[0], b[1]) == (k, ref))
+        per_stage.append(ch)
+    for combo in itertools.product(*per_stage):
+        fill = [0.0] * len(bins)
+        ok = True
+        for (_, i), ld in zip(combo, loads, strict=True):
+            if not leq(bins[i][3] + fill[i] + ld, bins[i][4]):
+                ok = False
+                break
+            fill[i] += ld
+        if ok:
+            best = min(best, tool + sum(lat for lat, _ in combo))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(1000))
+def test_least_l_bins_matches_brute_force(seed: int) -> None:
+    so, loads, bins = _instance(seed)
+    tool = 0.5 if seed % 2 else 0.0
+    room: dict[tuple[str, int], float] = {}
+    for k, ref, _, base, cp in bins:
+        room[(k, ref)] = room.get((k, ref), 0.0) + cp - base
+    rng = random.Random(seed)
+    mu = _prices(so, loads, room) if rng.random() < 0.7 else {c: rng.uniform(0.0, 0.3) for c in room}
+    want = _brute(so, loads, bins, tool)
+    for cap_l in (INF, want * 1.01 if want < INF else 50.0, want if want < INF else 50.0, want * 0.99):
+        L, a, done, _ = least_l_bins(so, loads, bins, mu, tool, cap_l, 10**7)
+        assert done
+        if want < INF and want <= cap_l:
+            assert a is not None
+            assert L == pytest.approx(want, rel=1e-9, abs=1e-12)
+            # the assignment fits and has that latency
+            fill: dict[tuple[str, int, int], float] = {}
+            tot = tool
+            for j, (k, ref, b) in enumerate(a):
+                lat = min(la for la, kk, rr in so[j] if (kk, rr) == (k, ref))
+                tot += lat
+                fill[(k, ref, b)] = fill.get((k, ref, b), 0.0) + loads[j]
+            assert tot == pytest.approx(L, rel=1e-9, abs=1e-12)
+            for (k, ref, b), f in fill.items():
+                base, cp = next((bb[3], bb[4]) for bb in bins if bb[:3] == (k, ref, b))
+                assert leq(base + f, cp)
+        else:
+            assert a is None and L == cap_l
+    # a search stopped early never claims more than the optimum
+    L, a, done, _ = least_l_bins(so, loads, bins, mu, tool, INF, 3)
+    if not done:
+        assert L <= want
