@@ -231,24 +231,30 @@ class Problem:
                 occ[g] = occ.get(g, _ZERO) + self.u_frac
         return pl
 
-    def sharing_factors_fast(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
-                             places: Sequence[tuple[str, tuple[str, ...]]]) -> list[float] | None:
-        """`sharing_factors` in floats, for the branch and bound's prefix checks: the multipliers (within 1e-12
-        relative of the exact ones) when every check of Feasibility 5 passes with a relative margin of 1e-7 (so
-        the exact arithmetic passes too), else None: unsure, ask `sharing_factors`. Never a verdict of failure."""
-        llm = pw.llm[:len(choice)]
-        first = self.slot_offsets(slot_prof)
+    def _tally(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int]
+               ) -> tuple[list[float], list[float], dict[int, float], dict[int, float]]:
+        """What a (prefix of a) choice puts where: per new slot its load and offered call-seconds per second
+        (latency alone x arrival rate), per reused instance the same."""
         slot_load = [0.0] * len(slot_prof)
         slot_n = [0.0] * len(slot_prof)
         r_add: dict[int, float] = {}
         r_n: dict[int, float] = {}
-        for s, (kind, ref) in zip(llm, choice, strict=True):
+        for s, (kind, ref) in zip(pw.llm[:len(choice)], choice, strict=True):
             if kind == REUSE:
                 r_add[ref] = r_add.get(ref, 0.0) + pw.load[s]
                 r_n[ref] = r_n.get(ref, 0.0) + self.rho * pw.lat_reuse[s][ref]
             else:
                 slot_load[ref] += pw.load[s]
                 slot_n[ref] += self.rho * pw.lat_new[s][slot_prof[ref]]
+        return slot_load, slot_n, r_add, r_n
+
+    def sharing_factors_fast(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
+                             places: Sequence[tuple[str, tuple[str, ...]]]) -> list[float] | None:
+        """`sharing_factors` in floats, for the branch and bound's prefix checks: the multipliers (within 1e-12
+        relative of the exact ones) when every check of Feasibility 5 passes with a relative margin of 1e-7 (so
+        the exact arithmetic passes too), else None: unsure, ask `sharing_factors`. Never a verdict of failure."""
+        first = self.slot_offsets(slot_prof)
+        slot_load, slot_n, r_add, r_n = self._tally(pw, choice, slot_prof)
         if self._fast0 is None:
             self._fast0 = ({g: float(x) for g, x in self.rho0.items()}, {g: float(x) for g, x in self.occ0.items()})
         comp = dict(self._fast0[0])
@@ -345,19 +351,8 @@ class Problem:
             return [1.0] * len(choice)
         # `choice` may be a prefix (the first stages in topological order): every share only grows as stages
         # are added, so a prefix that fails fails every completion (the branch and bound prunes with it).
-        llm = pw.llm[:len(choice)]
         first = self.slot_offsets(slot_prof)
-        slot_load = [0.0] * len(slot_prof)
-        slot_n = [0.0] * len(slot_prof)  # offered call-seconds per second (latency alone x arrival rate)
-        r_add: dict[int, float] = {}
-        r_n: dict[int, float] = {}
-        for s, (kind, ref) in zip(llm, choice, strict=True):
-            if kind == REUSE:
-                r_add[ref] = r_add.get(ref, 0.0) + pw.load[s]
-                r_n[ref] = r_n.get(ref, 0.0) + self.rho * pw.lat_reuse[s][ref]
-            else:
-                slot_load[ref] += pw.load[s]
-                slot_n[ref] += self.rho * pw.lat_new[s][slot_prof[ref]]
+        slot_load, slot_n, r_add, r_n = self._tally(pw, choice, slot_prof)
         comp = dict(self.rho0)  # compute shares per GPU
         busy = dict(self.occ0)  # busy shares per GPU
         r_rho: dict[str, Fraction] = {}

@@ -91,6 +91,30 @@ def test_search_space_counts_accuracy_infeasible_and_unplaceable_profiles() -> N
         assert select(req, "exhaustive").variants_evaluated == 6
 
 
+def _count_cuts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records the bin counts of every packing cut the walk adds."""
+    import flowmaker.selection.milp as milp
+
+    cuts: list[int] = []
+    orig = milp.RelaxedModel.cut
+
+    def counted(self: milp.RelaxedModel, pi: int, stages: list[int], nbins: int) -> None:
+        cuts.append(nbins)
+        orig(self, pi, stages, nbins)
+
+    monkeypatch.setattr(milp.RelaxedModel, "cut", counted)
+    return cuts
+
+
+def _packing_request() -> SelectionRequest:
+    """Loads 55, 30, 30, 30, 30, 25 tok/s on instances of 100 tok/s (10 GB) or 200 tok/s (35 GB)."""
+    stages = tuple(Stage(f"s{i}", depends_on=("s0",) if i else (), input_tokens=100, output_tokens=out)
+                   for i, out in enumerate((55, 30, 30, 30, 30, 25)))
+    gpus = tuple(Gpu(f"n0-g{i}", "n0", 48.0, 0.0) for i in range(4))
+    profs = (Profile("a", 1, 1, 10.0, 0.01, 1e-4, 0.01, 100.0), Profile("b", 1, 1, 35.0, 0.01, 1e-4, 0.009, 200.0))
+    return SelectionRequest(Slo(0.1, 100.0, 1.0), (Workflow("w", stages),), MODELS, profs, Cluster(gpus))
+
+
 def test_the_walks_packing_cuts_keep_the_optimum(monkeypatch: pytest.MonkeyPatch) -> None:
     """Loads 55, 30, 30, 30, 30, 25 tok/s on instances of 100 tok/s (10 GB; 200 tok/s take 35 GB): the aggregated
     capacity admits two instances of 100, no packing does. With the walk's dual-feasible rows off (CUT_K = 0; they
@@ -101,19 +125,8 @@ def test_the_walks_packing_cuts_keep_the_optimum(monkeypatch: pytest.MonkeyPatch
     import flowmaker.selection.milp as milp
 
     monkeypatch.setattr(milp, "CUT_K", 0)
-    cuts: list[int] = []
-    orig = milp.RelaxedModel.cut
-
-    def counted(self: milp.RelaxedModel, pi: int, stages: list[int], nbins: int) -> None:
-        cuts.append(nbins)
-        orig(self, pi, stages, nbins)
-
-    monkeypatch.setattr(milp.RelaxedModel, "cut", counted)
-    stages = tuple(Stage(f"s{i}", depends_on=("s0",) if i else (), input_tokens=100, output_tokens=out)
-                   for i, out in enumerate((55, 30, 30, 30, 30, 25)))
-    gpus = tuple(Gpu(f"n0-g{i}", "n0", 48.0, 0.0) for i in range(4))
-    profs = (Profile("a", 1, 1, 10.0, 0.01, 1e-4, 0.01, 100.0), Profile("b", 1, 1, 35.0, 0.01, 1e-4, 0.009, 200.0))
-    req = SelectionRequest(Slo(0.1, 100.0, 1.0), (Workflow("w", stages),), MODELS, profs, Cluster(gpus))
+    cuts = _count_cuts(monkeypatch)
+    req = _packing_request()
     agree(req, ("milp", "exact"), proven=True)
     # The walk alone (no branch and bound after it): its bound holds and its best point is the optimum.
     from test_selection_properties import brute_force
@@ -143,19 +156,8 @@ def test_the_walks_dual_feasible_rows_see_the_packing(monkeypatch: pytest.Monkey
     for k in range(1, 6):  # a bin's loads (x_i <= cap in total) never weigh more than 1
         for loads in ((55, 45), (30, 30, 30, 10), (25, 25, 25, 25), (34, 33, 33), (50, 50), (99.9,)):
             assert sum(milp._dff(x, 100.0, k) for x in loads) <= 1.0 + 1e-12, (k, loads)
-    cuts: list[int] = []
-    orig = milp.RelaxedModel.cut
-
-    def counted(self: milp.RelaxedModel, pi: int, stages: list[int], nbins: int) -> None:
-        cuts.append(nbins)
-        orig(self, pi, stages, nbins)
-
-    monkeypatch.setattr(milp.RelaxedModel, "cut", counted)
-    stages = tuple(Stage(f"s{i}", depends_on=("s0",) if i else (), input_tokens=100, output_tokens=out)
-                   for i, out in enumerate((55, 30, 30, 30, 30, 25)))
-    gpus = tuple(Gpu(f"n0-g{i}", "n0", 48.0, 0.0) for i in range(4))
-    profs = (Profile("a", 1, 1, 10.0, 0.01, 1e-4, 0.01, 100.0), Profile("b", 1, 1, 35.0, 0.01, 1e-4, 0.009, 200.0))
-    req = SelectionRequest(Slo(0.1, 100.0, 1.0), (Workflow("w", stages),), MODELS, profs, Cluster(gpus))
+    cuts = _count_cuts(monkeypatch)
+    req = _packing_request()
     want, _ = brute_force(req)
     assert want is not None
     pb = Problem(req)
