@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -231,6 +231,15 @@ class Problem:
                 occ[g] = occ.get(g, _ZERO) + self.u_frac
         return pl
 
+    def _on_gpus(self, gpu_ids: Iterable[str]) -> Iterator[Instance]:
+        """The running instances on any of these GPUs, each once."""
+        seen: set[str] = set()
+        for g in gpu_ids:
+            for inst in self.on_gpu.get(g, ()):
+                if inst.id not in seen:
+                    seen.add(inst.id)
+                    yield inst
+
     def _tally(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int]
                ) -> tuple[list[float], list[float], dict[int, float], dict[int, float]]:
         """What a (prefix of a) choice puts where: per new slot its load and offered call-seconds per second
@@ -294,32 +303,27 @@ class Problem:
                     worst = x
             return 1.0 + kappa * worst
 
-        seen: set[str] = set()
-        for g in touched:
-            for inst in self.on_gpu.get(g, ()):
-                if inst.id in seen:
-                    continue
-                seen.add(inst.id)
-                rho0, b0 = self.run_rho0[inst.id], self.run_busy0[inst.id]
-                f0 = factor(inst.gpu_ids, b0, self._fast0[1])
-                x0 = rho0 * f0
-                if abs(x0 - 1.0) <= _MARGIN:
-                    return None
-                rho1, b1 = r_rho.get(inst.id, rho0), r_busy.get(inst.id, b0)
-                f1 = factor(inst.gpu_ids, b1, busy)
-                x1 = rho1 * f1
-                if not x1 < 1.0 - _MARGIN:
-                    return None
-                m1 = f1 * (1 - rho0) / (1 - x1)
-                if x0 > 1.0:  # m0 infinite: not made slower
-                    continue
-                m0 = f0 * (1 - rho0) / (1 - x0)
-                if m1 < m0 * (1 - _MARGIN):
-                    continue
-                if not x1 <= lo:
-                    return None
-                if inst.max_slowdown > 0 and not m1 <= inst.max_slowdown * (1 + EPS) * (1 - _MARGIN):
-                    return None
+        for inst in self._on_gpus(touched):
+            rho0, b0 = self.run_rho0[inst.id], self.run_busy0[inst.id]
+            f0 = factor(inst.gpu_ids, b0, self._fast0[1])
+            x0 = rho0 * f0
+            if abs(x0 - 1.0) <= _MARGIN:
+                return None
+            rho1, b1 = r_rho.get(inst.id, rho0), r_busy.get(inst.id, b0)
+            f1 = factor(inst.gpu_ids, b1, busy)
+            x1 = rho1 * f1
+            if not x1 < 1.0 - _MARGIN:
+                return None
+            m1 = f1 * (1 - rho0) / (1 - x1)
+            if x0 > 1.0:  # m0 infinite: not made slower
+                continue
+            m0 = f0 * (1 - rho0) / (1 - x0)
+            if m1 < m0 * (1 - _MARGIN):
+                continue
+            if not x1 <= lo:
+                return None
+            if inst.max_slowdown > 0 and not m1 <= inst.max_slowdown * (1 + EPS) * (1 - _MARGIN):
+                return None
         out: list[float] = []
         done: dict[tuple[str, int], float] = {}
         for kind, ref in choice:
@@ -389,27 +393,22 @@ class Problem:
 
         # 5.4: running co-residents on the GPUs the variant uses (reused ones too): none slowed into overload
         # or past what its tasks tolerate, unless it is not made slower.
-        seen: set[str] = set()
-        for g in touched:
-            for inst in self.on_gpu.get(g, ()):
-                if inst.id in seen:
-                    continue
-                seen.add(inst.id)
-                got = self._m0.get(inst.id)
-                if got is None:  # the variant-independent part, once per request
-                    rho0, b0 = _frac(self.run_rho0[inst.id]), _frac(self.run_busy0[inst.id])
-                    f0 = speed_factor(inst.gpu_ids, b0, self.occ0, self.kappa)
-                    got = self._m0[inst.id] = (rho0, b0, None if rho0 * f0 >= 1 else f0 * (1 - rho0) / (1 - rho0 * f0))
-                rho0, b0, m0 = got
-                rho1, b1 = r_rho.get(inst.id, rho0), r_busy.get(inst.id, b0)
-                f1 = speed_factor(inst.gpu_ids, b1, busy, self.kappa)
-                m1 = None if rho1 * f1 >= 1 else f1 * (1 - rho0) / (1 - rho1 * f1)
-                if m1 is not None and (m0 is None or m1 <= m0):
-                    continue  # not made slower
-                if m1 is None or rho1 * f1 > self.budget:
-                    return None
-                if inst.max_slowdown > 0 and m1 > Fraction(inst.max_slowdown) * (1 + Fraction(EPS)):
-                    return None
+        for inst in self._on_gpus(touched):
+            got = self._m0.get(inst.id)
+            if got is None:  # the variant-independent part, once per request
+                rho0, b0 = _frac(self.run_rho0[inst.id]), _frac(self.run_busy0[inst.id])
+                f0 = speed_factor(inst.gpu_ids, b0, self.occ0, self.kappa)
+                got = self._m0[inst.id] = (rho0, b0, None if rho0 * f0 >= 1 else f0 * (1 - rho0) / (1 - rho0 * f0))
+            rho0, b0, m0 = got
+            rho1, b1 = r_rho.get(inst.id, rho0), r_busy.get(inst.id, b0)
+            f1 = speed_factor(inst.gpu_ids, b1, busy, self.kappa)
+            m1 = None if rho1 * f1 >= 1 else f1 * (1 - rho0) / (1 - rho1 * f1)
+            if m1 is not None and (m0 is None or m1 <= m0):
+                continue  # not made slower
+            if m1 is None or rho1 * f1 > self.budget:
+                return None
+            if inst.max_slowdown > 0 and m1 > Fraction(inst.max_slowdown) * (1 + Fraction(EPS)):
+                return None
 
         out: list[float] = []
         done: dict[tuple[str, int], float] = {}  # one multiplier per instance, however many stages it serves

@@ -827,6 +827,17 @@ def test_chain_walk_equals_brute_force(req: SelectionRequest) -> None:
     agree(req, ("milp", "exact"), proven=True)
 
 
+def _assert_walks_agree(want: Any, found: Any, lbs: list[float], complete: bool, inc: float | None) -> None:
+    """The walks' bounds hold against the brute force's optimum `want`, and a complete walk found it."""
+    if want is None:
+        assert found is None
+        return
+    assert min(lbs) <= want[0] * (1 + 1e-9) + 1e-12, (lbs, want)
+    if complete and (inc is None or inc >= 1.0):
+        assert found is not None, want
+        assert close(found[0], want[0]) and close(found[1], want[1]) and found[2] == want[2], (found, want)
+
+
 @settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(requests(), dense_requests()).map(_as_chains), st.sampled_from([None, 0.5, 1.0, 2.0]))
@@ -858,13 +869,7 @@ def test_the_chain_walk_bounds_every_variant_and_proves_the_optimum(req: Selecti
         for sc, *_ in fr.candidates:
             if better(sc[0], sc[1], sc[2], found):
                 found = sc
-    if want is None:
-        assert found is None
-        return
-    assert min(lbs) <= want[0] * (1 + 1e-9) + 1e-12, (lbs, want)
-    if complete and (inc is None or inc >= 1.0):
-        assert found is not None, want
-        assert close(found[0], want[0]) and close(found[1], want[1]) and found[2] == want[2], (found, want)
+    _assert_walks_agree(want, found, lbs, complete, inc)
 
 
 @settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
@@ -908,10 +913,4 @@ def test_the_chain_walk_stays_exact_when_its_packing_searches_give_up(req: Selec
     finally:
         chain.NODE_LIMIT, chain._least_l_milp = saved, saved_milp  # type: ignore[assignment]
         chain.BIN_NODES = saved_bins
-    if want is None:
-        assert found is None
-        return
-    assert min(lbs) <= want[0] * (1 + 1e-9) + 1e-12, (lbs, want)
-    if complete and (inc is None or inc >= 1.0):
-        assert found is not None, want
-        assert close(found[0], want[0]) and close(found[1], want[1]) and found[2] == want[2], (found, want)
+    _assert_walks_agree(want, found, lbs, complete, inc)
