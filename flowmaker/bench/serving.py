@@ -22,6 +22,7 @@ from rich.table import Table
 from flowmaker.catalog import default_models, get_gpu_type, make_cluster
 from flowmaker.domain import Cluster, GpuType, Model, Profile, StageKind
 from flowmaker.errors import InvalidSpec
+from flowmaker.eval.bound import goodput_upper_bound
 from flowmaker.eval.experiment import Experiment, load_experiment
 from flowmaker.eval.policies import (
     ALL_POLICIES,
@@ -40,7 +41,7 @@ from flowmaker.eval.tasks import EVAL_TASKS, NOMINAL_STATS, EvalTask
 from flowmaker.eval.trace_stats import TRACE_KINDS
 from flowmaker.eval.traces import build_request_segment_workload, find_trace, get_trace
 from flowmaker.profiling.analytic import profiles_for
-from flowmaker.sim import COLOCATION_MODES, DEFAULT_COLOCATION, simulate
+from flowmaker.sim import COLOCATION_MODES, DEFAULT_COLOCATION, DEFAULT_KV_TOKENS, simulate
 
 GPU_TYPE = "A6000"
 GPUS_PER_NODE = 8
@@ -309,6 +310,10 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
                                              "offline": wl.offline_rate(t.name),
                                              "offline_peak": wl.offline_peak_rate(t.name)}
                                             for t, (_, r) in zip(tasks, rates, strict=True)]})
+            # What no plan can beat (flowmaker.eval.bound); it relies on GPUs splitting their time, which "ignore"
+            # does not model.
+            segments[-1]["goodput_upper_bound"] = None if colocation == "ignore" else goodput_upper_bound(
+                wl.arrivals, tasks, models, profiles, cluster.gpus, DEFAULT_KV_TOKENS).as_json()
             monitor = simulated_monitor(wl, cluster.gpus, by_id, gpu, colocation)
             ctx = PolicyContext(tasks, kind, load, models, profiles, cluster, gpu, seed=seed, monitor=monitor,
                                 plan_tokens=plan_tokens, workload=wl, langchain_model=langchain_rule,
@@ -479,6 +484,28 @@ def _print(con: Console, rows: Sequence[dict[str, Any]], ratios: dict[str, Any],
         at.add_row(tr, pol, *(f"{cl['instances_deployed']} inst {cl['stages_on_reused_instances']}/{cl['stages']}"
                               if (cl := cells.get((tr, pol, x))) else "-" for x in lv))
     con.print(at)
+    bt = Table(title="Capacity bound: the most goodput ANY plan can reach (latency floor and GPU-seconds/memory per "
+                     "burst; flowmaker.eval.bound) beside the best policy's")
+    for c in ("trace", "load", "bound", "latency misses", "burst misses", "worst span s", "best policy", "flowmaker",
+              "verdict"):
+        bt.add_column(c, justify="left" if c in ("trace", "best policy", "verdict") else "right")
+    seg = {(s["trace"], s["load"]): s.get("goodput_upper_bound") for s in report["setup"]["segments"]}
+    for tr, ld in grid:
+        b = seg.get((tr, ld))
+        cell = [r for r in rows if (r["trace"], r["load"]) == (tr, ld)]
+        best = max(cell, key=lambda r: r["goodput"])
+        fm = next((r["goodput"] for r in cell if r["policy"] == "flowmaker"), None)
+        if b is None:
+            bt.add_row(tr, f"{ld:.0%}", "n/a", "-", "-", "-", f"{best['policy']} {best['goodput']:.3f}", _fmt(fm, ".3f"),
+                       "no bound under colocation ignore")
+            continue
+        bound = b["goodput_upper_bound"]
+        verdict = "0.90 out of reach for any plan" if bound < 0.9 else "0.90 reachable in principle"
+        bt.add_row(tr, f"{ld:.0%}", f"{bound:.3f}", str(b["latency_misses"]), str(b["work_misses"]),
+                   "-" if not b["worst_span_forced_misses"] else
+                   f"{b['worst_span_s'][0]:.1f}-{b['worst_span_s'][1]:.1f}",
+                   f"{best['policy']} {best['goodput']:.3f}", _fmt(fm, ".3f"), verdict)
+    con.print(bt)
     tm = report["timing"]
     e = report["setup"]["experiment"]
     con.print(f"experiment {e['name']} sha256 {e['sha256'][:12]} ({e['source']}); seed {report['setup']['seed']}; "
