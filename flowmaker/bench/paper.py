@@ -38,6 +38,7 @@ SENSITIVITY: tuple[tuple[str, dict[str, Any]], ...] = (
     ("product accuracy targets", {"experiment": "product-targets"}),
     ("loads x4", {"loads": "x4"}),
     ("no burst headroom", {"burst_headroom": False}),
+    ("loads x4 max-2-GPU instances", {"loads": "x4", "max_instance_gpus": 2}),
 )
 
 

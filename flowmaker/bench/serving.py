@@ -240,7 +240,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
                       langchain_rule: str = "smallest", experiment: Experiment | None = None,
                       segment_requests: int | None = None, baseline_workflow: str = "fixed",
                       baseline_sharing: bool = True, quiet: bool = False,
-                      burst_headroom: bool = True) -> dict[str, Any]:
+                      burst_headroom: bool = True, max_instance_gpus: int = 0) -> dict[str, Any]:
     """Run the matrix, write `serving.json` (+ PNG plots) into `out_dir`, print the tables; return the report.
 
     `experiment`: the declared experiment (default: `flowmaker/eval/data/paper-scale.toml`): tasks' accuracy
@@ -252,7 +252,9 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     segment size (tests). `baseline_workflow`: "fixed" (the declared fixed workflows) or "single-stage" (a
     sensitivity run). `baseline_sharing`: Murakkab plans under FlowMaker's GPU-sharing contract (the
     declared setting) or sharing-blind (a sensitivity run). `burst_headroom`: FlowMaker's policies plan for the
-    bursts seen before each deploy (default) or at the measured rate (the published system; sensitivity). `langchain_rule`: how the LangChain baseline picks its model (`LANGCHAIN_MODEL_RULES`).
+    bursts seen before each deploy (default) or at the measured rate (the published system; sensitivity).
+    `max_instance_gpus`: the selector-based policies choose configurations of at most this many GPUs (0: any;
+    a sensitivity). `langchain_rule`: how the LangChain baseline picks its model (`LANGCHAIN_MODEL_RULES`).
     Every setup choice is recorded in the JSON's "setup", with the experiment file's SHA-256.
     """
     t_start = time.perf_counter()
@@ -274,6 +276,8 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     if baseline_workflow not in BASELINE_WORKFLOWS:
         raise InvalidSpec(f"unknown baseline workflow {baseline_workflow!r}; known: {list(BASELINE_WORKFLOWS)}",
                           field="baseline_workflow")
+    if max_instance_gpus < 0:
+        raise InvalidSpec(f"must be >= 0 (0: any), got {max_instance_gpus}", field="max_instance_gpus")
     n_req = exp.segment_requests if segment_requests is None else segment_requests
     if n_req < 1:
         raise InvalidSpec(f"must be >= 1, got {n_req}", field="segment_requests")
@@ -318,7 +322,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
             ctx = PolicyContext(tasks, kind, load, models, profiles, cluster, gpu, seed=seed, monitor=monitor,
                                 plan_tokens=plan_tokens, workload=wl, langchain_model=langchain_rule,
                                 utilization_cap=exp.utilization_cap, baseline_sharing=baseline_sharing,
-                                burst_headroom=burst_headroom,
+                                burst_headroom=burst_headroom, max_instance_gpus=max_instance_gpus,
                                 routellm_rate="declared", routellm_gpu_budget_gb=exp.routellm_gpu_budget_gb)
             for pol in pols:
                 t0 = time.perf_counter()
@@ -380,7 +384,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
         "experiment": {"name": exp.name, "sha256": exp.sha256, "source": exp.source, "settings": exp.as_json()},
         "plan_tokens": plan_tokens, "colocation": colocation, "utilization_cap": exp.utilization_cap,
         "segment_requests": n_req, "baseline_workflow": baseline_workflow, "baseline_sharing": baseline_sharing,
-        "burst_headroom": burst_headroom,
+        "burst_headroom": burst_headroom, "max_instance_gpus": max_instance_gpus,
         "monitor_window_fraction": exp.monitor_window_fraction,
         "deploy_span_fraction": exp.deploy_span_fraction, "segments": segments,
         "slo_reference_deployment": {"model": exp.reference_model, "tp": exp.reference_tp, "pp": 1,

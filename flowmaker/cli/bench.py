@@ -173,6 +173,8 @@ def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output fol
             burst_headroom: bool = typer.Option(True, "--burst-headroom/--no-burst-headroom",
                                                 help="FlowMaker plans for the bursts seen before each deploy, or "
                                                      "at the measured rate (the published system)."),
+            max_instance_gpus: int = typer.Option(0, help="Sensitivity: the selector-based policies choose "
+                                                          "configurations of at most this many GPUs (0: any)."),
             json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
     """Trace-driven simulation of every policy on 8xA6000: every published comparison per trace and load."""
     from flowmaker.bench.serving import run_serving_bench
@@ -187,7 +189,7 @@ def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output fol
                                loads=[float(x) for x in loads.split(",") if x.strip()] or None,
                                policies=[x.strip() for x in policies.split(",") if x.strip()] or None,
                                traces=[x.strip() for x in trace_kinds.split(",") if x.strip()],
-                               burst_headroom=burst_headroom)
+                               burst_headroom=burst_headroom, max_instance_gpus=max_instance_gpus)
     if json_out:
         import json
 

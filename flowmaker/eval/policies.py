@@ -131,6 +131,10 @@ class PolicyContext:
     # FlowMaker's policies plan for the bursts they have seen (`planning_rates`); False: at the measured rate,
     # never below the declared one (the published system; a sensitivity run).
     burst_headroom: bool = True
+    # Sensitivity: the selector-based policies choose only configurations of at most this many GPUs per
+    # instance (0: any). The selection objective (memory x latency) favours wide tensor parallelism, which
+    # takes the compute of many GPUs for one task; this measures what that costs when the cluster is loaded.
+    max_instance_gpus: int = 0
 
     def deploy_time(self, task: EvalTask) -> float:
         return self.workload.deploy_time(task.name) if self.workload is not None else 0.0
@@ -375,7 +379,9 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
         r = tries[0]  # a quiet minute still deploys the task, sized for almost nothing
         rates.append((task.name, r))
         slo = replace(task.slo(), arrival_rate_rps=r)
-        req = SelectionRequest(slo=slo, workflows=wfs, models=ctx.models, profiles=ctx.profiles,
+        profiles = ctx.profiles if ctx.max_instance_gpus <= 0 else \
+            tuple(p for p in ctx.profiles if p.gpus <= ctx.max_instance_gpus)
+        req = SelectionRequest(slo=slo, workflows=wfs, models=ctx.models, profiles=profiles,
                                cluster=st.as_cluster(),
                                options=SelectionOptions(
                                    utilization_cap=ctx.utilization_cap, allow_reuse=allow_reuse, seed=ctx.seed,

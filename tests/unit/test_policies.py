@@ -319,3 +319,22 @@ def test_cli_serving_options_reach_the_bench(tmp_path: Path) -> None:
             setup["seed"], setup["loads"], setup["policies"]) == ("worst-case", "mean", 100, "strong", 3, [0.25],
                                                                   ["flowmaker", "langchain"])
     assert "flowmaker-request-segment" in setup["seeds"]["segment_start"]
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_max_instance_gpus_limits_every_selector_based_policy(cap: int) -> None:
+    """The sensitivity knob: FlowMaker's policies and Murakkab choose only configurations of at most `cap` GPUs,
+    and without it the same load picks wider ones (so the knob changes something)."""
+    for pol in ("flowmaker", "flowmaker-noreuse", "murakkab"):
+        limited = plan(pol, _ctx(load=1.0, max_instance_gpus=cap))
+        assert limited.instances, pol
+        assert all(i.profile.gpus <= cap for i in limited.instances), pol
+    free = plan("flowmaker", _ctx(load=1.0))
+    assert any(i.profile.gpus > 2 for i in free.instances)
+
+
+def test_max_instance_gpus_must_not_be_negative(tmp_path: Path) -> None:
+    from flowmaker.bench.serving import run_serving_bench
+
+    with pytest.raises(InvalidSpec, match="max_instance_gpus"):
+        run_serving_bench(tmp_path, max_instance_gpus=-1, plots=False, quiet=True)
