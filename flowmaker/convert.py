@@ -781,6 +781,9 @@ def task_to_proto(t: TaskRecord, *, etag: int = 0, state: TaskState | None = Non
         m.last_reselection.CopyFrom(task_pb2.Reselection(time=_timestamp(r.at), reason=r.reason,
                                                          planned_arrival_rate_rps=r.rate_rps, outcome=r.outcome))
     m.next_stage_instances.update(t.next_stage_instances)
+    m.predicted_stage_latency_s.update(t.predicted_stage_latency_s)
+    if t.predicted_at:
+        m.predict_time.CopyFrom(_timestamp(t.predicted_at))
     if t.healing is not None:
         h = t.healing
         m.healing.CopyFrom(task_pb2.Healing(action=h.action, detail=h.detail, since_time=_timestamp(h.since),

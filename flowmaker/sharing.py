@@ -103,6 +103,17 @@ def multiplier(f: Fraction, rho: Fraction) -> Fraction | None:
     return f * (1 - rho) / (1 - rho * f)
 
 
+def placed_multipliers(placed: Mapping[str, tuple[tuple[str, ...], float, float]], kappa: Fraction
+                       ) -> dict[str, Fraction | None]:
+    """Each instance's latency multiplier on a whole placement: `placed` maps an instance id to (its GPU ids, its
+    compute share rho, its busy share b). Its co-residents' busy shares are the exact per-GPU sums less its own
+    (`gpu_totals`, `speed_factor`), m = `multiplier(f, rho)`; None when it can no longer keep up. The selector's
+    Feasibility 5.2 on a placement where every instance is already placed."""
+    totals = gpu_totals((gids, b) for gids, _, b in placed.values())
+    return {iid: multiplier(speed_factor(gids, frac(b), totals, kappa), frac(rho))
+            for iid, (gids, rho, b) in placed.items()}
+
+
 def predicted_slowdown(co_busy: Iterable[float], rho: float = 0.0, kappa: float = DEFAULT_INTERFERENCE) -> float:
     """Latency multiplier of an instance (compute share rho) beside co-residents with these busy shares on its GPU;
     inf when it cannot keep up."""

@@ -148,6 +148,8 @@ def _print_json(obj: Any) -> None:
 
 
 def _s(x: float) -> str:
+    if x == float("inf"):  # a re-derived prediction: an instance it uses can no longer keep up
+        return "inf"
     return f"{x:.2f}s" if x else "-"
 
 
@@ -180,8 +182,11 @@ def _variant_table(t: Any) -> Table:
 
     v = t.variant
     tab = Table(title=f"Variant of task {t.id}: workflow {v.workflow_id or '-'} (strategy {t.strategy or '-'})")
-    for c in ("stage", "model", "tp x pp", "instance", "reused", "GPUs", "stage latency", "load tok/s"):
-        tab.add_column(c, justify="right" if c in ("stage latency", "load tok/s", "tp x pp") else "left")
+    now = t.HasField("predict_time")  # re-derived on the current placement: the column beside the selection's
+    cols = ("stage", "model", "tp x pp", "instance", "reused", "GPUs", "stage latency", *(("now",) if now else ()),
+            "load tok/s")
+    for c in cols:
+        tab.add_column(c, justify="right" if c in ("stage latency", "now", "load tok/s", "tp x pp") else "left")
     for a in v.assignments:
         inst = a.instance_id or t.stage_instances.get(a.stage_id, "") or a.new_key
         group = replicas_of(dict(t.stage_instances), a.stage_id)
@@ -189,7 +194,9 @@ def _variant_table(t: Any) -> Table:
             inst = "\n".join(group) + f"\n({len(group)} replicas)"
         tab.add_row(a.stage_id, a.model_id or "(tool)", f"{a.tp}x{a.pp}" if a.model_id else "-", inst or "-",
                     "[green]reused[/green]" if a.reused else ("new" if a.model_id else "-"),
-                    ",".join(a.gpu_ids) or "-", _s(a.latency_s), f"{a.load_output_tokens_per_s:.1f}")
+                    ",".join(a.gpu_ids) or "-", _s(a.latency_s),
+                    *((_s(t.predicted_stage_latency_s[a.stage_id]) if a.stage_id in t.predicted_stage_latency_s
+                       else "-",) if now else ()), f"{a.load_output_tokens_per_s:.1f}")
     return tab
 
 
@@ -223,7 +230,11 @@ def _print_task(t: Any) -> None:
     if t.variant.workflow_id:
         v = t.variant
         out.print(_variant_table(t))
-        out.print(f"  predicted latency {_s(t.predicted_latency_s or v.latency_s)} (SLO {slo.max_latency_s:g}s), "
+        when = ""
+        if t.HasField("predict_time"):  # re-derived since the selection: later co-residents moved it
+            when = (f" on the current placement ({time.time() - t.predict_time.ToNanoseconds() / 1e9:.0f}s ago; "
+                    f"{_s(v.latency_s)} as selected)")
+        out.print(f"  predicted latency {_s(t.predicted_latency_s or v.latency_s)}{when} (SLO {slo.max_latency_s:g}s), "
                   f"observed p50 {_s(t.observed_latency_p50_s)} p95 {_s(t.observed_latency_p95_s)} over "
                   f"{t.requests_served} request(s); accuracy {v.accuracy:.3f}; cost {v.cost:.3f} GB·s "
                   f"(new GPU memory x latency); "

@@ -40,6 +40,7 @@ import numpy as np
 
 from flowmaker.errors import InvalidSpec, NotFound
 from flowmaker.eval.trace_stats import TRACE_KINDS, TRACE_STATS, TokenStats
+from flowmaker.orchestration.adapt import peak_window_count
 
 HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 LOAD_LEVELS: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
@@ -488,18 +489,6 @@ def build_segment_workload(task_rates: Sequence[tuple[str, float]], trace: Trace
     return SegmentWorkload(trace.kind, trace.source, load, off, segment_s, scale, segment_s * scale, deploy,
                            w * scale, scored, everything, len(seg), seg_rate,
                            shares=tuple((n, r / total) for n, r in task_rates))
-
-
-def peak_window_count(times: Sequence[float], w: float) -> int:
-    """The most of `times` inside any window [t, t + w) (exact: a densest window starts at one of them)."""
-    ts = sorted(times)
-    best, hi = 0, 0
-    for lo, t in enumerate(ts):
-        hi = max(hi, lo)
-        while hi < len(ts) and ts[hi] < t + w:
-            hi += 1
-        best = max(best, hi - lo)
-    return best
 
 
 def _peak_count_rate(times: Sequence[float], t0: float, t1: float, w: float) -> float:

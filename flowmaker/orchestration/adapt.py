@@ -5,7 +5,19 @@ arrivals and latencies over a sliding window, per task) and `drifted()` says whi
 plan for longer than the hold-down time:
 - the observed rate is above `band` x the planned rate (scale up: a bigger configuration, another model or
   workflow, or instances of its own instead of shared ones), or below planned / `band` (scale back in);
-- or the observed p95 latency breaks the latency SLO (ask for `band` x more than it gets now).
+- or the observed p95 latency breaks the latency SLO (ask for `band` x more than it gets now);
+- or the task's predicted latency, re-derived on the current placement whenever that changes
+  (flowmaker.orchestration.predict: later co-residents slow it), exceeds its latency SLO (re-select at the rate
+  it needs now).
+
+Bursts are metered, not only the mean: requests that arrive within one latency SLO must be served within about
+one SLO, so a task needs capacity for its densest SLO-long window, as the evaluation's policies plan it
+(flowmaker.eval.policies `plan_rates`). The meter measures that window's rate over its window (`TaskLoad.burst_rps`,
+exact: `peak_window_count`), and the follower plans for `demand()` = the mean rate, or the burst rate when higher,
+at most `burst_cap` x the mean (a few requests in one short window are not a regime). Both the scale-out and
+scale-in bands compare that demand with the planned rate, so a plan sized for bursts is not scaled back in by its
+own mean; scaling in waits `scale_in_factor` x the hold-down and never plans below the highest demand seen while
+it waited (the last burst's need) nor below the declared rate.
 The re-selection itself (make-before-break) is the orchestrator's `reselect_for_load`. Rates and latencies
 are in MODEL time (the unit of the SLO and the profiles): wall values are scaled by `time_scale`, the model
 seconds per wall second of the engines (1 on real GPUs).
@@ -15,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flowmaker.orchestration.task import TaskRecord, TaskState
@@ -32,6 +45,8 @@ class LoadPolicy:
     scale_in_headroom: float = 1.5
     floor_at_declared: bool = True
     min_rate_rps: float = 0.01  # the smallest rate a task is planned for (model req/s)
+    # The burst-aware rate planned for is at most this many times the mean rate (`demand`).
+    burst_cap: float = 3.0
     min_samples: int = 10  # latency quantiles need this many requests in the window
     latency_quantile: float = 0.95
 
@@ -41,6 +56,26 @@ class TaskLoad:
     rate_rps: float  # model-time requests/s over the window
     latency_q_s: float  # the policy's latency quantile, model seconds (0 without enough samples)
     samples: int
+    # Model-time requests/s in the densest window one latency SLO long within the window (0: not metered).
+    burst_rps: float = 0.0
+
+
+def peak_window_count(times: Sequence[float], w: float) -> int:
+    """The most of `times` inside any window [t, t + w) (exact: a densest window starts at one of them)."""
+    ts = sorted(times)
+    best, hi = 0, 0
+    for lo, t in enumerate(ts):
+        hi = max(hi, lo)
+        while hi < len(ts) and ts[hi] < t + w:
+            hi += 1
+        best = max(best, hi - lo)
+    return best
+
+
+def demand(ld: TaskLoad, p: LoadPolicy) -> float:
+    """The rate a task needs capacity for: its mean rate, or its densest SLO-long window's when higher, at most
+    `p.burst_cap` x the mean."""
+    return max(ld.rate_rps, min(ld.burst_rps, p.burst_cap * ld.rate_rps))
 
 
 @dataclass
@@ -58,11 +93,15 @@ class ArrivalMeter:
     _latencies: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
     _first: dict[str, float] = field(default_factory=dict)
     _waiting: dict[str, dict[int, float]] = field(default_factory=dict)  # task -> token -> arrival time
+    _burst_w: dict[str, float] = field(default_factory=dict)  # task -> its burst window (wall s)
     _next: int = 0
 
-    def arrived(self, task_id: str, now: float) -> int:
-        """Record an arrival; the token returned ends its wait (`finished` or `abandoned`)."""
+    def arrived(self, task_id: str, now: float, burst_window_s: float = 0.0) -> int:
+        """Record an arrival; the token returned ends its wait (`finished` or `abandoned`). `burst_window_s`
+        (wall seconds; the task's latency SLO / time_scale) is the window its burst rate is metered over (0: none)."""
         self._first.setdefault(task_id, now)
+        if burst_window_s > 0:
+            self._burst_w[task_id] = burst_window_s
         q = self._arrivals.setdefault(task_id, deque())
         q.append(now)
         self._trim(q, now)
@@ -100,7 +139,7 @@ class ArrivalMeter:
         return list(self._first)
 
     def forget(self, task_id: str) -> None:
-        for d in (self._arrivals, self._latencies, self._first, self._waiting):
+        for d in (self._arrivals, self._latencies, self._first, self._waiting, self._burst_w):
             d.pop(task_id, None)  # type: ignore[attr-defined]
 
     def overdue(self, task_id: str, now: float, completed: list[float]) -> list[float]:
@@ -125,49 +164,69 @@ class ArrivalMeter:
         span = min(self.window_s, now - first)
         lat = self.latencies(task_id, now)
         lq = lat[min(len(lat) - 1, max(0, math.ceil(quantile * len(lat)) - 1))] * time_scale if lat else 0.0
-        return TaskLoad(len(q) / span / time_scale, lq, len(lat))
+        w = self._burst_w.get(task_id, 0.0)
+        burst = peak_window_count(q, w) / w / time_scale if w > 0 else 0.0
+        return TaskLoad(len(q) / span / time_scale, lq, len(lat), burst)
 
 
 def combined(loads: list[TaskLoad]) -> TaskLoad | None:
     """The load of a task served by several orchestrator replicas, each metering its own requests: rates and
-    samples add up; the latency quantile is the worst replica's (a bound, not the exact quantile of the union)."""
+    samples add up; the latency quantile is the worst replica's (a bound, not the exact quantile of the union); the
+    burst rates add up too (a bound: the replicas' densest windows need not coincide)."""
     if not loads:
         return None
-    return TaskLoad(sum(x.rate_rps for x in loads), max(x.latency_q_s for x in loads), sum(x.samples for x in loads))
+    return TaskLoad(sum(x.rate_rps for x in loads), max(x.latency_q_s for x in loads), sum(x.samples for x in loads),
+                    sum(x.burst_rps for x in loads))
 
 
 def drifted(tasks: dict[str, TaskRecord], loads: dict[str, TaskLoad], since: dict[str, float], now: float,
-            p: LoadPolicy) -> list[tuple[str, float, str]]:
+            p: LoadPolicy, *, peaks: dict[str, float] | None = None) -> list[tuple[str, float, str]]:
     """(task id, rate to plan for, why) for each ACTIVE task whose load has left its plan for `hold_down_s`.
-    `since` (task id -> when the drift was first seen) is the caller's memory across calls; updated here."""
+    `since` (task id -> when the drift was first seen) is the caller's memory across calls, and `peaks` (task
+    id -> the highest `demand` seen since then: what scaling in may not plan below; None: not kept); updated."""
+    peaks = {} if peaks is None else peaks
     out = []
     for tid, t in sorted(tasks.items()):
         ld = loads.get(tid)
-        if t.state is not TaskState.ACTIVE or t.healing is not None or t.next_variant is not None or ld is None:
+        if t.state is not TaskState.ACTIVE or t.healing is not None or t.next_variant is not None or (
+                ld is None and not t.predicted_latency_s > t.slo.max_latency_s):
             since.pop(tid, None)
+            peaks.pop(tid, None)
             continue
         planned = max(t.plan_rate_rps, p.min_rate_rps)
+        need = demand(ld, p) if ld is not None else 0.0
+        burst = f" (bursts need {need:.3g})" if ld is not None and need > ld.rate_rps else ""
         target, why, hold = 0.0, "", p.hold_down_s
         # The rate first: planning for what arrives is the fix for most latency trouble too.
-        if ld.rate_rps > planned * p.band:
-            target, why = ld.rate_rps, f"observed {ld.rate_rps:.3g} req/s > {p.band:g} x planned {planned:.3g}"
-        elif ld.rate_rps < planned / p.band and planned > (floor := max(
+        if ld is not None and need > planned * p.band:
+            target, why = need, f"observed {ld.rate_rps:.3g} req/s{burst} > {p.band:g} x planned {planned:.3g}"
+        elif ld is not None and need < planned / p.band and planned > (floor := max(
                 p.min_rate_rps, t.slo.arrival_rate_rps if p.floor_at_declared else 0.0)):
-            target = max(ld.rate_rps * p.scale_in_headroom, floor)
-            why = f"observed {ld.rate_rps:.3g} req/s < planned {planned:.3g} / {p.band:g}"
+            # Hysteresis: never below the highest demand seen while the drift lasted (the last burst's need).
+            peak = peaks[tid] = max(peaks.get(tid, 0.0), need)
+            target = max(need * p.scale_in_headroom, peak, floor)
+            why = f"observed {ld.rate_rps:.3g} req/s{burst} < planned {planned:.3g} / {p.band:g}"
             hold = p.hold_down_s * p.scale_in_factor
-        elif ld.samples >= p.min_samples and ld.latency_q_s > t.slo.max_latency_s:
+        elif ld is not None and ld.samples >= p.min_samples and ld.latency_q_s > t.slo.max_latency_s:
             # The rate is as planned, yet too slow (the plan's capacity model was optimistic, or the
             # instances are shared with tasks above their plans): ask for `band` x more capacity.
-            target = max(ld.rate_rps, planned) * p.band
+            target = max(need, planned) * p.band
             why = (f"p{round(p.latency_quantile * 100)} latency {ld.latency_q_s:.3g}s breaks the SLO "
                    f"{t.slo.max_latency_s:g}s at {ld.rate_rps:.3g} req/s")
+        elif t.predicted_latency_s > t.slo.max_latency_s * (1 + 1e-9):
+            # Co-residents deployed since its selection slow it past its SLO on paper: a variant that fits the
+            # placement as it is now, at the rate it needs.
+            target = max(need, planned)
+            why = (f"predicted latency {t.predicted_latency_s:.3g}s on the current placement exceeds the SLO "
+                   f"{t.slo.max_latency_s:g}s")
         if not why:
             since.pop(tid, None)
+            peaks.pop(tid, None)
             continue
         first = since.setdefault(tid, now)
         last = t.last_reselection.at if t.last_reselection else 0.0
         if now - first >= hold and now - last >= p.hold_down_s:
             out.append((tid, target, f"{why} for {now - first:.0f}s"))
             since.pop(tid, None)
+            peaks.pop(tid, None)
     return out

@@ -170,7 +170,8 @@ def stage_latencies_alone(workflow: Workflow, variant: Variant, profiles: Mappin
     return out
 
 
-def _longest_path(workflow: Workflow, own: Mapping[str, float | None]) -> float | None:
+def longest_path_s(workflow: Workflow, own: Mapping[str, float | None]) -> float | None:
+    """The longest path through `workflow`'s DAG with these stage latencies (None when one is unknown)."""
     done: dict[str, float] = {}
     for i in workflow.topo_order():
         s = workflow.stages[i]
@@ -188,7 +189,7 @@ def alone_latency_s(workflow: Workflow, variant: Variant, profiles: Mapping[tupl
     DAG). Under `INTERFERENCE` the variant's own `latency_s` is the slowed one, so this is recomputed from its
     assignments and `profiles` (by (model, tp, pp)). None when a stage's assignment or profile is unknown."""
     own = stage_latencies_alone(workflow, variant, profiles)
-    return None if own is None else _longest_path(workflow, own)
+    return None if own is None else longest_path_s(workflow, own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +226,7 @@ def task_uses(tasks: Iterable[TaskRecord], profiles: Mapping[tuple[str, int, int
                 continue
             wf = next((w for w in t.candidates if w.id == v.workflow_id), None)
             own = stage_latencies_alone(wf, v, profiles) if wf is not None else None
-            alone = _longest_path(wf, own) if wf is not None and own is not None else None
+            alone = longest_path_s(wf, own) if wf is not None and own is not None else None
             offered: dict[str, float] = {}
             if wf is not None and own is not None and rate > 0 and math.isfinite(rate):
                 by_stage: dict[str, list[str]] = {}

@@ -34,6 +34,13 @@ def replicas_of(stage_instances: dict[str, str], stage_id: str) -> list[str]:
     return out
 
 
+def selected_prediction(v: Variant) -> dict[str, Any]:
+    """The prediction fields of a task record as a selection of `v` sets them (`TaskRecord` keyword arguments):
+    the variant's latency and each LLM stage's assignment latency, not re-derived yet."""
+    return {"predicted_latency_s": v.latency_s,
+            "predicted_stage_latency_s": {a.stage_id: a.latency_s for a in v.assignments}, "predicted_at": 0.0}
+
+
 class TaskState(enum.Enum):
     """Mirrors flowmaker.common.v1.Task.State (without the prefix)."""
 
@@ -168,7 +175,12 @@ class TaskRecord:
     # replicas under "<stage id>#1", "#2", ... (`replicas_of`); '#' is outside the id charset.
     stage_instances: dict[str, str] = field(default_factory=dict)
     new_instances: tuple[DeployedInstance, ...] = ()  # what the commit reserved for this task
+    # The predicted latency (model s): the selection's, then re-derived on the current placement whenever it
+    # changes (flowmaker.orchestration.predict), with each LLM stage's and when it was last derived (0 = the
+    # selection's own figures, not re-derived yet).
     predicted_latency_s: float = 0.0
+    predicted_stage_latency_s: dict[str, float] = field(default_factory=dict)
+    predicted_at: float = 0.0
     observed_latencies_s: tuple[float, ...] = ()  # most recent Invoke latencies (bounded window)
     requests_served: int = 0
     failure: Failure | None = None
@@ -223,6 +235,11 @@ class TaskRecord:
                                      field="task_id", metadata={"state": self.state.value})
         return replace(self, state=state, update_time=now, **changes)
 
+    def with_prediction(self, latency_s: float, stage_latency_s: dict[str, float], now: float) -> TaskRecord:
+        """This task with a re-derived prediction (flowmaker.orchestration.predict)."""
+        return replace(self, predicted_latency_s=latency_s, predicted_stage_latency_s=dict(stage_latency_s),
+                       predicted_at=now)
+
     def with_observation(self, latency_s: float, now: float, window: int) -> TaskRecord:
         obs = (*self.observed_latencies_s, latency_s)[-window:]
         return replace(self, observed_latencies_s=obs, requests_served=self.requests_served + 1, update_time=now)
@@ -238,6 +255,7 @@ class TaskRecord:
             "stage_instances": dict(self.stage_instances),
             "new_instances": [_deployed_to(d) for d in self.new_instances],
             "predicted_latency_s": self.predicted_latency_s,
+            "predicted_stage_latency_s": dict(self.predicted_stage_latency_s), "predicted_at": self.predicted_at,
             "observed_latencies_s": list(self.observed_latencies_s), "requests_served": self.requests_served,
             "failure": None if self.failure is None else {"error": self.failure.error, "reason": self.failure.reason,
                                                           "message": self.failure.message},
@@ -265,6 +283,8 @@ class TaskRecord:
             stage_instances=dict(d.get("stage_instances", {})),
             new_instances=tuple(_deployed_from(x) for x in d.get("new_instances", ())),
             predicted_latency_s=float(d.get("predicted_latency_s", 0.0)),
+            predicted_stage_latency_s={str(k): float(v) for k, v in (d.get("predicted_stage_latency_s") or {}).items()},
+            predicted_at=float(d.get("predicted_at", 0.0)),
             observed_latencies_s=tuple(float(x) for x in d.get("observed_latencies_s", ())),
             requests_served=int(d.get("requests_served", 0)),
             failure=Failure(f["error"], f["reason"], f["message"]) if f else None,

@@ -18,7 +18,7 @@ from flowmaker.domain import Variant
 from flowmaker.errors import NoCapacity, NotFound
 from flowmaker.orchestration.cluster import excluding_task, read_live_cluster
 from flowmaker.orchestration.commit import ReleaseAction, commit_ops, plan_commit
-from flowmaker.orchestration.task import DeployedInstance, Reselection, TaskRecord, TaskState
+from flowmaker.orchestration.task import DeployedInstance, Reselection, TaskRecord, TaskState, selected_prediction
 from flowmaker.state import keys
 from flowmaker.state.records import InstanceRecord, InstanceState, new_instance_id, reuse_load, reuse_value
 from flowmaker.state.store import Compare, Put, StateStore
@@ -99,7 +99,7 @@ class LoadFollower:
             if same:
                 # The current variant still fits the new rate and costs no more: only its shares move.
                 new_t = replace(cur, update_time=now, planned_rate_rps=rate_rps, variant=v,
-                                predicted_latency_s=v.latency_s, last_reselection=replace(
+                                **selected_prediction(v), last_reselection=replace(
                                     note, outcome="DONE", reason=f"{why}; the current variant fits"))
             else:
                 new_t = replace(cur, update_time=now, next_variant=v, next_stage_instances=plan.stage_instances,
@@ -151,7 +151,7 @@ class LoadFollower:
             return replace(x, update_time=time.time(), variant=x.next_variant, stage_instances=x.next_stage_instances,
                            new_instances=x.next_new_instances, next_variant=None, next_stage_instances={},
                            next_new_instances=(), planned_rate_rps=note.rate_rps if note else x.planned_rate_rps,
-                           predicted_latency_s=x.next_variant.latency_s,
+                           **selected_prediction(x.next_variant),
                            last_reselection=replace(note, outcome="DONE") if note else None)
         old = set(t.stage_instances.values())
         new = await self.tasks.update(task_id, swap)

@@ -41,6 +41,7 @@ from flowmaker.orchestration.task import (
     TaskRecord,
     TaskState,
     derive_state,
+    selected_prediction,
 )
 from flowmaker.rpc.errors import call
 from flowmaker.state import keys
@@ -399,7 +400,7 @@ class Lifecycle:
                     HealAction.RESELECTING.value, t.healing.detail, t.healing.since, t.healing.attempts)
                 deploying = t.moved(TaskState.DEPLOYING, now, variant=v, strategy=result.strategy or t.strategy,
                                     stage_instances=plan.stage_instances, new_instances=plan.deploy,
-                                    predicted_latency_s=v.latency_s, healing=healing)
+                                    healing=healing, **selected_prediction(v))
                 try:
                     compares, puts = commit_ops(plan, view, tkv, deploying, now)
                 except NoCapacity as e:  # the view moved under the selector's feet; select again

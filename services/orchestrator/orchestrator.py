@@ -42,6 +42,7 @@ from services.orchestrator.engines import EngineClient
 from services.orchestrator.follower import LoadFollower
 from services.orchestrator.healing import Healer
 from services.orchestrator.lifecycle import Lifecycle
+from services.orchestrator.predictions import Predictions
 from services.orchestrator.reconciler import Reconciler
 from services.orchestrator.records import TaskView
 from services.orchestrator.replicas import ReplicaBoard
@@ -92,7 +93,8 @@ class Orchestrator:
             orphan_grace_s=s.reconcile_orphan_grace_s, deploying_deadline_s=s.reconcile_deploying_deadline_s),
             workers=self.workers, lifecycle=self.lifecycle, healer=self.healer, follower=self.follower,
             engines=self.engines, interval_s=s.reconcile_interval_s, heal=s.reconcile_heal,
-            load_policy=LoadPolicy(band=s.load_band, hold_down_s=s.load_hold_down_s) if s.follow_load else None)
+            load_policy=LoadPolicy(band=s.load_band, hold_down_s=s.load_hold_down_s) if s.follow_load else None,
+            predictions=Predictions(store, self.selections))
         self.users = Users(store, self.cache)
         self.pruner = TokenPruner(self.users, interval_s=s.token_prune_interval_s, grace_s=s.token_prune_grace_s)
         self.election: Election | None = None

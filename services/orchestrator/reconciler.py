@@ -26,6 +26,7 @@ from services.orchestrator.engines import EngineClient
 from services.orchestrator.follower import LoadFollower
 from services.orchestrator.healing import Healer
 from services.orchestrator.lifecycle import Lifecycle
+from services.orchestrator.predictions import Predictions
 from services.orchestrator.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 class Reconciler:
     def __init__(self, cache: RoutingCache, policy: Policy, *, workers: Workers, lifecycle: Lifecycle,
                  healer: Healer, follower: LoadFollower, engines: EngineClient, interval_s: float,
-                 heal: bool = True, load_policy: LoadPolicy | None = None) -> None:
+                 heal: bool = True, load_policy: LoadPolicy | None = None,
+                 predictions: Predictions | None = None) -> None:
         self.cache = cache
         self.policy = policy
         self.workers = workers
@@ -46,7 +48,9 @@ class Reconciler:
         self.heal = heal
         self.memory = Memory()
         self.load_policy = load_policy  # None: deploy-once (no re-selection for load)
+        self.predictions = predictions  # None: tasks keep their selections' predictions
         self._drift_since: dict[str, float] = {}
+        self._drift_peak: dict[str, float] = {}
         self._loop: asyncio.Task[Any] | None = None
         self._actions: set[asyncio.Task[Any]] = set()
         self._probing: set[str] = set()  # instances whose engine a probe is on (`_probe_cut_off`)
@@ -70,6 +74,9 @@ class Reconciler:
         self._loop = None
         self.memory = Memory()
         self._drift_since.clear()
+        self._drift_peak.clear()
+        if self.predictions is not None:
+            self.predictions.forget()
 
     def kick(self) -> None:
         self.cache.kick()
@@ -97,16 +104,23 @@ class Reconciler:
         now = time.time()
         self._probe_cut_off(obs, now)
         actions = plan(obs, self.memory, now, self.policy)
+        tasks = obs.tasks
+        if self.predictions is not None:
+            try:  # the placement moved: serving tasks' predictions re-derived (their drift is seen below)
+                tasks = {**tasks, **await self.predictions.refresh(obs)}
+            except Exception as e:  # etcd unavailable (or a bug): healing goes on; the next pass tries again
+                self.predictions.forget()
+                log.warning("re-deriving predictions failed (%s); the next pass tries again", e)
         if not self.heal:
             return actions
         for a in actions:
             self._carry_out(a)
         if self.load_policy is not None:
             busy = self.memory.busy_tasks
-            loads = {tid: ld for tid in obs.tasks if tid not in busy
+            loads = {tid: ld for tid in tasks if tid not in busy
                      and (ld := self.lifecycle.observed_load(tid, now)) is not None}
-            for tid, rate, why in drifted({t: x for t, x in obs.tasks.items() if t not in busy}, loads,
-                                          self._drift_since, now, self.load_policy):
+            for tid, rate, why in drifted({t: x for t, x in tasks.items() if t not in busy}, loads,
+                                          self._drift_since, now, self.load_policy, peaks=self._drift_peak):
                 log.warning("reconcile: RESELECT_FOR_LOAD %s (%s)", tid, why)
                 self.workers.start(tid, self.follower.reselect_for_load(tid, rate, why))
         return actions

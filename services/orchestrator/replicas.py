@@ -66,8 +66,8 @@ class ReplicaBoard:
             parts.append(own)
         for rec in self.peers.values():  # a replica that died: its record went with its lease
             x = rec.get("loads", {}).get(task_id)
-            if isinstance(x, list) and len(x) == 3:
-                parts.append(TaskLoad(float(x[0]), float(x[1]), int(x[2])))
+            if isinstance(x, list) and len(x) in (3, 4):  # (a replica of an older version publishes 3)
+                parts.append(TaskLoad(float(x[0]), float(x[1]), int(x[2]), float(x[3]) if len(x) == 4 else 0.0))
         return combined(parts)
 
     def inflight_elsewhere(self, iid: str) -> int:
@@ -88,7 +88,7 @@ class ReplicaBoard:
         if not self._lease.id or self._lease.lost.is_set():
             await self._lease.start()
         now = time.time()
-        loads = {tid: [round(ld.rate_rps, 4), round(ld.latency_q_s, 4), ld.samples]
+        loads = {tid: [round(ld.rate_rps, 4), round(ld.latency_q_s, 4), ld.samples, round(ld.burst_rps, 4)]
                  for tid, ld in self.own_loads(now).items()}
         record = {**self.identity(), "loads": loads,
                   "inflight": {iid: n for iid, n in sorted(self.inflight.items()) if n > 0}}

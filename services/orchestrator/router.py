@@ -93,7 +93,8 @@ class Router:
             raise FailedPrecondition(f"task {task_id} has no selected workflow", field="task_id")
         root.set_attribute(telemetry.FLOWMAKER_WORKFLOW, wf.id)
         # Counted as waiting from here: the latency quantiles see a request that never completes.
-        token = self.arrivals.arrived(task_id, time.time())
+        # Bursts are metered over one latency SLO (wall seconds): what the load follower plans for.
+        token = self.arrivals.arrived(task_id, time.time(), t.slo.max_latency_s / self.settings.tool_time_scale)
         try:
             insts: dict[str, InstanceRecord] = {}
             for iid in t.instance_ids:

@@ -136,10 +136,19 @@ class Selections:
             o.gpu_sharing = cast(selection_pb2.GpuSharing, selection_pb2.GpuSharing.Value(
                 f"GPU_SHARING_{s.default_gpu_sharing}"))
         if o.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE and not o.HasField("interference"):
-            if s.default_interference >= 0:
-                o.interference = s.default_interference
-            else:
-                gpu_type = cluster_gpu_type(cluster, "")
-                o.interference = await InterferenceStore(self.store).kappa(gpu_type) if gpu_type \
-                    else DEFAULT_INTERFERENCE
+            o.interference = await self.kappa(cluster_gpu_type(cluster, ""))
         return o
+
+    async def kappa(self, gpu_type: str) -> float:
+        """The interference kappa a selection uses unless its options set one: DEFAULT_INTERFERENCE, or when that
+        is negative the kappa the profiler stored for `gpu_type` (1 when none is, or the type is unknown)."""
+        if self.settings.default_interference >= 0:
+            return self.settings.default_interference
+        return await InterferenceStore(self.store).kappa(gpu_type) if gpu_type else DEFAULT_INTERFERENCE
+
+    def shares_gpus(self, t: TaskRecord) -> bool:
+        """Whether `t` was selected under the GPU-sharing model (its options' gpu_sharing, else the default)."""
+        o = convert.selection_options_from_json(t.options_json) if t.options_json else selection_pb2.SelectionOptions()
+        if o.gpu_sharing == selection_pb2.GPU_SHARING_UNSPECIFIED:
+            return self.settings.default_gpu_sharing == "INTERFERENCE"
+        return o.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE

@@ -23,10 +23,12 @@ pytestmark = [
     pytest.mark.skipif(os.environ.get("FLOWMAKER_SKIP_E2E") == "1", reason="FLOWMAKER_SKIP_E2E=1"),
 ]
 
-TASK_FIELDS = {"name", "state", "workflow_id", "rate_rps", "slo_latency_s", "predicted_latency_s", "ok", "measured",
+TASK_FIELDS = {"name", "state", "workflow_id", "rate_rps", "slo_latency_s", "predicted_latency_s", "selected_latency_s",
+               "prediction_rederived", "ok", "measured",
                "latency_p50_s", "latency_p95_s", "p95_over_slo", "slo_met"}
 STAGE_FIELDS = {"task", "stage_id", "instance_id", "model_id", "gpu_ids", "shared", "co_residents", "n",
-                "predicted_latency_s", "measured_mean_s", "ratio_measured_over_predicted", "alone_nominal_s",
+                "predicted_latency_s", "selected_latency_s", "measured_mean_s", "ratio_measured_over_predicted",
+                "ratio_measured_over_selected", "alone_nominal_s",
                 "predicted_multiplier", "measured_multiplier", "multiplier_predicted_final"}
 INSTANCE_FIELDS = {"instance_id", "gpu_ids", "shared", "busy_share_predicted", "busy_share_measured",
                    "gpu_slowdown_while_busy", "f_predicted_final", "f_with_measured_busy"}
@@ -59,7 +61,7 @@ def test_live_sharing_smoke(tmp_path: Path) -> None:
         capture_output=True, text=True, env=env, timeout=85, check=False)
     assert p.returncode == 0, f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
     assert "Traceback" not in p.stdout + p.stderr
-    assert "predicted (assignment latency_s) vs measured" in p.stdout  # the human table
+    assert "predicted (the orchestrator's current prediction" in p.stdout  # the human table
 
     res = json.loads(out.read_text())
     assert "error" not in res, res.get("error")
@@ -78,6 +80,11 @@ def test_live_sharing_smoke(tmp_path: Path) -> None:
 
     shared = [s for s in res["stages"] if s["shared"]]
     assert shared, res["stages"]
+    # The first task was deployed before its co-resident: the product's prediction of it was re-derived on the
+    # placement (read from the API) and is above the selection's, made when it had the GPU alone.
+    first = res["tasks"][0]
+    assert first["prediction_rederived"] and first["predicted_latency_s"] > first["selected_latency_s"], first
+    assert all(s["predicted_latency_s"] >= s["selected_latency_s"] for s in shared if s["task"] == "extract")
     for s in shared:
         assert STAGE_FIELDS <= set(s), s
         assert s["co_residents"], s

@@ -28,7 +28,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66lowmaker/common/v1/task.proto\x12\x13\x66lowmaker.common.v1\x1a#flowmaker/common/v1/selection.proto\x1a\"flowmaker/common/v1/workflow.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17google/rpc/status.proto\"\x9c\t\n\x04Task\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12%\n\x03slo\x18\x04 \x01(\x0b\x32\x18.flowmaker.common.v1.Slo\x12\x31\n\ncandidates\x18\x05 \x03(\x0b\x32\x1d.flowmaker.common.v1.Workflow\x12\x1d\n\x15\x61pproved_workflow_ids\x18\x06 \x03(\t\x12-\n\x07variant\x18\x07 \x01(\x0b\x32\x1c.flowmaker.common.v1.Variant\x12\x10\n\x08strategy\x18\x08 \x01(\t\x12\x46\n\x0fstage_instances\x18\t \x03(\x0b\x32-.flowmaker.common.v1.Task.StageInstancesEntry\x12\x1b\n\x13predicted_latency_s\x18\n \x01(\x01\x12\x1e\n\x16observed_latency_p50_s\x18\x0b \x01(\x01\x12\x1e\n\x16observed_latency_p95_s\x18\x0c \x01(\x01\x12\x17\n\x0frequests_served\x18\r \x01(\x03\x12.\n\x05state\x18\x0e \x01(\x0e\x32\x1f.flowmaker.common.v1.Task.State\x12#\n\x07\x66\x61ilure\x18\x0f \x01(\x0b\x32\x12.google.rpc.Status\x12/\n\x0b\x63reate_time\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04\x65tag\x18\x12 \x01(\t\x12-\n\x07healing\x18\x13 \x01(\x0b\x32\x1c.flowmaker.common.v1.Healing\x12!\n\x19observed_arrival_rate_rps\x18\x14 \x01(\x01\x12:\n\x10last_reselection\x18\x15 \x01(\x0b\x32 .flowmaker.common.v1.Reselection\x12O\n\x14next_stage_instances\x18\x16 \x03(\x0b\x32\x31.flowmaker.common.v1.Task.NextStageInstancesEntry\x12\r\n\x05owner\x18\x17 \x01(\t\x1a\x35\n\x13StageInstancesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x39\n\x17NextStageInstancesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc7\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10STATE_GENERATING\x10\x01\x12\x1b\n\x17STATE_AWAITING_APPROVAL\x10\x02\x12\x13\n\x0fSTATE_SELECTING\x10\x03\x12\x13\n\x0fSTATE_DEPLOYING\x10\x04\x12\x10\n\x0cSTATE_ACTIVE\x10\x05\x12\x12\n\x0eSTATE_DEGRADED\x10\x06\x12\x10\n\x0cSTATE_FAILED\x10\x07\x12\x12\n\x0eSTATE_DELETING\x10\x08\"z\n\x0bReselection\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12 \n\x18planned_arrival_rate_rps\x18\x03 \x01(\x01\x12\x0f\n\x07outcome\x18\x04 \x01(\t\"\xa2\x01\n\x07Healing\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12.\n\nsince_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08\x61ttempts\x18\x04 \x01(\x05\x12\x35\n\x11next_attempt_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestampb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66lowmaker/common/v1/task.proto\x12\x13\x66lowmaker.common.v1\x1a#flowmaker/common/v1/selection.proto\x1a\"flowmaker/common/v1/workflow.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17google/rpc/status.proto\"\xe7\n\n\x04Task\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12%\n\x03slo\x18\x04 \x01(\x0b\x32\x18.flowmaker.common.v1.Slo\x12\x31\n\ncandidates\x18\x05 \x03(\x0b\x32\x1d.flowmaker.common.v1.Workflow\x12\x1d\n\x15\x61pproved_workflow_ids\x18\x06 \x03(\t\x12-\n\x07variant\x18\x07 \x01(\x0b\x32\x1c.flowmaker.common.v1.Variant\x12\x10\n\x08strategy\x18\x08 \x01(\t\x12\x46\n\x0fstage_instances\x18\t \x03(\x0b\x32-.flowmaker.common.v1.Task.StageInstancesEntry\x12\x1b\n\x13predicted_latency_s\x18\n \x01(\x01\x12\x1e\n\x16observed_latency_p50_s\x18\x0b \x01(\x01\x12\x1e\n\x16observed_latency_p95_s\x18\x0c \x01(\x01\x12\x17\n\x0frequests_served\x18\r \x01(\x03\x12.\n\x05state\x18\x0e \x01(\x0e\x32\x1f.flowmaker.common.v1.Task.State\x12#\n\x07\x66\x61ilure\x18\x0f \x01(\x0b\x32\x12.google.rpc.Status\x12/\n\x0b\x63reate_time\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04\x65tag\x18\x12 \x01(\t\x12-\n\x07healing\x18\x13 \x01(\x0b\x32\x1c.flowmaker.common.v1.Healing\x12!\n\x19observed_arrival_rate_rps\x18\x14 \x01(\x01\x12:\n\x10last_reselection\x18\x15 \x01(\x0b\x32 .flowmaker.common.v1.Reselection\x12O\n\x14next_stage_instances\x18\x16 \x03(\x0b\x32\x31.flowmaker.common.v1.Task.NextStageInstancesEntry\x12\r\n\x05owner\x18\x17 \x01(\t\x12X\n\x19predicted_stage_latency_s\x18\x18 \x03(\x0b\x32\x35.flowmaker.common.v1.Task.PredictedStageLatencySEntry\x12\x30\n\x0cpredict_time\x18\x19 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a\x35\n\x13StageInstancesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x39\n\x17NextStageInstancesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a=\n\x1bPredictedStageLatencySEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc7\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10STATE_GENERATING\x10\x01\x12\x1b\n\x17STATE_AWAITING_APPROVAL\x10\x02\x12\x13\n\x0fSTATE_SELECTING\x10\x03\x12\x13\n\x0fSTATE_DEPLOYING\x10\x04\x12\x10\n\x0cSTATE_ACTIVE\x10\x05\x12\x12\n\x0eSTATE_DEGRADED\x10\x06\x12\x10\n\x0cSTATE_FAILED\x10\x07\x12\x12\n\x0eSTATE_DELETING\x10\x08\"z\n\x0bReselection\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12 \n\x18planned_arrival_rate_rps\x18\x03 \x01(\x01\x12\x0f\n\x07outcome\x18\x04 \x01(\t\"\xa2\x01\n\x07Healing\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12.\n\nsince_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08\x61ttempts\x18\x04 \x01(\x05\x12\x35\n\x11next_attempt_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestampb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,16 +39,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASK_STAGEINSTANCESENTRY']._serialized_options = b'8\001'
   _globals['_TASK_NEXTSTAGEINSTANCESENTRY']._loaded_options = None
   _globals['_TASK_NEXTSTAGEINSTANCESENTRY']._serialized_options = b'8\001'
+  _globals['_TASK_PREDICTEDSTAGELATENCYSENTRY']._loaded_options = None
+  _globals['_TASK_PREDICTEDSTAGELATENCYSENTRY']._serialized_options = b'8\001'
   _globals['_TASK']._serialized_start=187
-  _globals['_TASK']._serialized_end=1367
-  _globals['_TASK_STAGEINSTANCESENTRY']._serialized_start=1053
-  _globals['_TASK_STAGEINSTANCESENTRY']._serialized_end=1106
-  _globals['_TASK_NEXTSTAGEINSTANCESENTRY']._serialized_start=1108
-  _globals['_TASK_NEXTSTAGEINSTANCESENTRY']._serialized_end=1165
-  _globals['_TASK_STATE']._serialized_start=1168
-  _globals['_TASK_STATE']._serialized_end=1367
-  _globals['_RESELECTION']._serialized_start=1369
-  _globals['_RESELECTION']._serialized_end=1491
-  _globals['_HEALING']._serialized_start=1494
-  _globals['_HEALING']._serialized_end=1656
+  _globals['_TASK']._serialized_end=1570
+  _globals['_TASK_STAGEINSTANCESENTRY']._serialized_start=1193
+  _globals['_TASK_STAGEINSTANCESENTRY']._serialized_end=1246
+  _globals['_TASK_NEXTSTAGEINSTANCESENTRY']._serialized_start=1248
+  _globals['_TASK_NEXTSTAGEINSTANCESENTRY']._serialized_end=1305
+  _globals['_TASK_PREDICTEDSTAGELATENCYSENTRY']._serialized_start=1307
+  _globals['_TASK_PREDICTEDSTAGELATENCYSENTRY']._serialized_end=1368
+  _globals['_TASK_STATE']._serialized_start=1371
+  _globals['_TASK_STATE']._serialized_end=1570
+  _globals['_RESELECTION']._serialized_start=1572
+  _globals['_RESELECTION']._serialized_end=1694
+  _globals['_HEALING']._serialized_start=1697
+  _globals['_HEALING']._serialized_end=1859
 # @@protoc_insertion_point(module_scope)

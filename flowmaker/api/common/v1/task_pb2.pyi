@@ -14,7 +14,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Task(_message.Message):
-    __slots__ = ("id", "name", "description", "slo", "candidates", "approved_workflow_ids", "variant", "strategy", "stage_instances", "predicted_latency_s", "observed_latency_p50_s", "observed_latency_p95_s", "requests_served", "state", "failure", "create_time", "update_time", "etag", "healing", "observed_arrival_rate_rps", "last_reselection", "next_stage_instances", "owner")
+    __slots__ = ("id", "name", "description", "slo", "candidates", "approved_workflow_ids", "variant", "strategy", "stage_instances", "predicted_latency_s", "observed_latency_p50_s", "observed_latency_p95_s", "requests_served", "state", "failure", "create_time", "update_time", "etag", "healing", "observed_arrival_rate_rps", "last_reselection", "next_stage_instances", "owner", "predicted_stage_latency_s", "predict_time")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Task.State]
@@ -49,6 +49,13 @@ class Task(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class PredictedStageLatencySEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +79,8 @@ class Task(_message.Message):
     LAST_RESELECTION_FIELD_NUMBER: _ClassVar[int]
     NEXT_STAGE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STAGE_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICT_TIME_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     description: str
@@ -95,7 +104,9 @@ class Task(_message.Message):
     last_reselection: Reselection
     next_stage_instances: _containers.ScalarMap[str, str]
     owner: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., slo: _Optional[_Union[_workflow_pb2.Slo, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_workflow_pb2.Workflow, _Mapping]]] = ..., approved_workflow_ids: _Optional[_Iterable[str]] = ..., variant: _Optional[_Union[_selection_pb2.Variant, _Mapping]] = ..., strategy: _Optional[str] = ..., stage_instances: _Optional[_Mapping[str, str]] = ..., predicted_latency_s: _Optional[float] = ..., observed_latency_p50_s: _Optional[float] = ..., observed_latency_p95_s: _Optional[float] = ..., requests_served: _Optional[int] = ..., state: _Optional[_Union[Task.State, str]] = ..., failure: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., healing: _Optional[_Union[Healing, _Mapping]] = ..., observed_arrival_rate_rps: _Optional[float] = ..., last_reselection: _Optional[_Union[Reselection, _Mapping]] = ..., next_stage_instances: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ...) -> None: ...
+    predicted_stage_latency_s: _containers.ScalarMap[str, float]
+    predict_time: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., slo: _Optional[_Union[_workflow_pb2.Slo, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_workflow_pb2.Workflow, _Mapping]]] = ..., approved_workflow_ids: _Optional[_Iterable[str]] = ..., variant: _Optional[_Union[_selection_pb2.Variant, _Mapping]] = ..., strategy: _Optional[str] = ..., stage_instances: _Optional[_Mapping[str, str]] = ..., predicted_latency_s: _Optional[float] = ..., observed_latency_p50_s: _Optional[float] = ..., observed_latency_p95_s: _Optional[float] = ..., requests_served: _Optional[int] = ..., state: _Optional[_Union[Task.State, str]] = ..., failure: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., healing: _Optional[_Union[Healing, _Mapping]] = ..., observed_arrival_rate_rps: _Optional[float] = ..., last_reselection: _Optional[_Union[Reselection, _Mapping]] = ..., next_stage_instances: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., predicted_stage_latency_s: _Optional[_Mapping[str, float]] = ..., predict_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Reselection(_message.Message):
     __slots__ = ("time", "reason", "planned_arrival_rate_rps", "outcome")

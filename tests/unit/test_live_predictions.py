@@ -1,0 +1,214 @@
+"""Pure parts of keeping plans current: the prediction re-derived on the whole placement (flowmaker.orchestration
+.predict) agrees with the selector's own figure for the task it just placed and rises for a task already there; the
+burst meter (exact densest window, against a brute force); the drift rule's burst-aware rates, scale-in hysteresis
+and prediction drift."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowmaker.domain import (
+    Cluster,
+    Gpu,
+    GpuSharing,
+    Instance,
+    Model,
+    Profile,
+    SelectionOptions,
+    SelectionRequest,
+    Slo,
+    Stage,
+    StageAssignment,
+    StageKind,
+    Variant,
+    Workflow,
+)
+from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad, demand, drifted, peak_window_count
+from flowmaker.orchestration.predict import placement_key, predict_on_placement
+from flowmaker.orchestration.task import TaskRecord, TaskState, selected_prediction
+from flowmaker.selection.registry import select
+from flowmaker.sharing import multiplier, occupancy
+
+A_MODEL, B_MODEL = "m-small", "m-better"
+PA = Profile(A_MODEL, 1, 1, memory_gb_per_gpu=2.0, fixed_s=0.02, prefill_s_per_token=0.0002,
+             decode_s_per_token=0.002, max_output_tokens_per_s=400.0)
+PB = Profile(B_MODEL, 1, 1, memory_gb_per_gpu=3.0, fixed_s=0.03, prefill_s_per_token=0.0003,
+             decode_s_per_token=0.003, max_output_tokens_per_s=300.0)
+PROFILES = {PA.key: PA, PB.key: PB}
+MODELS = (Model(A_MODEL, 0.2, 1.0, 1.0), Model(B_MODEL, 0.4, 3.0, 3.0))
+WF = Workflow("w", (Stage("ask", input_tokens=100, output_tokens=20),
+                    Stage("look", kind=StageKind.TOOL, latency_s=0.1, depends_on=("ask",)),
+                    Stage("say", input_tokens=50, output_tokens=10, depends_on=("look",))))
+KAPPA = 0.7
+
+
+def _alone(p: Profile, s: Stage) -> float:
+    return s.calls_per_request * p.call_latency_s(s.input_tokens, s.output_tokens)
+
+
+def _task(tid: str, v: Variant, stage_instances: dict[str, str], rate: float, slo_s: float = 5.0) -> TaskRecord:
+    return TaskRecord(tid, "d", Slo(0.1, slo_s, rate), candidates=(WF,), state=TaskState.ACTIVE, variant=v,
+                      stage_instances=stage_instances, **selected_prediction(v))
+
+
+def _running_a(rate: float) -> tuple[TaskRecord, Instance]:
+    """Task A: both LLM stages on one running instance a0 of PA on GPU g0, planned at `rate`."""
+    load = rate * (20 + 10)
+    v = Variant("w", (StageAssignment("ask", A_MODEL, 1, 1, False, new_key="new-0", gpu_ids=("g0",),
+                                      latency_s=_alone(PA, WF.stages[0])),
+                      StageAssignment("say", A_MODEL, 1, 1, False, new_key="new-0", gpu_ids=("g0",),
+                                      latency_s=_alone(PA, WF.stages[2]))),
+                (), (), latency_s=_alone(PA, WF.stages[0]) + 0.1 + _alone(PA, WF.stages[2]), accuracy=0.2, cost=0.0,
+                new_memory_gb=2.0, new_gpus=1)
+    return _task("A", v, {"ask": "a0", "say": "a0"}, rate), Instance("a0", A_MODEL, 1, 1, ("g0",), load)
+
+
+def test_prediction_on_the_placement_is_the_selectors_for_the_task_it_placed_and_rises_for_the_one_there() -> None:
+    rate_a, rate_b = 3.0, 4.0
+    a, a0 = _running_a(rate_a)
+    n_a = rate_a * (_alone(PA, WF.stages[0]) + _alone(PA, WF.stages[2]))
+    # Alone on its GPU: its prediction is its latency alone.
+    alone_a = _alone(PA, WF.stages[0]) + 0.1 + _alone(PA, WF.stages[2])
+    (got,) = predict_on_placement([a], [a0], PROFILES, KAPPA).values()
+    assert got.latency_s == alone_a and got.stage_latency_s == {"ask": _alone(PA, WF.stages[0]),
+                                                                "say": _alone(PA, WF.stages[2])}
+    # B needs the better model: the selector (exact, GPU sharing) places a new instance beside a0 on the one GPU,
+    # seeing a0 as the orchestrator shows it (planned busy share, planned load).
+    req = SelectionRequest(Slo(0.3, 5.0, rate_b), (WF,), MODELS, (PA, PB),
+                           Cluster((Gpu("g0", "n0", 48.0, 2.0, "A6000"),),
+                                   (replace(a0, busy_share=occupancy(n_a)),)),
+                           SelectionOptions(gpu_sharing=GpuSharing.INTERFERENCE, interference=KAPPA))
+    res = select(req, "exact")
+    v = res.variant
+    assert v is not None and [n.gpu_ids for n in v.new_instances] == [("g0",)] and not v.reuse
+    b0 = Instance("b0", B_MODEL, 1, 1, ("g0",), v.new_instances[0].load_output_tokens_per_s)
+    b = _task("B", v, {"ask": "b0", "say": "b0"}, rate_b)
+    preds = predict_on_placement([a, b], [a0, b0], PROFILES, KAPPA)
+    # B: the selector's own figures (stage by stage), up to the rounding of the busy shares' sums.
+    assert preds["B"].latency_s == pytest.approx(v.latency_s, rel=1e-12)
+    assert preds["B"].stage_latency_s == pytest.approx({x.stage_id: x.latency_s for x in v.assignments}, rel=1e-12)
+    assert not preds["B"].differs(b)
+    # A: slowed by B's busy share, by hand.
+    n_b = rate_b * (_alone(PB, WF.stages[0]) + _alone(PB, WF.stages[2]))
+    m = float(multiplier(1 + Fraction(KAPPA) * Fraction(occupancy(n_b)), Fraction(a0.load_output_tokens_per_s / 400)))
+    assert m > 1.05
+    assert preds["A"].stage_latency_s == pytest.approx({"ask": _alone(PA, WF.stages[0]) * m,
+                                                        "say": _alone(PA, WF.stages[2]) * m}, rel=1e-12)
+    assert preds["A"].latency_s == pytest.approx((_alone(PA, WF.stages[0]) + _alone(PA, WF.stages[2])) * m + 0.1)
+    assert preds["A"].differs(a)
+    # The key moves with the placement, not with a task's prediction.
+    k = placement_key([a, b], [a0, b0])
+    assert placement_key([a.with_prediction(9.0, {}, 1.0), b], [a0, b0]) == k
+    assert placement_key([a], [a0]) != k and placement_key([a, b], [a0, replace(b0, gpu_ids=("g1",))]) != k
+
+
+def test_prediction_replicas_overload_unknown_and_who_is_predicted() -> None:
+    a, a0 = _running_a(1.0)
+    # A replica group: the slowest replica's multiplier. Replica a1 shares g1 with a busy co-resident.
+    grouped = replace(a, stage_instances={"ask": "a0", "ask#1": "a1", "say": "a0"})
+    a1 = Instance("a1", A_MODEL, 1, 1, ("g1",), a0.load_output_tokens_per_s)
+    other = Instance("z", B_MODEL, 1, 1, ("g1",), 150.0)  # no task plans it: busy share = min(1, rho) = 0.5
+    p = predict_on_placement([grouped], [a0, a1, other], PROFILES, 1.0)["A"]
+    m1 = float(multiplier(Fraction(3, 2), Fraction(a1.load_output_tokens_per_s / 400)))
+    assert p.stage_latency_s["ask"] == pytest.approx(_alone(PA, WF.stages[0]) * m1)
+    assert p.stage_latency_s["say"] == _alone(PA, WF.stages[2])  # a0 alone on g0
+    # An instance that can no longer keep up: infinite.
+    hot = replace(a0, load_output_tokens_per_s=390.0)
+    inf = predict_on_placement([a], [hot, replace(other, gpu_ids=("g0",))], PROFILES, 1.0)["A"]
+    assert math.isinf(inf.latency_s) and inf.differs(a)
+    # An instance not on the placement (gone, or its node lost), or a profile unknown: no prediction.
+    assert predict_on_placement([a], [], PROFILES, 1.0) == {}
+    assert predict_on_placement([a], [a0], {}, 1.0) == {}
+    # Only ACTIVE tasks (of `only`) are predicted; a DEPLOYING one counts in the shares all the same.
+    deploying = replace(a, id="D", state=TaskState.DEPLOYING, stage_instances={"ask": "z", "say": "z"})
+    got = predict_on_placement([a, deploying], [a0, replace(other, gpu_ids=("g0",))], PROFILES, 1.0)
+    assert set(got) == {"A"} and got["A"].latency_s > predict_on_placement([a], [a0], PROFILES, 1.0)["A"].latency_s
+    assert predict_on_placement([a], [a0], PROFILES, 1.0, only=frozenset()) == {}
+
+
+# ---- the burst meter -------------------------------------------------------------------------------
+
+
+def _brute_peak(times: list[float], w: float) -> int:
+    return max((sum(1 for u in times if t <= u < t + w) for t in times), default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 60), max_size=40), st.integers(1, 20))
+def test_peak_window_count_is_the_brute_force(ticks: list[int], w: int) -> None:
+    times = [t / 4 for t in ticks]  # exact quarters: ties at the window's end are exact too
+    got = peak_window_count(times, w / 4)
+    assert got == _brute_peak(times, w / 4)
+    # No window, wherever it starts, holds more (a window starting between arrivals included).
+    for start in [x / 8 for x in range(-8 * w, 8 * 61)]:
+        assert sum(1 for u in times if start <= u < start + w / 4) <= got
+
+
+def test_meter_measures_the_densest_slo_long_window() -> None:
+    m = ArrivalMeter(window_s=20.0)
+    rng = random.Random(1)
+    times = sorted(rng.uniform(0.0, 20.0) for _ in range(20)) + [12.0 + i * 0.05 for i in range(10)]
+    times.sort()
+    for t in times:
+        m.arrived("t", t, burst_window_s=1.0)
+    ld = m.load("t", 20.0, time_scale=2.0)
+    assert ld is not None
+    assert ld.rate_rps == pytest.approx(30 / (20.0 - times[0]) / 2)  # over the span watched
+    assert ld.burst_rps == pytest.approx(_brute_peak(times, 1.0) / 1.0 / 2) and ld.burst_rps >= 10 / 2
+    # No window given: no burst metered.
+    m2 = ArrivalMeter(window_s=20.0)
+    for t in times:
+        m2.arrived("t", t)
+    ld2 = m2.load("t", 20.0)
+    assert ld2 is not None and ld2.burst_rps == 0.0
+
+
+def test_drift_rule_plans_for_bursts_keeps_hysteresis_and_acts_on_the_prediction() -> None:
+    p = LoadPolicy(band=2.0, hold_down_s=5.0, min_samples=5, burst_cap=3.0)
+    t = TaskRecord("t", "d", Slo(0.1, 3.0, 1.0), state=TaskState.ACTIVE)
+    # The demand: the burst rate when higher than the mean, at most burst_cap x the mean.
+    assert demand(TaskLoad(1.0, 0.0, 0, 2.5), p) == 2.5
+    assert demand(TaskLoad(1.0, 0.0, 0, 9.0), p) == 3.0
+    assert demand(TaskLoad(1.0, 0.0, 0, 0.5), p) == 1.0
+    # A mean within the band, bursts beyond it: scale out, planned at the burst rate.
+    since: dict[str, float] = {}
+    peaks: dict[str, float] = {}
+    bursty = {"t": TaskLoad(1.5, 1.0, 50, 2.6)}
+    assert drifted({"t": t}, bursty, since, 0.0, p, peaks=peaks) == []
+    ((_, rate, why),) = drifted({"t": t}, bursty, since, 5.0, p, peaks=peaks)
+    assert rate == pytest.approx(2.6) and "bursts need 2.6" in why
+    # Planned at the burst rate, its own mean does not scale it back in (the demand is compared).
+    out = replace(t, planned_rate_rps=2.6)
+    assert drifted({"t": out}, {"t": TaskLoad(1.1, 1.0, 50, 2.2)}, since, 10.0, p, peaks=peaks) == []
+    assert drifted({"t": out}, {"t": TaskLoad(1.1, 1.0, 50, 2.2)}, since, 30.0, p, peaks=peaks) == [] and not since
+    # Scale-in hysteresis: never below the highest demand seen while the drift lasted, nor the declared rate.
+    big = replace(t, planned_rate_rps=12.0, slo=Slo(0.1, 3.0, 0.5))
+    drifted({"t": big}, {"t": TaskLoad(1.0, 1.0, 50, 5.5)}, since, 100.0, p, peaks=peaks)  # 5.5 < 12 / 2
+    drifted({"t": big}, {"t": TaskLoad(0.5, 1.0, 50, 1.0)}, since, 105.0, p, peaks=peaks)
+    ((_, rate, _),) = drifted({"t": big}, {"t": TaskLoad(0.4, 1.0, 50, 0.4)}, since, 110.0, p, peaks=peaks)
+    assert rate == pytest.approx(3.0)  # 5.5 capped at 3 x 1.0 (the cap holds for the peak too)
+    assert not peaks and not since
+    # The same without memory: headroom over what is seen now only.
+    drifted({"t": big}, {"t": TaskLoad(0.4, 1.0, 50, 0.4)}, since, 200.0, p)
+    assert drifted({"t": big}, {"t": TaskLoad(0.4, 1.0, 50, 0.4)}, since, 210.0, p)[0][1] == pytest.approx(0.6)
+    since.clear()
+    # A prediction re-derived past the SLO is a drift, even before any traffic is metered: re-select at the rate
+    # it is planned for (or needs, when more).
+    crowded = replace(t, predicted_latency_s=3.5, planned_rate_rps=1.2)
+    assert drifted({"t": crowded}, {}, since, 300.0, p) == []
+    ((_, rate, why),) = drifted({"t": crowded}, {}, since, 305.0, p)
+    assert rate == pytest.approx(1.2) and "predicted latency 3.5s" in why
+    drifted({"t": crowded}, {"t": TaskLoad(1.4, 1.0, 50, 2.0)}, since, 400.0, p)
+    assert drifted({"t": crowded}, {"t": TaskLoad(1.4, 1.0, 50, 2.0)}, since, 405.0, p)[0][1] == pytest.approx(2.0)
+    assert drifted({"t": replace(crowded, predicted_latency_s=math.inf)}, {}, {}, 0.0,
+                   replace(p, hold_down_s=0.0))[0][0] == "t"
+    # Within the SLO (to 1e-9): nothing.
+    assert drifted({"t": replace(crowded, predicted_latency_s=3.0 * (1 + 1e-12))}, {}, {}, 0.0,
+                   replace(p, hold_down_s=0.0)) == []
