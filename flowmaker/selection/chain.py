@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 CHAIN_PREPS = 10  # Lagrangian bounds (one small LP each) per multiset the walk may search
 NODE_LIMIT = 4_000  # depth-first nodes per search of a multiset (measured: 4,000 settles more than 1,000 in 1 s)
 CHEAP_FIRST = True  # a multiset's first bound uses the last LP's prices; its own LP comes when it is popped again
-BIN_NODES = 40_000  # nodes of the bin-by-bin search (`binpack`) of a packing before its MILP (0: none)
+BIN_NODES = 80_000  # nodes of the bin-by-bin search (`binpack`) of a packing before its MILP (0: none)
 BIN_TRIES = 1  # packings searched so before the first that it settles; none after, unless one was settled
 MILP_GAP = 0.0  # solved to optimality: the walk's tie-break argument needs the least L of every multiset
 MILP_SYMMETRY = False  # order the identical bins by load in the MILP (measured on chain_clones packings: without
