@@ -58,6 +58,7 @@ MILP_GAP = 0.0  # solved to optimality: the walk's tie-break argument needs the 
 MILP_SYMMETRY = False  # order the identical bins by load in the MILP (measured on chain_clones packings: without
 # these rows HiGHS (its own symmetry detection) settled 6 of 8 packings that took 0.9-1.5 s or were left open with
 # them, in 0.1-1.0 s; one infeasibility proof took 0.56 s instead of 0.45 s)
+MILP_QUICK_NODES = 50  # HiGHS nodes for a packing whose first search saw no assignment (0: wait for its MILP)
 MILP_NODES = 3_000  # branch-and-bound nodes of HiGHS for one packing; past it the multiset keeps its bound
 # (measured on fresh chain_clones instances: 500 left packings of a single new instance unsettled that 3,000 settle)
 
@@ -296,6 +297,17 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         if done:
             return best_l[0], best_a[0], True
         bound = min(root, cap_l)
+        if best_a[0] is None and not use_milp and MILP_QUICK_NODES:
+            # The search saw no assignment at all: most often none fits (the stages do not pack into these bins),
+            # which HiGHS proves at its root while the search would spend its nodes again when the multiset comes
+            # back (measured on chain_clones: 43 such packings, each infeasible at HiGHS' first node).
+            got = _least_l_milp(pb, [pw.load[s] for s in llm], so, y, profs, pos, tool, cap_l, deadline,
+                                MILP_QUICK_NODES)
+            if got is not None and got[2]:
+                milps[0] += 1
+                return got
+            if got is not None:
+                bound = max(bound, got[0])
         if best_a[0] is None:  # no assignment seen: first fit, heaviest stage first, fastest option first
             best_a[0] = _first_fit(so, [pw.load[s] for s in llm], y, pos,
                                    {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for r in spare}, pb.p_cap)
@@ -493,7 +505,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
 
 def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, str, int]]], y: tuple[int, ...],
                   profs: list[int], pos: dict[int, int], tool: float, cap_l: float,
-                  deadline: float) -> tuple[float, list[tuple[str, int, int]] | None, bool] | None:
+                  deadline: float, nodes: int = 0) -> tuple[float, list[tuple[str, int, int]] | None, bool] | None:
     """`least_l` as a MILP: each stage j (load loads[j], options so[j] = (latency, kind, ref)) on one running
     instance with room or one of the y[p] instances of each new profile p (bins, identical: ordered by load to
     break their symmetry only if MILP_SYMMETRY; HiGHS detects it otherwise), every bin within its capacity, least
@@ -552,7 +564,7 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
     h = core._Highs()
     for opt, val in (("output_flag", False), ("threads", 1), ("mip_rel_gap", MILP_GAP), ("mip_abs_gap", 0.0),
                      ("mip_feasibility_tolerance", MIP_TOL), ("primal_feasibility_tolerance", MIP_TOL),
-                     ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", MILP_NODES)):
+                     ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", nodes or MILP_NODES)):
         h.setOptionValue(opt, val)
     left = deadline - time.perf_counter()
     if left <= 0:
