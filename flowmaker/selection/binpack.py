@@ -128,7 +128,19 @@ def least_l_bins(so: Sequence[Sequence[tuple[float, str, int]]], loads: Sequence
             nodes[0] += 1
             if nodes[0] > limit:
                 return False
-            b_l = part + s_l + u_l + k_l - m_c * (cp - base - fill) - pen_suf[i + 1]
+            # The room bin i still prices is at most what the stages not yet considered for it can fill: the
+            # others are in it or skipped (a tighter capacity row, so still a Lagrangian bound).
+            room_i = cp - base - fill
+            if m_c > 0.0:
+                can = 0.0
+                for q in range(p, r):
+                    jq = remaining[q]
+                    if jq > lim and key in lat_j[jq] and leq(base + fill + loads[jq], cp):
+                        can += loads[jq]
+                        if can >= room_i:
+                            break
+                room_i = min(room_i, can)
+            b_l = part + s_l + u_l + k_l - m_c * room_i - pen_suf[i + 1]
             b_0 = part + s_0 + u_0 + k_0
             if prune(max(b_l, b_0)):
                 return True

@@ -41,7 +41,7 @@ import heapq
 import math
 import time
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flowmaker.selection.binpack import Bin, least_l_bins
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
@@ -52,12 +52,13 @@ if TYPE_CHECKING:
 CHAIN_PREPS = 10  # Lagrangian bounds (one small LP each) per multiset the walk may search
 NODE_LIMIT = 4_000  # depth-first nodes per search of a multiset (measured: 4,000 settles more than 1,000 in 1 s)
 CHEAP_FIRST = True  # a multiset's first bound uses the last LP's prices; its own LP comes when it is popped again
-BIN_NODES = 40_000  # nodes of the bin-by-bin search (`binpack`) of a packing before its MILP (0: none)
+BIN_NODES = 80_000  # nodes of the bin-by-bin search (`binpack`) of a packing before its MILP (0: none)
 BIN_TRIES = 1  # packings searched so before the first that it settles; none after, unless one was settled
 MILP_GAP = 0.0  # solved to optimality: the walk's tie-break argument needs the least L of every multiset
 MILP_SYMMETRY = False  # order the identical bins by load in the MILP (measured on chain_clones packings: without
 # these rows HiGHS (its own symmetry detection) settled 6 of 8 packings that took 0.9-1.5 s or were left open with
 # them, in 0.1-1.0 s; one infeasibility proof took 0.56 s instead of 0.45 s)
+MILP_QUICK_NODES = 50  # HiGHS nodes for a packing whose first search saw no assignment (0: wait for its MILP)
 MILP_NODES = 3_000  # branch-and-bound nodes of HiGHS for one packing; past it the multiset keeps its bound
 # (measured on fresh chain_clones instances: 500 left packings of a single new instance unsettled that 3,000 settle)
 
@@ -103,6 +104,9 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     n_llm = len(llm)
     P = len(profs)
     suffix_min_mem = [min(mem[i:], default=INF) for i in range(P)] + [INF]
+    # the least memory per unit of capacity of a profile >= q: what the capacity a multiset still lacks costs at least
+    suffix_min_ratio = [min((m_ / c_ for m_, c_ in zip(mem[i:], cap[i:], strict=True) if c_ > 0), default=INF)
+                        for i in range(P)] + [INF]
 
     def fast(y: tuple[int, ...]) -> float:
         t = tool
@@ -116,8 +120,13 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             t += b
         return t
 
+    m_memo: dict[tuple[int, ...], float] = {}
+
     def m_of(y: tuple[int, ...]) -> float:
-        return sum(mem[i] * c for i, c in enumerate(y))
+        m = m_memo.get(y)
+        if m is None:
+            m = m_memo[y] = sum(mem[i] * c for i, c in enumerate(y))
+        return m
 
     Prep = tuple[list[list[tuple[float, str, int]]], dict[tuple[str, int], float], list[float], list[float],
                  float, float]
@@ -141,7 +150,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         # L >= part + sum_j min_o (lat + mu_o * load_j) - sum_c mu_c * (room left in c).
         room = {(REUSE, r): _tol(spare[r]) for r in spare}
         room.update({(NEW, pi): y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]]})
-        mu = _prices(so, [pw.load[s] for s in llm], room)
+        mu = pricer.prices(room)
         last_mu[0] = mu
         rem_mu = [0.0] * (n_llm + 1)
         for j in range(n_llm - 1, -1, -1):
@@ -153,6 +162,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         return got
 
     last_mu: list[dict[tuple[str, int], float]] = [{}]  # the prices of the last multiset's LP
+    pricer = _Pricer([[(lat, k, ref) for k, ref, lat in opts[s]] for s in llm], [pw.load[s] for s in llm])
 
     def cheap(y: tuple[int, ...]) -> float:
         """A Lagrangian bound of the L of every assignment that fits y, with the last LP's prices (any prices >= 0
@@ -287,6 +297,17 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         if done:
             return best_l[0], best_a[0], True
         bound = min(root, cap_l)
+        if best_a[0] is None and not use_milp and MILP_QUICK_NODES:
+            # The search saw no assignment at all: most often none fits (the stages do not pack into these bins),
+            # which HiGHS proves at its root while the search would spend its nodes again when the multiset comes
+            # back (measured on chain_clones: 43 such packings, each infeasible at HiGHS' first node).
+            got = _least_l_milp(pb, [pw.load[s] for s in llm], so, y, profs, pos, tool, cap_l, deadline,
+                                MILP_QUICK_NODES)
+            if got is not None and got[2]:
+                milps[0] += 1
+                return got
+            if got is not None:
+                bound = max(bound, got[0])
         if best_a[0] is None:  # no assignment seen: first fit, heaviest stage first, fastest option first
             best_a[0] = _first_fit(so, [pw.load[s] for s in llm], y, pos,
                                    {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for r in spare}, pb.p_cap)
@@ -339,6 +360,13 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     for q in range(P - 1, -1, -1):
         sufmin_lat[q] = [min(a, b) for a, b in zip(sufmin_lat[q + 1], lat_new[q], strict=True)]
 
+    def _more_mem(q: int, lack: float) -> float:
+        """The least memory of a nonempty multiset of profiles >= q whose capacity covers `lack`."""
+        m_ = suffix_min_mem[q]
+        if lack > 0 and suffix_min_ratio[q] < INF:
+            m_ = max(m_, lack * suffix_min_ratio[q])
+        return m_
+
     def push_eval(y: tuple[int, ...]) -> None:
         nonlocal tick
         m = m_of(y)
@@ -353,7 +381,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         nonlocal tick
         if i >= P or sum(y) >= n_llm:
             return
-        key = (m_of(y) + suffix_min_mem[i]) * lmin_all
+        key = (m_of(y) + _more_mem(i, total_load * (1 - 1e-9) - spare_all)) * lmin_all
         if key > inc * (1 + 1e-9):
             return  # never popped: the walk stops at the first key above the incumbent (which only falls)
         tick += 1
@@ -371,29 +399,20 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         by = list(reuse_lat)
         for q, c in enumerate(y):
             if c:
-                ln = lat_new[q]
-                for j in range(n_llm):
-                    if ln[j] < by[j]:
-                        by[j] = ln[j]
+                by = list(map(min, by, lat_new[q]))
         room_n = sum(y) + 1 < n_llm
         lim = inc * (1 + 1e-9)
         for q in range(i, P):
             if y[q] >= users[q]:
                 continue
             mz = m + mem[q]
-            ln = lat_new[q]
-            f = tool
-            for j in range(n_llm):
-                f += ln[j] if ln[j] < by[j] else by[j]
+            f = sum(map(min, lat_new[q], by), tool)  # = tool + each stage's least of by and q, summed in order
             ok_eval = f < INF and leq(f, pb.lam) and mz * f <= lim \
                 and capsum + cap[q] >= total_load * (1 - 1e-9)
             ok_exp = False
             if room_n:
-                sl = sufmin_lat[q]
-                fs = tool
-                for j in range(n_llm):
-                    fs += sl[j] if sl[j] < by[j] else by[j]
-                kx = (mz + suffix_min_mem[q]) * fs
+                fs = sum(map(min, sufmin_lat[q], by), tool)
+                kx = (mz + _more_mem(q, total_load * (1 - 1e-9) - capsum - cap[q])) * fs
                 ok_exp = kx <= lim
             if not ok_eval and not ok_exp:
                 continue
@@ -486,7 +505,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
 
 def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, str, int]]], y: tuple[int, ...],
                   profs: list[int], pos: dict[int, int], tool: float, cap_l: float,
-                  deadline: float) -> tuple[float, list[tuple[str, int, int]] | None, bool] | None:
+                  deadline: float, nodes: int = 0) -> tuple[float, list[tuple[str, int, int]] | None, bool] | None:
     """`least_l` as a MILP: each stage j (load loads[j], options so[j] = (latency, kind, ref)) on one running
     instance with room or one of the y[p] instances of each new profile p (bins, identical: ordered by load to
     break their symmetry only if MILP_SYMMETRY; HiGHS detects it otherwise), every bin within its capacity, least
@@ -545,7 +564,7 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
     h = core._Highs()
     for opt, val in (("output_flag", False), ("threads", 1), ("mip_rel_gap", MILP_GAP), ("mip_abs_gap", 0.0),
                      ("mip_feasibility_tolerance", MIP_TOL), ("primal_feasibility_tolerance", MIP_TOL),
-                     ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", MILP_NODES)):
+                     ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", nodes or MILP_NODES)):
         h.setOptionValue(opt, val)
     left = deadline - time.perf_counter()
     if left <= 0:
@@ -647,6 +666,73 @@ def never_places(pb: Problem, insts: list[int]) -> bool:
         return None if unknown else False
 
     return go(dict(pb.free0), dict(pb.occ0)) is False
+
+
+class _Pricer:
+    """`_prices` for many multisets of one walk: one LP over every option of every stage, kept by HiGHS between
+    calls. A multiset only changes bounds (the options of its absent profiles fixed at 0, the room of each class),
+    so each solve starts from the last basis (dual simplex) instead of building and solving an LP from scratch
+    (measured on chain_clones: 0.7 ms -> ~0.2 ms a multiset). The duals may differ from a cold start's where the LP
+    is degenerate; any prices >= 0 give a valid bound, and the sequence of solves is fixed by the walk's work, so
+    the answers do not depend on the machine's load."""
+
+    def __init__(self, so: list[list[tuple[float, str, int]]], loads: list[float]) -> None:
+        from flowmaker.selection.exact import _core_lp
+        from flowmaker.selection.milp import _CORE
+
+        self.h: Any = None
+        if _CORE is None:  # pragma: no cover
+            return
+        self.cls = sorted({(k, ref) for opts in so for _, k, ref in opts})
+        n = len(so)
+        crow = {c: n + i for i, c in enumerate(self.cls)}
+        self.crow = crow
+        cost: list[float] = []
+        entries: list[list[tuple[int, float]]] = []
+        self.col_cls: list[tuple[str, int]] = []
+        for j, opts in enumerate(so):
+            for lat, k, ref in opts:
+                cost.append(lat)
+                entries.append([(j, 1.0), (crow[(k, ref)], loads[j])])
+                self.col_cls.append((k, ref))
+        rlo = [1.0] * n + [-INF] * len(self.cls)
+        rhi = [1.0] * n + [0.0] * len(self.cls)
+        lp = _core_lp([0.0] * len(cost), [0.0] * len(cost), cost, entries, rlo, rhi)
+        h = _CORE._Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("threads", 1)
+        h.passModel(lp)
+        self.h = h
+        self.n = n
+        self.cols_of = {c: [i for i, cc in enumerate(self.col_cls) if cc == c] for c in self.cls}
+        self.open: set[tuple[str, int]] = set()  # classes whose columns are free now
+        self.room: dict[tuple[str, int], float] = {}
+
+    def prices(self, room: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
+        """The prices of `_prices(so restricted to the classes in room, loads, room)`."""
+        import numpy as np
+
+        h = self.h
+        if h is None:  # pragma: no cover
+            return {}
+        want = set(room)
+        flip = sorted(want ^ self.open)
+        if flip:
+            idx = [i for c in flip for i in self.cols_of[c]]
+            hi = [1.0 if c in want else 0.0 for c in flip for _ in self.cols_of[c]]
+            if idx:
+                h.changeColsBounds(len(idx), np.array(idx, dtype=np.int32), np.zeros(len(idx)), np.array(hi))
+            self.open = want
+        rows = [c for c in self.cls if self.room.get(c, 0.0) != room.get(c, 0.0)]
+        if rows:
+            h.changeRowsBounds(len(rows), np.array([self.crow[c] for c in rows], dtype=np.int32),
+                               np.full(len(rows), -INF), np.array([room.get(c, 0.0) for c in rows]))
+            self.room = dict(room)
+        h.run()
+        if h.modelStatusToString(h.getModelStatus()) != "Optimal":
+            return {}
+        dual = h.getSolution().row_dual
+        return {c: max(0.0, -dual[self.crow[c]]) for c in sorted(room)}
 
 
 def _prices(so: list[list[tuple[float, str, int]]], loads: list[float], room: dict[tuple[str, int], float]

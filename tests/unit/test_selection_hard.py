@@ -170,26 +170,36 @@ def test_room_rows_count_what_any_placement_can_hold() -> None:
         assert _node_room(free, k, t) == most(free, k, t), (free, k, t)
 
 
-@pytest.mark.parametrize("bin_nodes", [3, 40_000])
+@pytest.mark.parametrize("bin_nodes,quick", [(3, 0), (40_000, 0), (0, 50)])
 def test_small_chains_with_clones_equal_the_brute_force_when_packings_go_bin_by_bin(
-        bin_nodes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        bin_nodes: int, quick: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """chain_clones at small sizes with the stage-by-stage packing search cut to 2 nodes, so that every packing goes
     to the bin-by-bin search (`binpack`; cut to 3 nodes, or enough to settle) and the MILP: still the brute force's
-    answer, proven, and the bin-by-bin search ran."""
+    answer, proven, and the bin-by-bin search ran. With `quick`, a packing whose cut search saw no assignment goes
+    to a short MILP at once (and nothing goes bin by bin): the same answers, and the short MILPs ran."""
     import flowmaker.selection.chain as chain
     import flowmaker.selection.milp as milp
 
     calls: list[bool] = []
     least_l_bins = chain.least_l_bins
+    least_l_milp = chain._least_l_milp
 
     def counted(*a: object) -> object:
         got = least_l_bins(*a)  # type: ignore[arg-type]
         calls.append(got[2])
         return got
 
+    def counted_milp(*a: object) -> object:
+        got = least_l_milp(*a)  # type: ignore[arg-type]
+        if len(a) > 9 and a[9] == quick and got is not None:  # the short MILP (its node limit passed)
+            calls.append(got[2])
+        return got
+
     monkeypatch.setattr(chain, "NODE_LIMIT", 2)
     monkeypatch.setattr(chain, "BIN_NODES", bin_nodes)
+    monkeypatch.setattr(chain, "MILP_QUICK_NODES", quick)
     monkeypatch.setattr(chain, "least_l_bins", counted)
+    monkeypatch.setattr(chain, "_least_l_milp", counted_milp)
     monkeypatch.setattr(milp, "first_nodes", lambda budget: 4)
     for k in range(EXAMPLES):
         seed = SEED0 + 500 + k
@@ -198,4 +208,4 @@ def test_small_chains_with_clones_equal_the_brute_force_when_packings_go_bin_by_
             agree(req, ("exact", "milp"), proven=True)
         except AssertionError as e:
             raise AssertionError(f"chain_clones seed {seed} (FLOWMAKER_HARD_SEED={SEED0}, instance {k}): {e}") from e
-    assert calls and (any(calls) if bin_nodes > 3 else not all(calls))
+    assert calls and (any(calls) if bin_nodes > 3 or quick else not all(calls))
