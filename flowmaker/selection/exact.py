@@ -91,6 +91,7 @@ from flowmaker.selection.problem import (
     leq,
 )
 from flowmaker.selection.registry import register
+from flowmaker.selection.sharing_bound import completion_bound
 
 DEFAULT_BUDGET_S = 60.0
 # Share of the budget for the search; up to GRACE_SHARE the unexplored subtrees' bounds are tightened.
@@ -812,10 +813,12 @@ class _Search:
                 # latency alone, a lower bound of this one). Floats first: a variant clearly costlier than the
                 # incumbent is left without the exact arithmetic (the float multipliers are within 1e-12 of it).
                 inc = search.best
-                if inc is not None:
-                    fast = pb.sharing_factors_fast(pw, choice, slots, places)
-                    if fast is not None and M * pb.longest_path(pw, pb.stage_latencies(pw, choice, slots, fast)) \
-                            * (1 - 1e-9) > inc[0] * (1 + REL_TOL) + 1e-300:
+                fast = pb.sharing_factors_fast(pw, choice, slots, places)
+                if fast is False:
+                    return
+                if isinstance(fast, list):
+                    Lf = pb.longest_path(pw, pb.stage_latencies(pw, choice, slots, fast)) * (1 - 1e-9)
+                    if not leq(Lf, lam) or (inc is not None and M * Lf > inc[0] * (1 + REL_TOL) + 1e-300):
                         return
                 factors = pb.sharing_factors(pw, choice, slots, places)
                 if factors is None:
@@ -857,6 +860,9 @@ class _Search:
 
         topo = pw.topo
         llm_pos = {s2: i for i, s2 in enumerate(llm)}
+        # GPU sharing: each stage's options by their `bound_view` latency and by memory (`completion_ok`).
+        new_by_lat = [sorted(st.new_opts[s2], key=lambda pi, s2=s2: lat_new[s2][pi]) for s2 in range(n)]
+        new_by_mem = [sorted(st.new_opts[s2], key=lambda pi: p_mem[pi]) for s2 in range(n)]
 
         def sharing_prefix_ok() -> bool:
             """GPU sharing: shares only grow as stages are added, so a prefix over a budget fails every completion,
@@ -865,17 +871,36 @@ class _Search:
             exact arithmetic, which decides every prefix that fails or is close."""
             best = search.best
             fast = pb.sharing_factors_fast(pw, choice, slots, places)
-            if fast is not None:
-                Lf = slowed_path(fast) * (1 + 1e-9)  # above the exact slowed latency (floats within 1e-12)
+            if fast is False:
+                return False
+            if isinstance(fast, list):
+                Lf = slowed_path(fast)  # within 1e-12 of the exact slowed latency
+                lo = Lf * (1 - 1e-9)
+                if not leq(lo, lam) or (best is not None and mem_now[0] * lo > best[0] * (1 + REL_TOL) + 1e-300):
+                    return False
+                Lf *= 1 + 1e-9
                 if leq(Lf, lam) and (best is None or mem_now[0] * Lf <= best[0] * (1 + REL_TOL)):
-                    return True
+                    return completion_ok(fast)
             factors = pb.sharing_factors(pw, choice, slots, places)
             if factors is None:
                 return False
             Lp = slowed_path(factors)
             if not leq(Lp, lam):
                 return False
-            return best is None or mem_now[0] * Lp <= best[0] * (1 + REL_TOL) + 1e-300
+            if best is not None and mem_now[0] * Lp > best[0] * (1 + REL_TOL) + 1e-300:
+                return False
+            return completion_ok(factors)
+
+        def completion_ok(factors: list[float]) -> bool:
+            """GPU sharing: every completion's slowed latency is at least `sharing_bound.completion_bound`'s (what
+            the prefix put on the GPUs slows and rules out the options of the stages left), and its new memory at
+            least the prefix's plus what a stage no instance in play can take needs."""
+            L_lb, extra = completion_bound(pb, pw, choice, slots, places, free, factors, r_add, slot_load,
+                                           reuse_opts, new_by_lat, new_by_mem)
+            if not leq(L_lb, lam):
+                return False
+            best = search.best
+            return best is None or (mem_now[0] + extra) * L_lb <= best[0] * (1 + REL_TOL) + 1e-300
 
         def slowed_path(factors: list[float]) -> float:
             """The longest path over the assigned stages with these multipliers on the prefix's LLM stages."""
