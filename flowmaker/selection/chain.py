@@ -40,7 +40,6 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from flowmaker.selection.binpack import Bin, least_l_bins
@@ -624,7 +623,7 @@ def never_places(pb: Problem, insts: list[int]) -> bool:
         counts[pi] = counts.get(pi, 0) + 1
     work = [0]
 
-    def go(free: dict[str, int], occ: dict[str, Fraction]) -> bool | None:
+    def go(free: dict[str, int], occ: dict[str, int]) -> bool | None:
         """True: some order of what is left places; False: none; None: gave up."""
         if not any(counts.values()):
             return True
@@ -646,7 +645,7 @@ def never_places(pb: Problem, insts: list[int]) -> bool:
                     return True
         return None if unknown else False
 
-    return go(dict(pb.free0), dict(pb.occ0)) is False
+    return go(dict(pb.free0), dict(pb.occ_units)) is False
 
 
 def _prices(so: list[list[tuple[float, str, int]]], loads: list[float], room: dict[tuple[str, int], float]

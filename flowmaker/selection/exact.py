@@ -173,7 +173,7 @@ def _placeable(pb: Problem) -> list[bool]:
     for i, reps in enumerate(pb.p_reps):  # a replica group must fit replica after replica
         if reps > 1 and out[i]:
             if pb.sharing:  # the load-aware rule may choose other GPUs for the earlier replicas
-                free_s, occ = dict(pb.free0), dict(pb.occ0)
+                free_s, occ = dict(pb.free0), dict(pb.occ_units)
                 out[i] = all(pb.place_new(free_s, occ, i) is not None for _ in range(reps))
             else:
                 out[i] = _place_group(pb.layout, dict(pb.free0), pb.p_k[i], pb.p_need[i],
@@ -394,7 +394,7 @@ class _Search:
         r_prof, r_load0 = pb.r_prof, pb.r_load0
         layout = pb.layout
         free = dict(pb.free0)
-        occ = dict(pb.occ0)  # GPU sharing: busy occupancy that load-aware placement reads
+        occ = dict(pb.occ_units)  # GPU sharing: the occupancy that load-aware placement reads
         sharing = pb.sharing
         choice: list[Choice] = []
         slots: list[int] = []
@@ -1077,7 +1077,7 @@ class _Search:
                             break
                         placed_s.append(pl2)
                     if len(placed_s) < reps:
-                        _unplace(placed_s, free, occ, snap, pb.u_frac)
+                        _unplace(placed_s, free, occ, snap, pb.u_units)
                         assigned[s] = False
                         continue
                     group = placed_s
@@ -1121,7 +1121,7 @@ class _Search:
                 slot_load.pop()
                 slots.pop()
                 if check_place and sharing:
-                    _unplace(group, free, occ, snap, pb.u_frac)
+                    _unplace(group, free, occ, snap, pb.u_units)
                 elif check_place:
                     _restore(free, snap)
                 assigned[s] = False
@@ -1293,10 +1293,10 @@ def _restore(free: dict[str, int], snap: list[tuple[str, int]]) -> None:
         free[g] = v
 
 
-def _unplace(placed: list[tuple[str, tuple[str, ...]]], free: dict[str, int], occ: dict[str, Any],
-             snap: list[tuple[str, int]], u: Any) -> None:
+def _unplace(placed: list[tuple[str, tuple[str, ...]]], free: dict[str, int], occ: dict[str, int],
+             snap: list[tuple[str, int]], u: int) -> None:
     """Undo `Problem.place_new` for these replicas (GPU sharing): free memory from the snapshot, occupancy
-    (exact rationals) by subtraction."""
+    (`Problem.occ_units`, exact integers) by subtraction."""
     _restore(free, snap)
     for _, gids in placed:
         for g in gids:

@@ -27,7 +27,14 @@ from flowmaker.domain import (
     Variant,
     Workflow,
 )
-from flowmaker.selection.placement import NodeGpus, free_units, gb_units, place_least_busy, place_units
+from flowmaker.selection.placement import (
+    NodeGpus,
+    dyadic_units,
+    free_units,
+    gb_units,
+    place_least_busy,
+    place_units,
+)
 from flowmaker.selection.sharing_bound import ShareState
 from flowmaker.sharing import add_offered, busy_share, gpu_totals, multiplier, occupancy, speed_factor
 
@@ -40,6 +47,9 @@ _MARGIN = 1e-7  # `Problem.sharing_factors_fast`: how clearly a float check must
 REUSE = "R"
 NEW = "N"
 Choice = tuple[str, int]
+# GPU sharing, in floats: per GPU compute and busy totals, per reused instance id its compute and busy share, per
+# new slot the (compute, busy) share of each replica (`Problem.sharing_fast_state`).
+FastState = tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float], list[tuple[float, float]]]
 
 
 def leq(a: float, b: float) -> bool:
@@ -115,6 +125,11 @@ class Problem:
                           for i in req.cluster.instances}
         self.rho0 = gpu_totals((i.gpu_ids, self.run_rho0[i.id]) for i in req.cluster.instances)
         self.occ0 = gpu_totals((i.gpu_ids, self.run_busy0[i.id]) for i in req.cluster.instances)
+        # Load-aware placement's occupancy O_g = B0_g + u x (new instances placed on g), as ints of one common
+        # unit (`placement.dyadic_units`): exact, and far cheaper to compare and update than Fractions.
+        scale = dyadic_units([*self.occ0.values(), self.u_frac])
+        self.u_units = int(self.u_frac * scale)
+        self.occ_units = {g.id: int(self.occ0.get(g.id, _ZERO) * scale) for g in req.cluster.gpus}
         self.on_gpu: dict[str, list[Instance]] = {}
         for i in req.cluster.instances:
             for g in i.gpu_ids:
@@ -125,6 +140,7 @@ class Problem:
         # GPU sharing: per running instance (rho0, b0, m0) of Feasibility 5.4 (m0 None: infinite)
         self._m0: dict[str, tuple[Fraction, Fraction, Fraction | None]] = {}
         self._fast0: tuple[dict[str, float], dict[str, float]] | None = None  # GPU sharing: rho0, occ0 as floats
+        self._fs_last: tuple[int, list[Choice], list[int], FastState] | None = None  # `sharing_fast_state`'s last
 
     def _compile(self, index: int, wf: Workflow) -> PWorkflow:
         pos = {s.id: i for i, s in enumerate(wf.stages)}
@@ -208,9 +224,9 @@ class Problem:
                 lat[s] *= factors[j]
         return lat
 
-    def place_new(self, free: dict[str, int], occ: dict[str, Fraction], pi: int
+    def place_new(self, free: dict[str, int], occ: dict[str, int], pi: int
                   ) -> tuple[str, tuple[str, ...]] | None:
-        """Place ONE instance of profile pi on the state (free memory in units, busy occupancy) and update both; the
+        """Place ONE instance of profile pi on the state (free memory in units, occupancy as `occ_units`) and update both; the
         base contract's LeastLoaded, or the load-aware one under GPU sharing (a new instance of the variant
         occupies u of each of its GPUs: its final share is not known when it is placed)."""
         mpg = self.p_need[pi]
@@ -223,7 +239,7 @@ class Problem:
         for g in pl[1]:
             free[g] -= mpg
             if self.sharing:
-                occ[g] = occ.get(g, _ZERO) + self.u_frac
+                occ[g] += self.u_units
         return pl
 
     def _on_gpus(self, gpu_ids: Iterable[str]) -> Iterator[Instance]:
@@ -253,12 +269,21 @@ class Problem:
         return slot_load, slot_n, r_add, r_n
 
     def sharing_fast_state(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
-                           places: Sequence[tuple[str, tuple[str, ...]]]
-                           ) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float],
-                                      list[tuple[float, float]]]:
+                           places: Sequence[tuple[str, tuple[str, ...]]]) -> FastState:
         """What a (prefix of a) choice puts on the GPUs, in floats (within 1e-12 relative of the exact shares):
         per GPU its compute and busy totals, per reused instance id its compute and busy share, per slot the
-        (compute, busy) share of each of its replicas."""
+        (compute, busy) share of each of its replicas. The last answer is kept: the branch and bound asks twice per
+        prefix (`sharing_factors_fast`, then `sharing_bound.completion_bound`), and placement is a function of the
+        choice, so (workflow, choice, slots) identify it."""
+        last = self._fs_last
+        if last is not None and last[0] == pw.index and last[1] == choice and last[2] == slot_prof:
+            return last[3]
+        out = self._fast_state(pw, choice, slot_prof, places)
+        self._fs_last = (pw.index, list(choice), list(slot_prof), out)
+        return out
+
+    def _fast_state(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
+                    places: Sequence[tuple[str, tuple[str, ...]]]) -> FastState:
         first = self.slot_offsets(slot_prof)
         slot_load, slot_n, r_add, r_n = self._tally(pw, choice, slot_prof)
         comp0, busy0 = self._fast_totals()
@@ -322,6 +347,8 @@ class Problem:
             f0 = factor(inst.gpu_ids, b0, busy0)
             x0 = rho0 * f0
             rho1, b1 = r_rho.get(inst.id, rho0), r_busy.get(inst.id, b0)
+            if x0 < 1.0 - _MARGIN and inst.id not in r_rho and _same_worst(inst.gpu_ids, touched, busy, busy0, b0):
+                continue  # its most crowded GPU is one the variant leaves alone: exactly as slow as before (finite)
             f1 = factor(inst.gpu_ids, b1, busy)
             x1 = rho1 * f1
             if x1 > 1.0 + _MARGIN:
@@ -538,7 +565,7 @@ class Problem:
             if not leq(ld, self.p_cap[self.r_prof[i]]):
                 return 3, []
         free = dict(self.free0)
-        occ = dict(self.occ0)
+        occ = dict(self.occ_units)
         places: list[tuple[str, tuple[str, ...]]] = []
         for pi in slot_prof:
             for _ in range(self.p_reps[pi]):  # a group places its replicas one after another
@@ -645,6 +672,18 @@ def better(cost: float, lat: float, gpus: int, best: tuple[float, float, int] | 
 
 INF = math.inf
 _ZERO = Fraction(0)
+
+
+def _same_worst(gpu_ids: Sequence[str], touched: set[str], busy: Mapping[str, float], busy0: Mapping[str, float],
+                own: float) -> bool:
+    """GPU sharing, floats: a running instance (not reused) whose co-residents' busy total is clearly highest
+    (by 1e-9) on a GPU the variant does not touch has exactly its former speed factor, since the exact maximum is
+    then that untouched GPU's unchanged total."""
+    untouched = [busy0.get(g, 0.0) - own for g in gpu_ids if g not in touched]
+    if not untouched:
+        return False
+    w = max(untouched)
+    return all(busy.get(g, 0.0) - own < w - 1e-9 * max(1.0, abs(w)) for g in gpu_ids if g in touched)
 
 
 def _frac(x: float) -> Fraction:
