@@ -899,8 +899,7 @@ class _Search:
                                            reuse_opts, new_by_lat, new_by_mem)
             if not leq(L_lb, lam):
                 return False
-            best = search.best
-            return best is None or (mem_now[0] + extra) * L_lb <= best[0] * (1 + REL_TOL) + 1e-300
+            return not prune((mem_now[0] + extra) * L_lb, L_lb)  # ties included: only a better one is looked for
 
         def slowed_path(factors: list[float]) -> float:
             """The longest path over the assigned stages with these multipliers on the prefix's LLM stages."""

@@ -23,7 +23,7 @@ only ruled out well beyond the cap, and a multiplier is only lowered.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from flowmaker.sharing import busy_share
@@ -92,18 +92,30 @@ class ShareState:
                         break
         return least
 
-    def instance_lb(self, gpu_ids: Sequence[str], own_busy: float, rho: float, add: float, base: float) -> float:
-        """Latency bound of a stage (latency alone `base`) joining an instance on these GPUs whose own busy share
-        is `own_busy` now and whose compute share becomes `rho` (the stage adds `add` on each GPU)."""
+    def crowding(self, gpu_ids: Iterable[str], own_busy: float) -> tuple[float, float]:
+        """(the co-residents' busy total on the most crowded of these GPUs for an instance whose own busy share is
+        `own_busy` now, the largest compute total among them)."""
         worst = 0.0
-        lim = self.budget - add
+        top = 0.0
         for g in gpu_ids:
-            if self.comp.get(g, 0.0) > lim:
-                return INF
             x = self.busy.get(g, 0.0) - own_busy
             if x > worst:
                 worst = x
-        return base * self.multiplier_lb(1.0 + self.kappa * worst, rho)
+            c = self.comp.get(g, 0.0)
+            if c > top:
+                top = c
+        return worst, top
+
+    def joined_lb(self, crowd: tuple[float, float], rho: float, add: float, base: float) -> float:
+        """Latency bound of a stage (latency alone `base`) joining an instance of this `crowding` whose compute
+        share becomes `rho` (the stage adds `add` on each of its GPUs); INF beyond the compute budget."""
+        if crowd[1] > self.budget - add:
+            return INF
+        return base * self.multiplier_lb(1.0 + self.kappa * crowd[0], rho)
+
+    def instance_lb(self, gpu_ids: Sequence[str], own_busy: float, rho: float, add: float, base: float) -> float:
+        """`joined_lb` of an instance on these GPUs whose own busy share is `own_busy` now."""
+        return self.joined_lb(self.crowding(gpu_ids, own_busy), rho, add, base)
 
 
 def completion_bound(pb: Problem, pw: PWorkflow, choice: Sequence[Choice], slots: Sequence[int],
@@ -125,8 +137,12 @@ def completion_bound(pb: Problem, pw: PWorkflow, choice: Sequence[Choice], slots
     lat = list(pw.tool_lat)
     for s, (kind, ref), f in zip(pw.llm, choice, factors, strict=False):
         base = pw.lat_reuse[s][ref] if kind == REUSE else pw.lat_new[s][slots[ref]]
-        lat[s] = base * f * (1 - _MARGIN)
+        lat[s] = base * max(1.0, f * (1 - _MARGIN))  # every multiplier is >= 1: exact ties stay exact ties
     first = pb.slot_offsets(slots)
+    # What each instance in play runs beside: the same for every stage that may join it.
+    slot_crowd = [state.crowding((g for i in range(pb.p_reps[pi]) for g in places[first[k] + i][1]), rep[k][1])
+                  for k, pi in enumerate(slots)]
+    reuse_crowd: dict[int, tuple[float, float]] = {}
     extra = 0.0
     for s in pw.llm[len(choice):]:
         ld = pw.load[s]
@@ -137,18 +153,20 @@ def completion_bound(pb: Problem, pw: PWorkflow, choice: Sequence[Choice], slots
             used = pb.r_load0[r] + r_add[r] + ld
             if not leq(used, pb.p_cap[pb.r_prof[r]]):
                 continue
-            inst = pb.reusable[r]
-            v = state.instance_lb(inst.gpu_ids, r_busy.get(inst.id, pb.run_busy0[inst.id]),
-                                  busy_share(used, pb.r_unit[r]), busy_share(ld, pb.r_unit[r]), pw.lat_reuse[s][r])
+            crowd = reuse_crowd.get(r)
+            if crowd is None:
+                inst = pb.reusable[r]
+                crowd = reuse_crowd[r] = state.crowding(inst.gpu_ids, r_busy.get(inst.id, pb.run_busy0[inst.id]))
+            v = state.joined_lb(crowd, busy_share(used, pb.r_unit[r]), busy_share(ld, pb.r_unit[r]),
+                                pw.lat_reuse[s][r])
             if v < best:
                 best = v
         for k, pi in enumerate(slots):
             if not leq(slot_load[k] + ld, pb.p_cap[pi]):
                 continue
             reps, cap = pb.p_reps[pi], pb.profiles[pi].max_output_tokens_per_s
-            rho, add = busy_share((slot_load[k] + ld) / reps, cap), busy_share(ld / reps, cap)
-            v = max(state.instance_lb(places[first[k] + i][1], rep[k][1], rho, add, pw.lat_new[s][pi])
-                    for i in range(reps))
+            v = state.joined_lb(slot_crowd[k], busy_share((slot_load[k] + ld) / reps, cap), busy_share(ld / reps, cap),
+                                pw.lat_new[s][pi])
             if v < best:
                 best = v
         if best == INF:  # no instance in play can take it: it opens a new one, of the least memory that can
