@@ -861,7 +861,8 @@ class _Search:
         topo = pw.topo
         llm_pos = {s2: i for i, s2 in enumerate(llm)}
         # GPU sharing: each stage's options by their `bound_view` latency and by memory (`completion_ok`).
-        new_by_lat = [sorted(st.new_opts[s2], key=lambda pi, s2=s2: lat_new[s2][pi]) for s2 in range(n)]
+        new_by_lat = [sorted(st.new_opts[s2], key=lat_new[s2].__getitem__) if lat_new[s2] else []
+                      for s2 in range(n)]
         new_by_mem = [sorted(st.new_opts[s2], key=lambda pi: p_mem[pi]) for s2 in range(n)]
 
         def sharing_prefix_ok() -> bool:
