@@ -129,7 +129,7 @@ def completion_bound(pb: Problem, pw: PWorkflow, choice: Sequence[Choice], slots
 
     `reuse_opts` / `new_by_lat` list each stage's options by their `bound_view` latency, ascending (so a stage's
     scan stops once the static bound reaches the best dynamic one); `new_by_mem` by memory, ascending."""
-    from flowmaker.selection.problem import REUSE, Problem, leq
+    from flowmaker.selection.problem import EPS, REUSE, Problem, leq
 
     comp, busy, _, r_busy, rep = pb.sharing_fast_state(pw, choice, slots, places)
     state = pb.share_state(free, comp, busy)
@@ -140,8 +140,11 @@ def completion_bound(pb: Problem, pw: PWorkflow, choice: Sequence[Choice], slots
         lat[s] = base * max(1.0, f * (1 - _MARGIN))  # every multiplier is >= 1: exact ties stay exact ties
     first = pb.slot_offsets(slots)
     # What each instance in play runs beside: the same for every stage that may join it.
-    slot_crowd = [state.crowding((g for i in range(pb.p_reps[pi]) for g in places[first[k] + i][1]), rep[k][1])
-                  for k, pi in enumerate(slots)]
+    # Per slot: (profile, the load it still has room for, replicas, capacity of one, what it runs beside).
+    in_play = [(pi, pb.p_cap[pi] + EPS * max(1.0, pb.p_cap[pi]) - slot_load[k], pb.p_reps[pi],
+                pb.profiles[pi].max_output_tokens_per_s, slot_load[k],
+                state.crowding((g for i in range(pb.p_reps[pi]) for g in places[first[k] + i][1]), rep[k][1]))
+               for k, pi in enumerate(slots)]
     reuse_crowd: dict[int, tuple[float, float]] = {}
     extra = 0.0
     for s in pw.llm[len(choice):]:
@@ -161,11 +164,11 @@ def completion_bound(pb: Problem, pw: PWorkflow, choice: Sequence[Choice], slots
                                 pw.lat_reuse[s][r])
             if v < best:
                 best = v
-        for k, pi in enumerate(slots):
-            if not leq(slot_load[k] + ld, pb.p_cap[pi]):
+        static = bview.lat_new[s]
+        for pi, room, reps, cap, used, crowd in in_play:
+            if static[pi] >= best or ld > room:  # no better than `best` even unslowed / no room
                 continue
-            reps, cap = pb.p_reps[pi], pb.profiles[pi].max_output_tokens_per_s
-            v = state.joined_lb(slot_crowd[k], busy_share((slot_load[k] + ld) / reps, cap), busy_share(ld / reps, cap),
+            v = state.joined_lb(crowd, busy_share((used + ld) / reps, cap), busy_share(ld / reps, cap),
                                 pw.lat_new[s][pi])
             if v < best:
                 best = v
