@@ -83,6 +83,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
 
     fr = Front_()
     fr.exact_ties = True
+    fr.settled = {}
     if not model.ok:
         fr.lower_bound, fr.complete = INF, True
         return fr
@@ -460,6 +461,8 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         if a is None:
             continue  # nothing fits y within cap_l: every variant with these instances costs more than inc
         val = m * L
+        key_y = tuple(pi for pi, c in zip(profs, y, strict=True) for _ in range(c))
+        fr.settled[key_y] = min(val, fr.settled.get(key_y, INF))
         assign = {llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)}
         inst = {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW}
         cand = model.realize(assign, inst)

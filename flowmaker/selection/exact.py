@@ -68,6 +68,7 @@ DeadlineExceeded when it found no feasible variant yet.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import math
 import time
@@ -297,8 +298,11 @@ class _Search:
     def __init__(self, pb: Problem, *, check_cap: bool = True, check_place: bool = True,
                  stop_first: bool = False, deadline: float = INF, grace: float = INF,
                  max_nodes: int | None = None, canonical: tuple[float, float, int] | None = None,
-                 lat_cap: float | None = None) -> None:
+                 lat_cap: float | None = None, multisets: dict[int, list[tuple[int, ...]]] | None = None) -> None:
         self.pb = pb
+        # Per workflow index, the only multisets of new instances (profile indices, sorted) to look among (GPU
+        # sharing's tie-break search, from the chain walk: `milp.Front.settled`); a workflow not named: any.
+        self.multisets = multisets or {}
         # Only variants of latency <= lat_cap (up to REL_TOL) are looked for: `milp.select_hybrid` under GPU
         # sharing, once the cost is proven and only the tie-break (a shorter L or fewer new GPUs) is left.
         self.lat_cap = lat_cap
@@ -341,6 +345,8 @@ class _Search:
         for pw in pb.workflows:
             if self.canon_enc is not None and pw.index > self.canon_wf:
                 continue  # after the known optimum's workflow: later in the canonical order
+            if self.multisets.get(pw.index, True) == []:
+                continue  # no multiset of new instances can tie the incumbent there
             # GPU sharing: the bounds (and the options they rule out) take the slowed latencies' lower bounds.
             st = _static(pb, pb.bound_view(pw) if self.check_place else pw, self.check_cap, usable)
             if not st.feasible:
@@ -528,7 +534,7 @@ class _Search:
             # Free instances in play (running ones, new ones of this variant) with room for at least one
             # remaining stage: (profile, spare, how many remaining loads fit alone, what the spare can absorb:
             # all of it, or only the largest load that fits when two of them cannot).
-            free_sp: list[tuple[int, float, int, float]] = []
+            free_sp: list[tuple[int, float, int, float, int]] = []  # ..., the running instance (-1: a new one)
             if check_cap:
                 ls = st.loads_sorted[j]
                 two = st.two_min[j]
@@ -539,13 +545,13 @@ class _Search:
                     if sp >= lmin_t:
                         nf = bisect.bisect_right(ls, sp * (1 + EPS) + EPS)
                         if nf:
-                            free_sp.append((pi, sp, nf, sp if two <= sp * (1 + EPS) + EPS else ls[nf - 1]))
+                            free_sp.append((pi, sp, nf, sp if two <= sp * (1 + EPS) + EPS else ls[nf - 1], r))
                 for k, pi in enumerate(slots):
                     sp = p_cap[pi] - slot_load[k]
                     if sp >= lmin_t:
                         nf = bisect.bisect_right(ls, sp * (1 + EPS) + EPS)
                         if nf:
-                            free_sp.append((pi, sp, nf, sp if two <= sp * (1 + EPS) + EPS else ls[nf - 1]))
+                            free_sp.append((pi, sp, nf, sp if two <= sp * (1 + EPS) + EPS else ls[nf - 1], -1))
             # A completion whose largest new instance has memory mu uses only profiles of memory <= mu,
             # so the memory that covers the load is taken over those (in the mu loop), at least dm over all.
             dm = 0.0
@@ -585,6 +591,15 @@ class _Search:
             # group (their spare adds up). Only groups whose demand exceeds their spare get a price.
             cons: list[int] = []
             gcap: dict[int, float] = {}
+            gmem: dict[int, list[int]] = {}  # GPU sharing: per group, its running instances (-1: a new one)
+
+            def glat(s: int, g: int) -> float:
+                """Stage s's latency on free group g: its profile's; under GPU sharing the least bound among
+                its members (a running instance's bound depends on its own GPUs' co-residents, not only on
+                its profile, and a new one's on the least busy GPUs)."""
+                if not sharing:
+                    return lat_new[s][g >> 10]
+                return min(lat_reuse[s][r] if r >= 0 else lat_new[s][g >> 10] for r in gmem[g])
             min_u: list[float] = []  # [u] fastest free option of an unpriced group
             con_lat: list[list[tuple[int, float]]] = []  # [u] (priced group, latency) usable by stage u
             if len(free_sp) > 1:
@@ -592,11 +607,13 @@ class _Search:
                 # (key = profile * 1024 + how many of the remaining loads fit), so that a stage only
                 # counts on the spare of instances it fits in.
                 gmax: dict[int, float] = {}
-                for pi, sp, nf, us in free_sp:
+                for pi, sp, nf, us, r in free_sp:
                     key = pi * 1024 + nf
                     gcap[key] = gcap.get(key, 0.0) + us
                     if key not in gmax or sp < gmax[key]:
                         gmax[key] = sp
+                    if sharing:
+                        gmem.setdefault(key, []).append(r)
                 demand: dict[int, float] = dict.fromkeys(gcap, 0.0)
                 usel: list[list[int]] = []
                 for u in range(nu):
@@ -614,11 +631,10 @@ class _Search:
                     cset = set(cons)
                     for u in range(nu):
                         s = U[u][0]
-                        ln = lat_new[s] if U[u][3] else ()
                         mn = INF
                         cl: list[tuple[int, float]] = []
                         for g in usel[u]:
-                            lv = ln[g >> 10]
+                            lv = glat(s, g)
                             if g in cset:
                                 cl.append((g, lv))
                             elif lv < mn:
@@ -699,7 +715,7 @@ class _Search:
                 the undecided stages to the free groups (their spare) and to the new options of memory
                 <= mus[i] (i < 0: none), longest path by potentials. INF: infeasible."""
                 search.lp_solves += 1
-                return _lp_longest_path(U, h0, Lfix, [(load[U[u][0]], lat_new[U[u][0]],
+                return _lp_longest_path(U, h0, Lfix, [(load[U[u][0]], {g: glat(U[u][0], g) for g in gmax},
                                                       (f_at[U[u][0]][i] if i >= 0 else INF)) if U[u][3]
                                                      else None for u in range(nu)],
                                         tool_lat, gcap, gmax)
@@ -806,6 +822,8 @@ class _Search:
 
         def leaf() -> None:
             search.leaves += 1
+            if allowed is not None and tuple(sorted(slots)) not in allowed:
+                return
             L = max(fin)
             M = mem_now[0]
             if sharing and check_place:
@@ -860,6 +878,11 @@ class _Search:
 
         topo = pw.topo
         llm_pos = {s2: i for i, s2 in enumerate(llm)}
+        # The multisets of new instances this search may end with (None: any), as profile counts; a prefix's
+        # new instances must stay within one of them.
+        allowed = set(self.multisets[pw.index]) if pw.index in self.multisets else None
+        allowed_counts = [collections.Counter(y) for y in allowed] if allowed is not None else []
+        opened: collections.Counter[int] = collections.Counter()
         # GPU sharing: each stage's options by their `bound_view` latency and by memory (`completion_ok`).
         new_by_lat = [sorted(st.new_opts[s2], key=lat_new[s2].__getitem__) if lat_new[s2] else []
                       for s2 in range(n)]
@@ -1054,6 +1077,9 @@ class _Search:
                 m = p_mem[pi]
                 if mem_now[0] + m > mem_cap or gpus_now[0] + p_gpus[pi] > gpu_cap:
                     continue  # the canonical pass: more memory or GPUs than the optimum it must tie
+                if allowed is not None and not any(c[pi] > opened[pi] and all(c[q] >= n2 for q, n2 in opened.items())
+                                                   for c in allowed_counts):
+                    continue  # no allowed multiset has room for one more of pi beside those opened
                 if search.best is not None:
                     # Cheap pre-check before placing: (M + m) * (latency so far) already too much?
                     f = max((fin[p] for p in preds[s]), default=0.0) + lat_new[s][pi]
@@ -1103,6 +1129,7 @@ class _Search:
                     node, gids = "", ()
                 slots.append(pi)
                 slot_load.append(ld)
+                opened[pi] += 1
                 if group:
                     places.extend(group)
                 else:
@@ -1120,6 +1147,7 @@ class _Search:
                 del places[len(places) - reps:]
                 slot_load.pop()
                 slots.pop()
+                opened[pi] -= 1
                 if check_place and sharing:
                     _unplace(group, free, occ, snap, pb.u_units)
                 elif check_place:
@@ -1153,9 +1181,9 @@ _HIGHS = _highs()
 
 
 def _lp_longest_path(U: list[tuple[int, tuple[int, ...], tuple[int, ...], bool]], h0: list[float], Lfix: float,
-                     stage: list[tuple[float, tuple[float, ...], float] | None], tool_lat: tuple[float, ...],
+                     stage: list[tuple[float, dict[int, float], float] | None], tool_lat: tuple[float, ...],
                      gcap: dict[int, float], gmin: dict[int, float]) -> float:
-    """min L over fractional assignments: each undecided LLM stage u (load, latency per profile, latency of its
+    """min L over fractional assignments: each undecided LLM stage u (load, latency per free group, latency of its
     fastest new option or INF) splits over the free groups it fits (group g = profile g >> 10, spare
     gcap[g]) and its new option; t_u >= t_pred + latency, t_u >= h0[u], L >= t_u, L >= Lfix.
     A lower bound of the longest path of every completion in the class; INF when infeasible."""
@@ -1212,7 +1240,7 @@ def _lp_longest_path(U: list[tuple[int, tuple[int, ...], tuple[int, ...], bool]]
         opts: list[tuple[float, int]] = []
         for g, m in gmin.items():
             if ld <= m * (1 + 1e-9) + 1e-9:
-                opts.append((lat_new[g >> 10], g))
+                opts.append((lat_new[g], g))
         if f < INF:
             opts.append((f, -1))
         if not opts:
