@@ -13,9 +13,23 @@ from fractions import Fraction
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_gpu_sharing import shared_requests, under_sharing
+from test_gpu_sharing import brute_force, shared_requests, under_sharing
 
-from flowmaker.domain import SelectionRequest
+from flowmaker.domain import (
+    Cluster,
+    Gpu,
+    GpuSharing,
+    Instance,
+    Model,
+    Profile,
+    SelectionOptions,
+    SelectionRequest,
+    Slo,
+    Stage,
+    StageKind,
+    Workflow,
+)
+from flowmaker.selection import select
 from flowmaker.selection.placement import NodeGpus, dyadic_units, place_least_busy
 from flowmaker.selection.problem import NEW, REUSE, Choice, Problem, PWorkflow
 from flowmaker.selection.sharing_bound import completion_bound
@@ -145,3 +159,28 @@ def test_the_completion_bound_never_exceeds_a_feasible_completion(req: Selection
                                                by_lat, by_mem)
                 assert L_lb <= lat * (1 + 1e-9)
                 assert sum(pb.p_mem[pi] for pi in hs) + extra <= mem * (1 + 1e-9) + 1e-12
+
+
+def test_a_running_instance_on_idle_gpus_is_priced_at_its_own_latency() -> None:
+    """Held out by the brute force: run1 (profile a) runs alone on y7 and y9, so s0 reuses it unslowed, while a
+    new instance of a would land beside busier GPUs. The capacity-priced bounds once took every free instance of a
+    at a new instance's bound, and `milp` (main's too, on a sibling of this request) claimed a costlier optimum."""
+    stage = [Stage("s0", StageKind.LLM, (), 100, 50), Stage("s1", StageKind.LLM, ("s0",), 100, 100),
+             Stage("s2", StageKind.LLM, ("s0",), 100, 100, 2)]
+    profiles = (Profile("b", 1, 1, 20.0, 0.02, 0.0002, 0.02, 600.0), Profile("a", 2, 1, 8.0, 0.01, 6e-05, 0.006, 150.0),
+                Profile("x", 1, 1, 15.0, 0.0, 0.0001, 0.01, 200.0))
+    gpus = (Gpu("y9", "n0", 33.0, 8.0), Gpu("y8", "n0", 40.0, 15.0), Gpu("y7", "n0", 33.0, 8.0),
+            Gpu("x9", "n1", 73.0, 48.0), Gpu("x8", "n1", 33.0, 8.0))
+    running = (Instance("run0", "x", 1, 1, ("y8",), 20.0), Instance("run1", "a", 2, 1, ("y7", "y9"), 30.0),
+               Instance("run2", "b", 1, 1, ("x9",), 60.0), Instance("run3", "a", 2, 1, ("x8", "x9"), 15.0),
+               Instance("run4", "b", 1, 1, ("x9",), 150.0))
+    req = SelectionRequest(Slo(0.0, 8.0, 0.5), (Workflow("w0", tuple(stage)),),
+                           (Model("a", 0.3, 3.0, 3.0), Model("b", 0.4, 8.0, 8.0)), profiles, Cluster(gpus, running),
+                           SelectionOptions(utilization_cap=0.6, gpu_sharing=GpuSharing.INTERFERENCE))
+    want = brute_force(req).best
+    assert want is not None and math.isclose(want[0], 97.91183673469388, rel_tol=1e-9)  # s1 reuses run4
+    for name in ("exact", "exhaustive", "milp"):
+        got = select(req, name).variant
+        assert got is not None, name
+        assert math.isclose(got.cost, want[0], rel_tol=1e-9) and math.isclose(got.latency_s, want[1], rel_tol=1e-9), \
+            (name, got.cost, got.latency_s, want)
