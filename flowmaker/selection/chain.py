@@ -40,7 +40,6 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from flowmaker.selection.binpack import Bin, least_l_bins
@@ -85,6 +84,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
 
     fr = Front_()
     fr.exact_ties = True
+    fr.settled = {}
     if not model.ok:
         fr.lower_bound, fr.complete = INF, True
         return fr
@@ -480,6 +480,8 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         if a is None:
             continue  # nothing fits y within cap_l: every variant with these instances costs more than inc
         val = m * L
+        key_y = tuple(pi for pi, c in zip(profs, y, strict=True) for _ in range(c))
+        fr.settled[key_y] = min(val, fr.settled.get(key_y, INF))
         assign = {llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)}
         inst = {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW}
         cand = model.realize(assign, inst)
@@ -643,7 +645,7 @@ def never_places(pb: Problem, insts: list[int]) -> bool:
         counts[pi] = counts.get(pi, 0) + 1
     work = [0]
 
-    def go(free: dict[str, int], occ: dict[str, Fraction]) -> bool | None:
+    def go(free: dict[str, int], occ: dict[str, int]) -> bool | None:
         """True: some order of what is left places; False: none; None: gave up."""
         if not any(counts.values()):
             return True
@@ -665,7 +667,7 @@ def never_places(pb: Problem, insts: list[int]) -> bool:
                     return True
         return None if unknown else False
 
-    return go(dict(pb.free0), dict(pb.occ0)) is False
+    return go(dict(pb.free0), dict(pb.occ_units)) is False
 
 
 class _Pricer:

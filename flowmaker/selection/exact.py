@@ -68,6 +68,7 @@ DeadlineExceeded when it found no feasible variant yet.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import math
 import time
@@ -91,6 +92,7 @@ from flowmaker.selection.problem import (
     leq,
 )
 from flowmaker.selection.registry import register
+from flowmaker.selection.sharing_bound import completion_bound
 
 DEFAULT_BUDGET_S = 60.0
 # Share of the budget for the search; up to GRACE_SHARE the unexplored subtrees' bounds are tightened.
@@ -172,7 +174,7 @@ def _placeable(pb: Problem) -> list[bool]:
     for i, reps in enumerate(pb.p_reps):  # a replica group must fit replica after replica
         if reps > 1 and out[i]:
             if pb.sharing:  # the load-aware rule may choose other GPUs for the earlier replicas
-                free_s, occ = dict(pb.free0), dict(pb.occ0)
+                free_s, occ = dict(pb.free0), dict(pb.occ_units)
                 out[i] = all(pb.place_new(free_s, occ, i) is not None for _ in range(reps))
             else:
                 out[i] = _place_group(pb.layout, dict(pb.free0), pb.p_k[i], pb.p_need[i],
@@ -296,8 +298,11 @@ class _Search:
     def __init__(self, pb: Problem, *, check_cap: bool = True, check_place: bool = True,
                  stop_first: bool = False, deadline: float = INF, grace: float = INF,
                  max_nodes: int | None = None, canonical: tuple[float, float, int] | None = None,
-                 lat_cap: float | None = None) -> None:
+                 lat_cap: float | None = None, multisets: dict[int, list[tuple[int, ...]]] | None = None) -> None:
         self.pb = pb
+        # Per workflow index, the only multisets of new instances (profile indices, sorted) to look among (GPU
+        # sharing's tie-break search, from the chain walk: `milp.Front.settled`); a workflow not named: any.
+        self.multisets = multisets or {}
         # Only variants of latency <= lat_cap (up to REL_TOL) are looked for: `milp.select_hybrid` under GPU
         # sharing, once the cost is proven and only the tie-break (a shorter L or fewer new GPUs) is left.
         self.lat_cap = lat_cap
@@ -340,6 +345,8 @@ class _Search:
         for pw in pb.workflows:
             if self.canon_enc is not None and pw.index > self.canon_wf:
                 continue  # after the known optimum's workflow: later in the canonical order
+            if self.multisets.get(pw.index, True) == []:
+                continue  # no multiset of new instances can tie the incumbent there
             # GPU sharing: the bounds (and the options they rule out) take the slowed latencies' lower bounds.
             st = _static(pb, pb.bound_view(pw) if self.check_place else pw, self.check_cap, usable)
             if not st.feasible:
@@ -393,7 +400,7 @@ class _Search:
         r_prof, r_load0 = pb.r_prof, pb.r_load0
         layout = pb.layout
         free = dict(pb.free0)
-        occ = dict(pb.occ0)  # GPU sharing: busy occupancy that load-aware placement reads
+        occ = dict(pb.occ_units)  # GPU sharing: the occupancy that load-aware placement reads
         sharing = pb.sharing
         choice: list[Choice] = []
         slots: list[int] = []
@@ -527,7 +534,7 @@ class _Search:
             # Free instances in play (running ones, new ones of this variant) with room for at least one
             # remaining stage: (profile, spare, how many remaining loads fit alone, what the spare can absorb:
             # all of it, or only the largest load that fits when two of them cannot).
-            free_sp: list[tuple[int, float, int, float]] = []
+            free_sp: list[tuple[int, float, int, float, int]] = []  # ..., the running instance (-1: a new one)
             if check_cap:
                 ls = st.loads_sorted[j]
                 two = st.two_min[j]
@@ -538,13 +545,13 @@ class _Search:
                     if sp >= lmin_t:
                         nf = bisect.bisect_right(ls, sp * (1 + EPS) + EPS)
                         if nf:
-                            free_sp.append((pi, sp, nf, sp if two <= sp * (1 + EPS) + EPS else ls[nf - 1]))
+                            free_sp.append((pi, sp, nf, sp if two <= sp * (1 + EPS) + EPS else ls[nf - 1], r))
                 for k, pi in enumerate(slots):
                     sp = p_cap[pi] - slot_load[k]
                     if sp >= lmin_t:
                         nf = bisect.bisect_right(ls, sp * (1 + EPS) + EPS)
                         if nf:
-                            free_sp.append((pi, sp, nf, sp if two <= sp * (1 + EPS) + EPS else ls[nf - 1]))
+                            free_sp.append((pi, sp, nf, sp if two <= sp * (1 + EPS) + EPS else ls[nf - 1], -1))
             # A completion whose largest new instance has memory mu uses only profiles of memory <= mu,
             # so the memory that covers the load is taken over those (in the mu loop), at least dm over all.
             dm = 0.0
@@ -584,6 +591,15 @@ class _Search:
             # group (their spare adds up). Only groups whose demand exceeds their spare get a price.
             cons: list[int] = []
             gcap: dict[int, float] = {}
+            gmem: dict[int, list[int]] = {}  # GPU sharing: per group, its running instances (-1: a new one)
+
+            def glat(s: int, g: int) -> float:
+                """Stage s's latency on free group g: its profile's; under GPU sharing the least bound among
+                its members (a running instance's bound depends on its own GPUs' co-residents, not only on
+                its profile, and a new one's on the least busy GPUs)."""
+                if not sharing:
+                    return lat_new[s][g >> 10]
+                return min(lat_reuse[s][r] if r >= 0 else lat_new[s][g >> 10] for r in gmem[g])
             min_u: list[float] = []  # [u] fastest free option of an unpriced group
             con_lat: list[list[tuple[int, float]]] = []  # [u] (priced group, latency) usable by stage u
             if len(free_sp) > 1:
@@ -591,11 +607,13 @@ class _Search:
                 # (key = profile * 1024 + how many of the remaining loads fit), so that a stage only
                 # counts on the spare of instances it fits in.
                 gmax: dict[int, float] = {}
-                for pi, sp, nf, us in free_sp:
+                for pi, sp, nf, us, r in free_sp:
                     key = pi * 1024 + nf
                     gcap[key] = gcap.get(key, 0.0) + us
                     if key not in gmax or sp < gmax[key]:
                         gmax[key] = sp
+                    if sharing:
+                        gmem.setdefault(key, []).append(r)
                 demand: dict[int, float] = dict.fromkeys(gcap, 0.0)
                 usel: list[list[int]] = []
                 for u in range(nu):
@@ -613,11 +631,10 @@ class _Search:
                     cset = set(cons)
                     for u in range(nu):
                         s = U[u][0]
-                        ln = lat_new[s] if U[u][3] else ()
                         mn = INF
                         cl: list[tuple[int, float]] = []
                         for g in usel[u]:
-                            lv = ln[g >> 10]
+                            lv = glat(s, g)
                             if g in cset:
                                 cl.append((g, lv))
                             elif lv < mn:
@@ -698,7 +715,7 @@ class _Search:
                 the undecided stages to the free groups (their spare) and to the new options of memory
                 <= mus[i] (i < 0: none), longest path by potentials. INF: infeasible."""
                 search.lp_solves += 1
-                return _lp_longest_path(U, h0, Lfix, [(load[U[u][0]], lat_new[U[u][0]],
+                return _lp_longest_path(U, h0, Lfix, [(load[U[u][0]], {g: glat(U[u][0], g) for g in gmax},
                                                       (f_at[U[u][0]][i] if i >= 0 else INF)) if U[u][3]
                                                      else None for u in range(nu)],
                                         tool_lat, gcap, gmax)
@@ -805,6 +822,8 @@ class _Search:
 
         def leaf() -> None:
             search.leaves += 1
+            if allowed is not None and tuple(sorted(slots)) not in allowed:
+                return
             L = max(fin)
             M = mem_now[0]
             if sharing and check_place:
@@ -812,10 +831,12 @@ class _Search:
                 # latency alone, a lower bound of this one). Floats first: a variant clearly costlier than the
                 # incumbent is left without the exact arithmetic (the float multipliers are within 1e-12 of it).
                 inc = search.best
-                if inc is not None:
-                    fast = pb.sharing_factors_fast(pw, choice, slots, places)
-                    if fast is not None and M * pb.longest_path(pw, pb.stage_latencies(pw, choice, slots, fast)) \
-                            * (1 - 1e-9) > inc[0] * (1 + REL_TOL) + 1e-300:
+                fast = pb.sharing_factors_fast(pw, choice, slots, places)
+                if fast is False:
+                    return
+                if isinstance(fast, list):
+                    Lf = pb.longest_path(pw, pb.stage_latencies(pw, choice, slots, fast)) * (1 - 1e-9)
+                    if not leq(Lf, lam) or (inc is not None and M * Lf > inc[0] * (1 + REL_TOL) + 1e-300):
                         return
                 factors = pb.sharing_factors(pw, choice, slots, places)
                 if factors is None:
@@ -857,6 +878,15 @@ class _Search:
 
         topo = pw.topo
         llm_pos = {s2: i for i, s2 in enumerate(llm)}
+        # The multisets of new instances this search may end with (None: any), as profile counts; a prefix's
+        # new instances must stay within one of them.
+        allowed = set(self.multisets[pw.index]) if pw.index in self.multisets else None
+        allowed_counts = [collections.Counter(y) for y in allowed] if allowed is not None else []
+        opened: collections.Counter[int] = collections.Counter()
+        # GPU sharing: each stage's options by their `bound_view` latency and by memory (`completion_ok`).
+        new_by_lat = [sorted(st.new_opts[s2], key=lat_new[s2].__getitem__) if lat_new[s2] else []
+                      for s2 in range(n)]
+        new_by_mem = [sorted(st.new_opts[s2], key=lambda pi: p_mem[pi]) for s2 in range(n)]
 
         def sharing_prefix_ok() -> bool:
             """GPU sharing: shares only grow as stages are added, so a prefix over a budget fails every completion,
@@ -865,17 +895,35 @@ class _Search:
             exact arithmetic, which decides every prefix that fails or is close."""
             best = search.best
             fast = pb.sharing_factors_fast(pw, choice, slots, places)
-            if fast is not None:
-                Lf = slowed_path(fast) * (1 + 1e-9)  # above the exact slowed latency (floats within 1e-12)
+            if fast is False:
+                return False
+            if isinstance(fast, list):
+                Lf = slowed_path(fast)  # within 1e-12 of the exact slowed latency
+                lo = Lf * (1 - 1e-9)
+                if not leq(lo, lam) or (best is not None and mem_now[0] * lo > best[0] * (1 + REL_TOL) + 1e-300):
+                    return False
+                Lf *= 1 + 1e-9
                 if leq(Lf, lam) and (best is None or mem_now[0] * Lf <= best[0] * (1 + REL_TOL)):
-                    return True
+                    return completion_ok(fast)
             factors = pb.sharing_factors(pw, choice, slots, places)
             if factors is None:
                 return False
             Lp = slowed_path(factors)
             if not leq(Lp, lam):
                 return False
-            return best is None or mem_now[0] * Lp <= best[0] * (1 + REL_TOL) + 1e-300
+            if best is not None and mem_now[0] * Lp > best[0] * (1 + REL_TOL) + 1e-300:
+                return False
+            return completion_ok(factors)
+
+        def completion_ok(factors: list[float]) -> bool:
+            """GPU sharing: every completion's slowed latency is at least `sharing_bound.completion_bound`'s (what
+            the prefix put on the GPUs slows and rules out the options of the stages left), and its new memory at
+            least the prefix's plus what a stage no instance in play can take needs."""
+            L_lb, extra = completion_bound(pb, pw, choice, slots, places, free, factors, r_add, slot_load,
+                                           reuse_opts, new_by_lat, new_by_mem)
+            if not leq(L_lb, lam):
+                return False
+            return not prune((mem_now[0] + extra) * L_lb, L_lb)  # ties included: only a better one is looked for
 
         def slowed_path(factors: list[float]) -> float:
             """The longest path over the assigned stages with these multipliers on the prefix's LLM stages."""
@@ -1029,6 +1077,9 @@ class _Search:
                 m = p_mem[pi]
                 if mem_now[0] + m > mem_cap or gpus_now[0] + p_gpus[pi] > gpu_cap:
                     continue  # the canonical pass: more memory or GPUs than the optimum it must tie
+                if allowed is not None and not any(c[pi] > opened[pi] and all(c[q] >= n2 for q, n2 in opened.items())
+                                                   for c in allowed_counts):
+                    continue  # no allowed multiset has room for one more of pi beside those opened
                 if search.best is not None:
                     # Cheap pre-check before placing: (M + m) * (latency so far) already too much?
                     f = max((fin[p] for p in preds[s]), default=0.0) + lat_new[s][pi]
@@ -1052,7 +1103,7 @@ class _Search:
                             break
                         placed_s.append(pl2)
                     if len(placed_s) < reps:
-                        _unplace(placed_s, free, occ, snap, pb.u_frac)
+                        _unplace(placed_s, free, occ, snap, pb.u_units)
                         assigned[s] = False
                         continue
                     group = placed_s
@@ -1078,6 +1129,7 @@ class _Search:
                     node, gids = "", ()
                 slots.append(pi)
                 slot_load.append(ld)
+                opened[pi] += 1
                 if group:
                     places.extend(group)
                 else:
@@ -1095,8 +1147,9 @@ class _Search:
                 del places[len(places) - reps:]
                 slot_load.pop()
                 slots.pop()
+                opened[pi] -= 1
                 if check_place and sharing:
-                    _unplace(group, free, occ, snap, pb.u_frac)
+                    _unplace(group, free, occ, snap, pb.u_units)
                 elif check_place:
                     _restore(free, snap)
                 assigned[s] = False
@@ -1128,9 +1181,9 @@ _HIGHS = _highs()
 
 
 def _lp_longest_path(U: list[tuple[int, tuple[int, ...], tuple[int, ...], bool]], h0: list[float], Lfix: float,
-                     stage: list[tuple[float, tuple[float, ...], float] | None], tool_lat: tuple[float, ...],
+                     stage: list[tuple[float, dict[int, float], float] | None], tool_lat: tuple[float, ...],
                      gcap: dict[int, float], gmin: dict[int, float]) -> float:
-    """min L over fractional assignments: each undecided LLM stage u (load, latency per profile, latency of its
+    """min L over fractional assignments: each undecided LLM stage u (load, latency per free group, latency of its
     fastest new option or INF) splits over the free groups it fits (group g = profile g >> 10, spare
     gcap[g]) and its new option; t_u >= t_pred + latency, t_u >= h0[u], L >= t_u, L >= Lfix.
     A lower bound of the longest path of every completion in the class; INF when infeasible."""
@@ -1187,7 +1240,7 @@ def _lp_longest_path(U: list[tuple[int, tuple[int, ...], tuple[int, ...], bool]]
         opts: list[tuple[float, int]] = []
         for g, m in gmin.items():
             if ld <= m * (1 + 1e-9) + 1e-9:
-                opts.append((lat_new[g >> 10], g))
+                opts.append((lat_new[g], g))
         if f < INF:
             opts.append((f, -1))
         if not opts:
@@ -1268,10 +1321,10 @@ def _restore(free: dict[str, int], snap: list[tuple[str, int]]) -> None:
         free[g] = v
 
 
-def _unplace(placed: list[tuple[str, tuple[str, ...]]], free: dict[str, int], occ: dict[str, Any],
-             snap: list[tuple[str, int]], u: Any) -> None:
+def _unplace(placed: list[tuple[str, tuple[str, ...]]], free: dict[str, int], occ: dict[str, int],
+             snap: list[tuple[str, int]], u: int) -> None:
     """Undo `Problem.place_new` for these replicas (GPU sharing): free memory from the snapshot, occupancy
-    (exact rationals) by subtraction."""
+    (`Problem.occ_units`, exact integers) by subtraction."""
     _restore(free, snap)
     for _, gids in placed:
         for g in gids:

@@ -57,6 +57,7 @@ from flowmaker.selection.problem import (
     EPS,
     INF,
     NEW,
+    REL_TOL,
     REUSE,
     Choice,
     Problem,
@@ -97,6 +98,10 @@ class Front:
         field(default_factory=list)  # feasible variants found: (score, choice, slot profiles, placements)
     solves: int = 0
     exact_ties: bool = False  # complete also settles the new-GPU tie-break (`chain.walk_chain`)
+    # `chain.walk_chain`: each multiset of new instances (profile indices, sorted) whose packing it settled, with
+    # the least relaxed cost of a variant with exactly those new instances. When complete, every other multiset's
+    # variants cost more (relaxed) than the incumbent: GPU sharing's tie-break search looks only among these.
+    settled: dict[tuple[int, ...], float] | None = None
 
 
 class RelaxedModel:
@@ -583,6 +588,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
     evaluated = search.leaves if search is not None else 0  # variants looked at: leaves and front points
     models: dict[int, RelaxedModel] = {}
     exact_ties: dict[int, bool] = {}
+    settled: dict[int, dict[tuple[int, ...], float]] = {}  # chain workflows' settled multisets (`Front.settled`)
     for pw in pb.workflows:
         m = RelaxedModel(pb, pw, usable)
         models[pw.index] = m
@@ -602,6 +608,8 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
             fr2.lower_bound = max(fr2.lower_bound, fr.lower_bound)
             fr = fr2
         exact_ties[pw.index] = fr.exact_ties
+        if fr.settled is not None and fr.complete:
+            settled[pw.index] = fr.settled
         lb = min(lb, fr.lower_bound)
         complete = complete and fr.complete
         evaluated += len(fr.candidates)
@@ -626,7 +634,11 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         # cost is proven. Its tie-break argument does not hold: a variant of equal cost with a shorter L or fewer
         # new GPUs is looked for by the branch and bound among the variants of L <= the best's (any better one
         # has a cost no lower, so an L no longer), which also settles the canonical order (`finish`).
-        s4 = ex.make_search(pb, deadline=deadline, grace=grace, lat_cap=best[0][1])
+        # A variant that ties or beats the best has relaxed cost <= its cost: on a chain, whose walk settled every
+        # multiset of new instances up to the best's cost, only the multisets settled that cheap are left.
+        hi = best[0][0] * (1 + REL_TOL) + 1e-300
+        multisets = {i: [y for y, v in fr_set.items() if v <= hi] for i, fr_set in settled.items()}
+        s4 = ex.make_search(pb, deadline=deadline, grace=grace, lat_cap=best[0][1], multisets=multisets)
         s4.best, s4.best_at = best
         s4.run()
         if s4.stopped:

@@ -92,21 +92,40 @@ def _least_busy(cand: list[str], busy: Mapping[str, Fraction], free_u: Mapping[s
     return out
 
 
-def place_least_busy(layout: NodeGpus, free_u: Mapping[str, int], busy: Mapping[str, Fraction], k: int,
-                     need_u: int) -> tuple[str, tuple[str, ...]] | None:
+def _least_busy_units(cand: list[str], busy: Mapping[str, int], free_u: Mapping[str, int]) -> list[str]:
+    """`_least_busy` for busy shares as integers of a common unit (`dyadic_units`): compared exactly, directly."""
+    return sorted(cand, key=lambda g: (busy.get(g, 0), -free_u[g]))
+
+
+def dyadic_units(values: Iterable[Fraction]) -> int:
+    """A scale 2**E that turns each of these rationals into an integer: sums of doubles have power-of-two
+    denominators, so load-aware placement can compare shares as Python ints, exactly and fast."""
+    e = 0
+    for v in values:
+        d = v.denominator
+        if d & (d - 1):
+            raise ValueError(f"not a dyadic rational: {v}")
+        e = max(e, d.bit_length() - 1)
+    return 1 << e
+
+
+def place_least_busy(layout: NodeGpus, free_u: Mapping[str, int], busy: Mapping[str, Fraction] | Mapping[str, int],
+                     k: int, need_u: int) -> tuple[str, tuple[str, ...]] | None:
     """Load-aware LeastLoaded (docs/selection-spec.md, "Extension: GPU sharing"), free memory in units.
 
     On each node the candidates are the GPUs where the memory fits; take the k of them with the least busy
     share (ties: more free memory, then smaller GPU id). Among nodes with k candidates, pick the node whose
     k-th chosen GPU is best by the same order (least busy, then most free memory; ties: smaller node id).
-    With every busy share equal this is exactly `place_units`. None when no node fits.
+    With every busy share equal this is exactly `place_units`. None when no node fits. `busy` holds
+    Fractions, or ints of one common unit (`dyadic_units`).
     """
-    best: tuple[Fraction, int, str, tuple[str, ...]] | None = None
+    best: tuple[Fraction | int, int, str, tuple[str, ...]] | None = None
+    order = _least_busy_units if busy and isinstance(next(iter(busy.values())), int) else _least_busy
     for node, ids in zip(layout.nodes, layout.gpus_by_node, strict=True):
         cand = [g for g in ids if free_u[g] >= need_u]
         if len(cand) < k:
             continue
-        chosen = _least_busy(cand, busy, free_u)[:k]
+        chosen = order(cand, busy, free_u)[:k]  # type: ignore[arg-type]
         kth = chosen[-1]
         key = (busy.get(kth, _ZERO), free_u[kth])
         if best is None or key[0] < best[0] or (key[0] == best[0] and key[1] > best[1]):

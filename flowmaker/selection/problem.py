@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -27,7 +27,15 @@ from flowmaker.domain import (
     Variant,
     Workflow,
 )
-from flowmaker.selection.placement import NodeGpus, free_units, gb_units, place_least_busy, place_units
+from flowmaker.selection.placement import (
+    NodeGpus,
+    dyadic_units,
+    free_units,
+    gb_units,
+    place_least_busy,
+    place_units,
+)
+from flowmaker.selection.sharing_bound import ShareState
 from flowmaker.sharing import add_offered, busy_share, gpu_totals, multiplier, occupancy, speed_factor
 
 # Relative tolerance for comparing costs and latencies (spec: answers equal within 1e-9).
@@ -39,6 +47,9 @@ _MARGIN = 1e-7  # `Problem.sharing_factors_fast`: how clearly a float check must
 REUSE = "R"
 NEW = "N"
 Choice = tuple[str, int]
+# GPU sharing, in floats: per GPU compute and busy totals, per reused instance id its compute and busy share, per
+# new slot the (compute, busy) share of each replica (`Problem.sharing_fast_state`).
+FastState = tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float], list[tuple[float, float]]]
 
 
 def leq(a: float, b: float) -> bool:
@@ -114,6 +125,11 @@ class Problem:
                           for i in req.cluster.instances}
         self.rho0 = gpu_totals((i.gpu_ids, self.run_rho0[i.id]) for i in req.cluster.instances)
         self.occ0 = gpu_totals((i.gpu_ids, self.run_busy0[i.id]) for i in req.cluster.instances)
+        # Load-aware placement's occupancy O_g = B0_g + u x (new instances placed on g), as ints of one common
+        # unit (`placement.dyadic_units`): exact, and far cheaper to compare and update than Fractions.
+        scale = dyadic_units([*self.occ0.values(), self.u_frac])
+        self.u_units = int(self.u_frac * scale)
+        self.occ_units = {g.id: int(self.occ0.get(g.id, _ZERO) * scale) for g in req.cluster.gpus}
         self.on_gpu: dict[str, list[Instance]] = {}
         for i in req.cluster.instances:
             for g in i.gpu_ids:
@@ -123,7 +139,8 @@ class Problem:
         self._bound_views: dict[int, PWorkflow] = {}
         # GPU sharing: per running instance (rho0, b0, m0) of Feasibility 5.4 (m0 None: infinite)
         self._m0: dict[str, tuple[Fraction, Fraction, Fraction | None]] = {}
-        self._fast0: tuple[dict[str, float], dict[str, float]] | None = None  # rho0, occ0 as floats  # GPU sharing: `bound_view` per workflow
+        self._fast0: tuple[dict[str, float], dict[str, float]] | None = None  # GPU sharing: rho0, occ0 as floats
+        self._fs_last: tuple[int, list[Choice], list[int], FastState] | None = None  # `sharing_fast_state`'s last
 
     def _compile(self, index: int, wf: Workflow) -> PWorkflow:
         pos = {s.id: i for i, s in enumerate(wf.stages)}
@@ -161,45 +178,39 @@ class Problem:
         cached = self._bound_views.get(pw.index)
         if cached is not None:
             return cached
-        kappa = float(self.kappa)
-        u = self.u
-        busy0 = {g: float(b) for g, b in self.occ0.items()}
-
-        def m_lo(f: float, rho: float) -> float:
-            x = rho * f
-            if x >= 1 + 1e-9 or x > u * (1 + 1e-9) * (1 + 1e-9):
-                return math.inf
-            if x > 1 - 1e-6:
-                return 1.0
-            return max(1.0, f * (1 - rho) / (1 - x) * (1 - 1e-9))
-
-        f_new: list[float] = []
-        for pi in range(len(self.profiles)):
-            k, need = self.p_k[pi], self.p_need[pi]
-            least = math.inf
-            for ids in self.layout.gpus_by_node:
-                cand = sorted(busy0.get(g, 0.0) for g in ids if self.free0[g] >= need)
-                if len(cand) >= k:
-                    least = min(least, cand[k - 1])
-            f_new.append(1.0 + kappa * least if least < math.inf else 1.0)
-        f_reuse: list[float] = []
-        for inst in self.reusable:
-            own = float(self.run_busy0[inst.id])
-            f_reuse.append(1.0 + kappa * max([0.0] + [busy0.get(g, 0.0) - own for g in inst.gpu_ids]))
+        state = self.share_state(self.free0, *self._fast_totals())
         lat_new = list(pw.lat_new)
         lat_reuse = list(pw.lat_reuse)
         for s in pw.llm:
             ld = pw.load[s]
-            lat_new[s] = tuple(
-                lat * m_lo(f_new[pi], busy_share(ld / self.p_reps[pi], self.profiles[pi].max_output_tokens_per_s))
-                for pi, lat in enumerate(pw.lat_new[s]))
+            lat_new[s] = tuple(self.new_latency_lb(state, pw, s, pi) for pi in range(len(self.profiles)))
             lat_reuse[s] = tuple(
-                lat * m_lo(f_reuse[r], busy_share(self.r_load0[r] + ld, self.r_unit[r]))
-                for r, lat in enumerate(pw.lat_reuse[s]))
+                state.instance_lb(inst.gpu_ids, self.run_busy0[inst.id],
+                                  busy_share(self.r_load0[r] + ld, self.r_unit[r]),
+                                  busy_share(ld, self.r_unit[r]), pw.lat_reuse[s][r])
+                for r, inst in enumerate(self.reusable))
         view = PWorkflow(pw.index, pw.wf, pw.topo, pw.preds, pw.succs, pw.llm, pw.tool_lat, pw.load,
                          tuple(lat_new), tuple(lat_reuse))
         self._bound_views[pw.index] = view
         return view
+
+    def _fast_totals(self) -> tuple[dict[str, float], dict[str, float]]:
+        """GPU sharing: the running instances' compute and busy totals per GPU, as floats."""
+        if self._fast0 is None:
+            self._fast0 = ({g: float(x) for g, x in self.rho0.items()}, {g: float(x) for g, x in self.occ0.items()})
+        return self._fast0
+
+    def share_state(self, free: Mapping[str, int], comp: Mapping[str, float], busy: Mapping[str, float]) -> ShareState:
+        return ShareState(self.layout.gpus_by_node, free, comp, busy, float(self.kappa), self.u)
+
+    def new_latency_lb(self, state: ShareState, pw: PWorkflow, s: int, pi: int) -> float:
+        """GPU sharing: a lower bound of stage s's slowed latency on a new instance of profile pi opened from
+        `state` (`flowmaker.selection.sharing_bound`); INF when none can keep within the compute budget."""
+        rho = busy_share(pw.load[s] / self.p_reps[pi], self.profiles[pi].max_output_tokens_per_s)
+        least = state.new_busy_lb(self.p_k[pi], self.p_need[pi], rho)
+        if least == INF:
+            return INF
+        return pw.lat_new[s][pi] * state.multiplier_lb(1.0 + state.kappa * least, rho)
 
     # ---- evaluation of one complete choice (the reference used by exhaustive and to build answers) ----
 
@@ -213,9 +224,9 @@ class Problem:
                 lat[s] *= factors[j]
         return lat
 
-    def place_new(self, free: dict[str, int], occ: dict[str, Fraction], pi: int
+    def place_new(self, free: dict[str, int], occ: dict[str, int], pi: int
                   ) -> tuple[str, tuple[str, ...]] | None:
-        """Place ONE instance of profile pi on the state (free memory in units, busy occupancy) and update both; the
+        """Place ONE instance of profile pi on the state (free memory in units, occupancy as `occ_units`) and update both; the
         base contract's LeastLoaded, or the load-aware one under GPU sharing (a new instance of the variant
         occupies u of each of its GPUs: its final share is not known when it is placed)."""
         mpg = self.p_need[pi]
@@ -228,7 +239,7 @@ class Problem:
         for g in pl[1]:
             free[g] -= mpg
             if self.sharing:
-                occ[g] = occ.get(g, _ZERO) + self.u_frac
+                occ[g] += self.u_units
         return pl
 
     def _on_gpus(self, gpu_ids: Iterable[str]) -> Iterator[Instance]:
@@ -257,17 +268,27 @@ class Problem:
                 slot_n[ref] += self.rho * pw.lat_new[s][slot_prof[ref]]
         return slot_load, slot_n, r_add, r_n
 
-    def sharing_factors_fast(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
-                             places: Sequence[tuple[str, tuple[str, ...]]]) -> list[float] | None:
-        """`sharing_factors` in floats, for the branch and bound's prefix checks: the multipliers (within 1e-12
-        relative of the exact ones) when every check of Feasibility 5 passes with a relative margin of 1e-7 (so
-        the exact arithmetic passes too), else None: unsure, ask `sharing_factors`. Never a verdict of failure."""
+    def sharing_fast_state(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
+                           places: Sequence[tuple[str, tuple[str, ...]]]) -> FastState:
+        """What a (prefix of a) choice puts on the GPUs, in floats (within 1e-12 relative of the exact shares):
+        per GPU its compute and busy totals, per reused instance id its compute and busy share, per slot the
+        (compute, busy) share of each of its replicas. The last answer is kept: the branch and bound asks twice per
+        prefix (`sharing_factors_fast`, then `sharing_bound.completion_bound`), and placement is a function of the
+        choice, so (workflow, choice, slots) identify it."""
+        last = self._fs_last
+        if last is not None and last[0] == pw.index and last[1] == choice and last[2] == slot_prof:
+            return last[3]
+        out = self._fast_state(pw, choice, slot_prof, places)
+        self._fs_last = (pw.index, list(choice), list(slot_prof), out)
+        return out
+
+    def _fast_state(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
+                    places: Sequence[tuple[str, tuple[str, ...]]]) -> FastState:
         first = self.slot_offsets(slot_prof)
         slot_load, slot_n, r_add, r_n = self._tally(pw, choice, slot_prof)
-        if self._fast0 is None:
-            self._fast0 = ({g: float(x) for g, x in self.rho0.items()}, {g: float(x) for g, x in self.occ0.items()})
-        comp = dict(self._fast0[0])
-        busy = dict(self._fast0[1])
+        comp0, busy0 = self._fast_totals()
+        comp = dict(comp0)
+        busy = dict(busy0)
         r_rho: dict[str, float] = {}
         r_busy: dict[str, float] = {}
         for ref, add in r_add.items():
@@ -288,11 +309,29 @@ class Problem:
                 for g in places[first[j] + i][1]:
                     comp[g] = comp.get(g, 0.0) + rf
                     busy[g] = busy.get(g, 0.0) + bf
+        return comp, busy, r_rho, r_busy, rep
+
+    def sharing_factors_fast(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
+                             places: Sequence[tuple[str, tuple[str, ...]]]) -> list[float] | bool | None:
+        """`sharing_factors` in floats, for the branch and bound's checks: the multipliers (within 1e-12 relative of
+        the exact ones) when every check of Feasibility 5 passes with a relative margin of 1e-7 (so the exact
+        arithmetic passes too); False when one fails by that margin (so the exact one fails too); else None:
+        unsure, ask `sharing_factors`."""
+        first = self.slot_offsets(slot_prof)
+        comp, busy, r_rho, r_busy, rep = self.sharing_fast_state(pw, choice, slot_prof, places)
+        busy0 = self._fast_totals()[1]
+        r_add = {ref for kind, ref in choice if kind == REUSE}
         lo = self.u * (1 + EPS) * (1 - _MARGIN)  # clearly within the budget
+        hi = self.u * (1 + EPS) * (1 + _MARGIN)  # clearly beyond it
+        unsure = False
         touched = {g for ref in r_add for g in self.reusable[ref].gpu_ids}
         touched.update(g for _, gids in places for g in gids)
-        if any(not comp.get(g, 0.0) <= lo for g in touched):
-            return None
+        for g in touched:
+            x = comp.get(g, 0.0)
+            if not x <= lo:
+                if x > hi:
+                    return False
+                unsure = True
         kappa = float(self.kappa)
 
         def factor(gids: Sequence[str], own: float, totals: dict[str, float]) -> float:
@@ -305,25 +344,31 @@ class Problem:
 
         for inst in self._on_gpus(touched):
             rho0, b0 = self.run_rho0[inst.id], self.run_busy0[inst.id]
-            f0 = factor(inst.gpu_ids, b0, self._fast0[1])
+            f0 = factor(inst.gpu_ids, b0, busy0)
             x0 = rho0 * f0
-            if abs(x0 - 1.0) <= _MARGIN:
-                return None
             rho1, b1 = r_rho.get(inst.id, rho0), r_busy.get(inst.id, b0)
+            if x0 < 1.0 - _MARGIN and inst.id not in r_rho and _same_worst(inst.gpu_ids, touched, busy, busy0, b0):
+                continue  # its most crowded GPU is one the variant leaves alone: exactly as slow as before (finite)
             f1 = factor(inst.gpu_ids, b1, busy)
             x1 = rho1 * f1
-            if not x1 < 1.0 - _MARGIN:
-                return None
+            if x1 > 1.0 + _MARGIN:
+                return False  # m1 infinite: it can no longer keep up
+            if abs(x0 - 1.0) <= _MARGIN or not x1 < 1.0 - _MARGIN:
+                unsure = True
+                continue
             m1 = f1 * (1 - rho0) / (1 - x1)
             if x0 > 1.0:  # m0 infinite: not made slower
                 continue
             m0 = f0 * (1 - rho0) / (1 - x0)
             if m1 < m0 * (1 - _MARGIN):
                 continue
-            if not x1 <= lo:
-                return None
-            if inst.max_slowdown > 0 and not m1 <= inst.max_slowdown * (1 + EPS) * (1 - _MARGIN):
-                return None
+            slower = m1 > m0 * (1 + _MARGIN)  # clearly made slower: its checks apply
+            for v, cap in ((x1, self.u * (1 + EPS)),
+                           (m1, inst.max_slowdown * (1 + EPS) if inst.max_slowdown > 0 else INF)):
+                if not v <= cap * (1 - _MARGIN):
+                    if slower and v > cap * (1 + _MARGIN):
+                        return False
+                    unsure = True
         out: list[float] = []
         done: dict[tuple[str, int], float] = {}
         for kind, ref in choice:
@@ -340,11 +385,14 @@ class Problem:
                 f = factor(gids, own, busy)
                 x = rho * f
                 if not (x <= lo and x < 1.0 - _MARGIN):
-                    return None
+                    if x > hi or x > 1.0 + _MARGIN:
+                        return False
+                    unsure = True
+                    continue
                 m = max(m, f * (1 - rho) / (1 - x))
             done[kind, ref] = m
             out.append(m)
-        return out
+        return None if unsure else out
 
     def sharing_factors(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
                         places: Sequence[tuple[str, tuple[str, ...]]]) -> list[float] | None:
@@ -517,7 +565,7 @@ class Problem:
             if not leq(ld, self.p_cap[self.r_prof[i]]):
                 return 3, []
         free = dict(self.free0)
-        occ = dict(self.occ0)
+        occ = dict(self.occ_units)
         places: list[tuple[str, tuple[str, ...]]] = []
         for pi in slot_prof:
             for _ in range(self.p_reps[pi]):  # a group places its replicas one after another
@@ -624,6 +672,18 @@ def better(cost: float, lat: float, gpus: int, best: tuple[float, float, int] | 
 
 INF = math.inf
 _ZERO = Fraction(0)
+
+
+def _same_worst(gpu_ids: Sequence[str], touched: set[str], busy: Mapping[str, float], busy0: Mapping[str, float],
+                own: float) -> bool:
+    """GPU sharing, floats: a running instance (not reused) whose co-residents' busy total is clearly highest
+    (by 1e-9) on a GPU the variant does not touch has exactly its former speed factor, since the exact maximum is
+    then that untouched GPU's unchanged total."""
+    untouched = [busy0.get(g, 0.0) - own for g in gpu_ids if g not in touched]
+    if not untouched:
+        return False
+    w = max(untouched)
+    return all(busy.get(g, 0.0) - own < w - 1e-9 * max(1.0, abs(w)) for g in gpu_ids if g in touched)
 
 
 def _frac(x: float) -> Fraction:
