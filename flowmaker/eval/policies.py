@@ -234,6 +234,8 @@ class Plan:
     # (task, stage, why) for every instance a plain deployment could not place (LangChain)
     placement_failures: tuple[tuple[str, str, str], ...] = ()
     planned_rates: tuple[tuple[str, float], ...] = ()  # (task, the arrival rate it was planned at)
+    # tasks no plan served within their SLOs on the shared GPUs, deployed as the sharing-blind contract places them
+    best_effort: tuple[str, ...] = ()
 
 
 Policy = Callable[[PolicyContext], Plan]
@@ -354,13 +356,16 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
     `measured`: before each deployment the running instances' loads are replaced by what
     `ctx.monitor` measures (the current load); otherwise they are the sums of the planned loads.
     `rate`: the arrival rate a task is planned at, or several (`plan_rates`), each tried when nothing fits at
-    the one before. `fallback`: when nothing fits at the last, the headroom kept for bursts is given up.
+    the one before. `fallback`: when nothing fits at the last, the headroom kept for bursts is given up, then
+    the headroom booked by earlier tasks is lent, and then (under the GPU-sharing contract) the task is deployed
+    best-effort where the sharing-blind contract places it (`Plan.best_effort`): served in part, not refused.
     """
     st = _ClusterState(ctx)
     deployments: list[TaskDeployment] = []
     unplaced: list[tuple[str, str]] = []
     decisions: list[StageDecision] = []
     rates: list[tuple[str, float]] = []
+    best_effort: list[str] = []
     for task in ctx.tasks:
         at = ctx.deploy_time(task)
         seen: Mapping[str, MeasuredLoad] | None = None
@@ -408,6 +413,13 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
             # measured) is lent to it, as the load follower would give it back once they scale in.
             req = replace(req, cluster=st.as_cluster(seen))
             res = select(req, strategy)
+        if res.variant is None and fallback and req.options.gpu_sharing is GpuSharing.INTERFERENCE:
+            # Still nothing: no plan keeps every SLO on the shared GPUs. The task is served best-effort, as the
+            # published (sharing-blind) contract places it, rather than refused: some of its requests meet the SLO.
+            req = replace(req, options=replace(req.options, gpu_sharing=GpuSharing.IGNORE))
+            res = select(req, strategy)
+            if res.variant is not None:
+                best_effort.append(task.name)
         if res.variant is None:
             why = res.reason.value if res.reason is not None else "INFEASIBLE"
             unplaced.append((task.name, f"{why}: {res.reason_detail}" if res.reason_detail else why))
@@ -443,7 +455,7 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                                            a.reused))
         deployments.append(TaskDeployment(task, (Route(v.workflow_id, tuple(stage_map)),)))
     return Plan("", tuple(st.instances), tuple(deployments), tuple(unplaced), tuple(decisions),
-                planned_loads=tuple(st.load.items()), planned_rates=tuple(rates))
+                planned_loads=tuple(st.load.items()), planned_rates=tuple(rates), best_effort=tuple(best_effort))
 
 
 def alone_latency(wf: Workflow, prof: Mapping[str, Profile]) -> float:

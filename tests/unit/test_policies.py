@@ -338,3 +338,19 @@ def test_max_instance_gpus_must_not_be_negative(tmp_path: Path) -> None:
 
     with pytest.raises(InvalidSpec, match="max_instance_gpus"):
         run_serving_bench(tmp_path, max_instance_gpus=-1, plots=False, quiet=True)
+
+
+def test_a_task_no_shared_plan_serves_is_deployed_best_effort_not_refused() -> None:
+    """At four times the load the sharing contract finds no plan for some tasks (their co-residents would
+    miss their SLOs); the fallback deploys them where the sharing-blind contract places them, and says so."""
+    from flowmaker.eval.policies import _select_in_sequence
+
+    ctx = _ctx(4.0)
+    kw = dict(strategy="exact", allow_reuse=True, rate=ctx.nominal_rate, fixed_workflow=False, measured=False)
+    strict = _select_in_sequence(ctx, **kw)  # type: ignore[arg-type]
+    fb = _select_in_sequence(ctx, fallback=True, **kw)  # type: ignore[arg-type]
+    assert strict.unplaced and not strict.best_effort
+    assert len(fb.unplaced) < len(strict.unplaced) and len(fb.deployments) + len(fb.unplaced) == len(TASKS)
+    assert all(why.startswith("NO_CAPACITY") for _, why in fb.unplaced)  # what no contract serves stays refused
+    assert fb.best_effort and set(fb.best_effort) <= {u for u, _ in strict.unplaced}
+    check_memory(fb.instances, CLUSTER.gpus)
