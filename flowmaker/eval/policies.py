@@ -40,7 +40,8 @@ none was tuned against the results.
   exact optimiser, with reuse, planned offline: each task at its mean rate over the segment or, for
   `-maxload`, at its peak rate over any trace minute of the segment; the loads it reuses by are its
   own planned estimates (no monitor). Busy-time capacity like every optimiser-based policy; GPU sharing
-  as the published system treats it (ignored).
+  as the experiment declares (FlowMaker's contract, or ignored as published); a task it cannot place under
+  the sharing contract is placed as the published, sharing-blind Murakkab would (best effort).
 """
 
 from __future__ import annotations
@@ -350,22 +351,23 @@ def _stage_load(wf: Workflow, rate: float) -> dict[str, float]:
 def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                         rate: Callable[[EvalTask], float | tuple[float, ...]], fixed_workflow: bool, measured: bool,
                         sharing: bool = True, capacity_model: CapacityModel | None = None,
-                        fallback: bool = False) -> Plan:
+                        fallback: bool = False, best_effort: bool = False) -> Plan:
     """Deploy tasks one after another with the selector; each sees what the earlier ones deployed.
 
     `measured`: before each deployment the running instances' loads are replaced by what
     `ctx.monitor` measures (the current load); otherwise they are the sums of the planned loads.
     `rate`: the arrival rate a task is planned at, or several (`plan_rates`), each tried when nothing fits at
     the one before. `fallback`: when nothing fits at the last, the headroom kept for bursts is given up, then
-    the headroom booked by earlier tasks is lent, and then (under the GPU-sharing contract) the task is deployed
-    best-effort where the sharing-blind contract places it (`Plan.best_effort`): served in part, not refused.
+    the headroom booked by earlier tasks is lent. `best_effort`: when still nothing fits under the GPU-sharing
+    contract, the task is deployed where the sharing-blind contract places it (`Plan.best_effort`): served in
+    part, not refused.
     """
     st = _ClusterState(ctx)
     deployments: list[TaskDeployment] = []
     unplaced: list[tuple[str, str]] = []
     decisions: list[StageDecision] = []
     rates: list[tuple[str, float]] = []
-    best_effort: list[str] = []
+    served_best_effort: list[str] = []
     for task in ctx.tasks:
         at = ctx.deploy_time(task)
         seen: Mapping[str, MeasuredLoad] | None = None
@@ -413,13 +415,13 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
             # measured) is lent to it, as the load follower would give it back once they scale in.
             req = replace(req, cluster=st.as_cluster(seen))
             res = select(req, strategy)
-        if res.variant is None and fallback and req.options.gpu_sharing is GpuSharing.INTERFERENCE:
+        if res.variant is None and best_effort and req.options.gpu_sharing is GpuSharing.INTERFERENCE:
             # Still nothing: no plan keeps every SLO on the shared GPUs. The task is served best-effort, as the
             # published (sharing-blind) contract places it, rather than refused: some of its requests meet the SLO.
             req = replace(req, options=replace(req.options, gpu_sharing=GpuSharing.IGNORE))
             res = select(req, strategy)
             if res.variant is not None:
-                best_effort.append(task.name)
+                served_best_effort.append(task.name)
         if res.variant is None:
             why = res.reason.value if res.reason is not None else "INFEASIBLE"
             unplaced.append((task.name, f"{why}: {res.reason_detail}" if res.reason_detail else why))
@@ -455,7 +457,7 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                                            a.reused))
         deployments.append(TaskDeployment(task, (Route(v.workflow_id, tuple(stage_map)),)))
     return Plan("", tuple(st.instances), tuple(deployments), tuple(unplaced), tuple(decisions),
-                planned_loads=tuple(st.load.items()), planned_rates=tuple(rates), best_effort=tuple(best_effort))
+                planned_loads=tuple(st.load.items()), planned_rates=tuple(rates), best_effort=tuple(served_best_effort))
 
 
 def alone_latency(wf: Workflow, prof: Mapping[str, Profile]) -> float:
@@ -505,7 +507,7 @@ def simulated_monitor(workload: SegmentWorkload, gpus: Sequence[Gpu], models: Ma
 @register("flowmaker")
 def flowmaker(ctx: PolicyContext) -> Plan:
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rates, fixed_workflow=False,
-                               measured=True, fallback=True)
+                               measured=True, fallback=True, best_effort=True)
 
 
 @register("flowmaker-paper")
@@ -519,7 +521,7 @@ def flowmaker_paper(ctx: PolicyContext) -> Plan:
 @register("flowmaker-noreuse")
 def flowmaker_noreuse(ctx: PolicyContext) -> Plan:
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, rate=ctx.planning_rates, fixed_workflow=False,
-                               measured=True, fallback=True)
+                               measured=True, fallback=True, best_effort=True)
 
 
 @register("flowmaker-plannedload")
@@ -527,13 +529,13 @@ def flowmaker_plannedload(ctx: PolicyContext) -> Plan:
     """FlowMaker as the orchestrator records load today: an instance's load is the sum of the loads its tasks'
     selections planned (rho x output tokens at the median request), not a measurement."""
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rates, fixed_workflow=False,
-                               measured=False, fallback=True)
+                               measured=False, fallback=True, best_effort=True)
 
 
 @register("flowmaker-heuristic")
 def flowmaker_heuristic(ctx: PolicyContext) -> Plan:
     return _select_in_sequence(ctx, strategy="heuristic", allow_reuse=True, rate=ctx.planning_rates,
-                               fixed_workflow=False, measured=True, fallback=True)
+                               fixed_workflow=False, measured=True, fallback=True, best_effort=True)
 
 
 # ---- Murakkab ------------------------------------------------------------------------------------
@@ -544,7 +546,8 @@ def murakkab(ctx: PolicyContext) -> Plan:
     """Fixed workflow, per-stage model/config by the optimiser, reuse planned offline: at the preceding stretch's
     rate (the declared experiment) or the segment's mean (the older setup)."""
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.offline_rate, fixed_workflow=True,
-                               measured=False, sharing=ctx.baseline_sharing)
+                               measured=False, sharing=ctx.baseline_sharing,
+                               best_effort=True)
 
 
 @register("murakkab-maxload")
@@ -552,7 +555,8 @@ def murakkab_maxload(ctx: PolicyContext) -> Plan:
     """Murakkab planned offline at each task's peak monitor-window rate (of the preceding stretch, or of the
     segment in the older setup)."""
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.offline_peak_rate,
-                               fixed_workflow=True, measured=False, sharing=ctx.baseline_sharing)
+                               fixed_workflow=True, measured=False, sharing=ctx.baseline_sharing,
+                               best_effort=True)
 
 
 @register("murakkab-noreuse")
@@ -560,7 +564,8 @@ def murakkab_noreuse(ctx: PolicyContext) -> Plan:
     """Murakkab without reuse across tasks (a sensitivity baseline): every task's fixed workflow on instances of
     its own, planned offline as `murakkab`."""
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, rate=ctx.offline_rate, fixed_workflow=True,
-                               measured=False, sharing=ctx.baseline_sharing)
+                               measured=False, sharing=ctx.baseline_sharing,
+                               best_effort=True)
 
 
 # ---- LangChain -----------------------------------------------------------------------------------

@@ -346,9 +346,10 @@ def test_a_task_no_shared_plan_serves_is_deployed_best_effort_not_refused() -> N
     from flowmaker.eval.policies import _select_in_sequence
 
     ctx = _ctx(4.0)
-    kw = dict(strategy="exact", allow_reuse=True, rate=ctx.nominal_rate, fixed_workflow=False, measured=False)
+    kw = dict(strategy="exact", allow_reuse=True, rate=ctx.nominal_rate, fixed_workflow=False, measured=False,
+              fallback=True)
     strict = _select_in_sequence(ctx, **kw)  # type: ignore[arg-type]
-    fb = _select_in_sequence(ctx, fallback=True, **kw)  # type: ignore[arg-type]
+    fb = _select_in_sequence(ctx, best_effort=True, **kw)  # type: ignore[arg-type]
     assert strict.unplaced and not strict.best_effort
     assert len(fb.unplaced) < len(strict.unplaced) and len(fb.deployments) + len(fb.unplaced) == len(TASKS)
     assert all(why.startswith("NO_CAPACITY") for _, why in fb.unplaced)  # what no contract serves stays refused
