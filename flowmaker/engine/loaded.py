@@ -6,14 +6,16 @@ arrivals at its tasks' rates, beside co-residents that slow it while they are bu
 feasibility check; it treats an instance as an M/M/1 queue of whole calls. The engine model (which the emulated node
 and the simulator both run) is a continuous-batching engine instead, and its latency under load has another shape:
 
-* decode is memory-bound: a step lasts `max(d, b / D)` (d = `decode_s_per_token`, D = the pure-decode throughput,
-  b = the batch). Calls decode side by side, so up to b = d D extra calls cost nothing; above it every step
-  lengthens. The batch is the number of calls in their decode phase, by Little's law `sum(rate x time in batch)`,
-  and with Poisson arrivals it is Poisson distributed around that mean (an M/G/inf queue); a call emits one token a
-  step, so over its life its mean step is `1 / E[1 / max(d, (1 + B) / D)]`, B ~ Poisson(batch), itself included;
+* decode: a step lasts `max(d, b / D)` (d = `decode_s_per_token`, D = the pure-decode throughput,
+  b = the batch), and every call in the batch gets one token a step. Calls decode side by side, so up to d D calls
+  cost nothing more; above it the engine is compute-bound and serves D tokens/s. That is a processor-sharing queue of
+  tokens whose rate depends on the batch (`decode_queue`): its batch is Poisson-like while steps do not lengthen and
+  geometric beyond (near saturation, where the batch piles up, this matters most), and a call takes its tokens x the
+  mean batch / the token rate;
 * prefill is not chunked: every admitted prompt stalls the whole batch for `p x in` (p = `prefill_s_per_token`).
   A call in the batch is stalled by every prompt admitted while it is there, a fraction `rho_p` of its life
-  (`rho_p` = the prompt work offered per second), so its time in the batch is its own work over `1 - rho_p`;
+  (`rho_p` = the prompt work offered per second), so decode runs `1 - rho_p` of the time and its own prompt takes
+  `p x in / (1 - rho_p)`;
 * a call joins at the next step boundary: it waits the residual of the step in progress (mean `sum(S^2) / 2` per
   second of steps S: the long steps are those with a prefill), and the prompts that became ready in that step are
   prefilled in its admission step with its own; calls that reach the instance together (parallel stages of one
@@ -26,11 +28,12 @@ and the simulator both run) is a continuous-batching engine instead, and its lat
 
 So a call of `in` prompt and `out` output tokens takes
 
-    fixed + R + (f p (in + in_together) + rho_p x 2R + out x step) / (1 - rho_p),   rho_p = f x sum(rate p in)
+    fixed + R + (f p (in + in_together) + rho_p x 2R) / (1 - rho_p) + out x batch / token rate,
+    rho_p = f x sum(rate p in)
 
 Every input is a planned or metered figure the product has at run time: rates, per-stage token shapes, the
-placement, the profiles and kappa. `None` (cannot keep up) when the prompt stalls or the decode steps alone would
-fill the time (the fixed point diverges).
+placement, the profiles and kappa. No latency (cannot keep up) when prompt stalls and decode at full batch would
+fill the time: `rho_p + f x sum(rate x out) / D >= 1`.
 """
 
 from __future__ import annotations
@@ -88,18 +91,37 @@ class Loaded:
     batch: float
 
 
-def _mean_step(d: float, D: float, batch: float) -> float:
-    """1 / E[1 / max(d, (1 + B) / D)], B ~ Poisson(batch): the mean step of a call in the batch (itself included),
-    weighted as its tokens are: one per step."""
-    if batch <= 0.0:
-        return max(d, 1.0 / D)
-    inv, pk, k = 0.0, math.exp(-batch), 0
-    top = int(batch + 12.0 * math.sqrt(batch) + 30.0)  # the Poisson tail beyond is below 1e-12
-    while k <= top:
-        inv += pk / max(d, (1 + k) / D)
-        k += 1
-        pk *= batch / k
-    return 1.0 / inv
+def decode_queue(token_rate: float, d: float, D: float, stall: float) -> tuple[float, float]:
+    """(mean batch, mean time per output token of a call) of the decode phase: a processor-sharing queue whose n calls
+    each get a token per step of max(d, n / D), stalled by prompts a fraction `stall` of the time, so that it serves
+    r(n) = n (1 - stall) / max(d, n / D) tokens/s, offered `token_rate` tokens/s. Its batch is distributed as
+    pi(n) ~ prod_{k <= n} token_rate / r(k) (a symmetric queue: insensitive to how the tokens are spread over calls),
+    Poisson-like up to n0 = floor(d D) calls, where steps do not lengthen, and geometric beyond, where the engine is
+    compute-bound. A call takes its tokens x the mean batch / token_rate (Little's law, per token). Needs
+    token_rate < (1 - stall) D, the most the engine decodes."""
+    n0 = math.floor(d * D)
+    if token_rate <= 0.0:
+        return 0.0, max(d, 1.0 / D) / (1.0 - stall)
+    a = token_rate * d / (1.0 - stall)  # pi(n) / pi(n - 1) = a / n up to n0
+    q = token_rate / ((1.0 - stall) * D)  # pi(n) / pi(n - 1) beyond n0
+    log_a = math.log(a)
+    # Weights relative to the largest Poisson-like one (a^n / n! overflows for large batches).
+    top = min(n0, math.floor(a))
+    log_top = top * log_a - math.lgamma(top + 1)
+    # Past a + 40 sqrt(a) + 50 the Poisson-like weights (and a tail after them) are below 1e-300 of the largest.
+    last = min(n0, math.ceil(a + 40.0 * math.sqrt(a) + 50.0))
+    z = mean = w = 0.0
+    for n in range(last + 1):
+        w = math.exp(n * log_a - math.lgamma(n + 1) - log_top)
+        z += w
+        mean += n * w
+    if last == n0:
+        # The geometric tail from w = pi(n0): sum_{j >= 1} q^j = q / (1 - q); sum_{j >= 1} (n0 + j) q^j =
+        # n0 q / (1 - q) + q / (1 - q)^2.
+        z += w * q / (1.0 - q)
+        mean += w * (n0 * q / (1.0 - q) + q / (1.0 - q) ** 2)
+    batch = mean / z
+    return batch, batch / token_rate
 
 
 def instance_latencies(load: InstanceLoad, f: float) -> Loaded:
@@ -109,31 +131,32 @@ def instance_latencies(load: InstanceLoad, f: float) -> Loaded:
     pf, d, D = p.prefill_s_per_token * f, p.decode_s_per_token * f, p.pure_decode_tokens_per_s / f
     prompt = [pf * sum(c.input_tokens for c in a.calls) for a in load.arrivals]  # each arrival's stall
     rho_p = sum(a.rate_rps * x for a, x in zip(load.arrivals, prompt, strict=True))
-    decode = sum(a.rate_rps * sum(c.output_tokens for c in a.calls) for a in load.arrivals) / D
-    if rho_p + decode >= SATURATED:
+    tokens = sum(a.rate_rps * sum(c.output_tokens for c in a.calls) for a in load.arrivals)
+    if rho_p + tokens / D >= SATURATED:
         return Loaded({}, 1.0, f, rho_p, math.inf)
-    batch = busy = 0.0
+    batch, per_token = decode_queue(tokens, d, D, rho_p)
+    step = max(d, batch / D)
+    busy = new_busy = 0.0
+    lat: dict[Hashable, float] = {}
     for _ in range(MAX_ROUNDS):
-        step = _mean_step(d, D, batch)
         # Admission steps (an arrival's prompts, then a decode step) and decode steps in the rest of the busy time:
         # the sum of squared step lengths per second, over 2, is the mean residual a ready call waits.
         adm = [(a.rate_rps, x + step) for a, x in zip(load.arrivals, prompt, strict=True)]
-        sq = sum(r * s * s for r, s in adm) + max(0.0, busy - sum(r * s for r, s in adm)) * step
-        resid = sq / 2.0
-        lat: dict[Hashable, float] = {}
-        new_batch = in_flight = 0.0
+        resid = (sum(r * s * s for r, s in adm) + max(0.0, busy - sum(r * s for r, s in adm)) * step) / 2.0
+        lat = {}
+        in_flight = 0.0
         for a, x in zip(load.arrivals, prompt, strict=True):
             for c in a.calls:
-                # Prompts that became ready in the same step (rho_p x its length-biased mean 2R) join its admission.
-                t_b = (x + rho_p * 2.0 * resid + c.output_tokens * step) / (1.0 - rho_p)
-                lat[c.key] = p.fixed_s + resid + t_b
-                new_batch += a.rate_rps * t_b
+                # Its prompt, with those that arrived with it and those that became ready in the same step (rho_p x
+                # that step's length-biased mean 2R), stalled by the prompts admitted meanwhile; then its tokens.
+                lat[c.key] = p.fixed_s + resid + (x + rho_p * 2.0 * resid) / (1.0 - rho_p) \
+                    + c.output_tokens * per_token
                 in_flight += a.rate_rps * lat[c.key]
         new_busy = -math.expm1(-in_flight)
-        if abs(new_batch - batch) <= TOLERANCE * max(1.0, batch) and abs(new_busy - busy) <= TOLERANCE:
-            return Loaded(lat, new_busy, f, rho_p, new_batch)
-        batch, busy = new_batch, new_busy
-    return Loaded({}, 1.0, f, rho_p, math.inf)
+        if abs(new_busy - busy) <= TOLERANCE:
+            break
+        busy = new_busy
+    return Loaded(lat, new_busy, f, rho_p, batch)
 
 
 def speed_factor(gpu_ids: Sequence[str], own: str, busy: Mapping[str, float], on_gpu: Mapping[str, Sequence[str]],

@@ -17,7 +17,7 @@ from flowmaker.engine.loaded import (
     Arrivals,
     Call,
     InstanceLoad,
-    _mean_step,
+    decode_queue,
     instance_latencies,
     placement_latencies,
 )
@@ -39,12 +39,21 @@ def test_alone_and_at_a_fixed_speed_a_call_takes_its_profile_latency_times_f_on_
     assert got.busy_share == 0.0 and got.prefill_share == 0.0
 
 
-def test_mean_step_is_the_harmonic_mean_over_a_poisson_batch() -> None:
-    # d x D = 1: every step is (1 + B) / D, and E[1 / (1 + B)] = (1 - e^-b) / b for B ~ Poisson(b).
-    for b in (0.5, 3.0, 20.0):
-        assert _mean_step(0.01, 100.0, b) == pytest.approx(b / (100.0 * -math.expm1(-b)), rel=1e-12)
-    assert _mean_step(0.01, 1e9, 7.0) == pytest.approx(0.01, rel=1e-12)  # memory-bound: d
-    assert _mean_step(0.01, 100.0, 0.0) == 0.01
+def test_decode_queue_by_hand() -> None:
+    # Compute-bound at once (d x D < 1): an M/M/1 processor-sharing queue of tokens, q = rate / D; batch q / (1 - q),
+    # a token takes 1 / D / (1 - q).
+    batch, per_token = decode_queue(50.0, 0.001, 100.0, 0.0)
+    assert batch == pytest.approx(1.0, rel=1e-12) and per_token == pytest.approx(0.02, rel=1e-12)
+    # Memory-bound whatever the batch: Poisson, a = rate x d / (1 - stall); a token takes d / (1 - stall).
+    batch, per_token = decode_queue(100.0, 0.01, 1e9, 0.5)
+    assert batch == pytest.approx(2.0, rel=1e-12) and per_token == pytest.approx(0.02, rel=1e-12)
+    # One call decodes at d, more are compute-bound (n0 = 1): pi = 1, a, a q, a q^2, ...
+    a, q = 30.0 * 0.01 / 0.8, 30.0 / (0.8 * 150.0)
+    batch, per_token = decode_queue(30.0, 0.01, 150.0, 0.2)
+    assert batch == pytest.approx(a / (1 - q) ** 2 / (1 + a / (1 - q)), rel=1e-12)
+    assert per_token == pytest.approx(batch / 30.0, rel=1e-12)
+    # No load: a lone call's step.
+    assert decode_queue(0.0, 0.01, 150.0, 0.2) == (0.0, 0.01 / 0.8)
 
 
 def test_loaded_latency_is_the_fixed_point_of_the_docstring_equations() -> None:
@@ -63,9 +72,8 @@ def test_loaded_latency_is_the_fixed_point_of_the_docstring_equations() -> None:
     assert got.latency_s["c"] == pytest.approx(lat(lo), rel=1e-7)
     assert got.busy_share == pytest.approx(lo, abs=1e-7)
     assert got.prefill_share == pytest.approx(0.1, rel=1e-12)
-    # The batch is Little's: rate x time in the batch, (0.1 + 0.1 x 2R + 10 x 0.01) / 0.9.
-    r = (0.11 ** 2 + (lo - 0.11) * 0.01) / 2
-    assert got.batch == pytest.approx((0.2 + 0.2 * r) / 0.9, rel=1e-7)
+    # The decode batch is Little's: 10 tokens/s x d / (1 - rho_p).
+    assert got.batch == pytest.approx(10 * 0.01 / 0.9, rel=1e-12)
 
 
 def test_calls_that_arrive_together_are_prefilled_together() -> None:
