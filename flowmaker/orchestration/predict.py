@@ -113,23 +113,23 @@ def predict_on_placement(tasks: Iterable[TaskRecord], instances: Iterable[Instan
     solved = placement_latencies(loads, kappa, fixed_busy=others)
     out: dict[str, Prediction] = {}
     for t in tasks:
-        wf = t.workflow
-        if t.state is not TaskState.ACTIVE or (only is not None and t.id not in only) or wf is None \
-                or t.variant is None or t.variant.workflow_id != wf.id:
+        task_wf = t.workflow
+        if t.state is not TaskState.ACTIVE or (only is not None and t.id not in only) or task_wf is None \
+                or t.variant is None or t.variant.workflow_id != task_wf.id:
             continue
         own: dict[str, float | None] = {}
         stages: dict[str, float] = {}
-        for s in wf.stages:
+        for s in task_wf.stages:
             if not s.is_llm:
                 own[s.id] = s.latency_s
                 continue
             iids = replicas_of(t.stage_instances, s.id)
-            if not iids or any(i not in solved or insts[i].key not in profiles for i in iids):
+            if not iids or any(i not in solved for i in iids):  # gone, of unknown profile
                 own[s.id] = None
                 break
             lats = [solved[i].latency_s.get((t.id, s.id), math.inf) for i in iids]
             own[s.id] = stages[s.id] = s.calls_per_request * max(lats)
-        total = longest_path_s(wf, own) if all(x is not None for x in own.values()) else None
+        total = longest_path_s(task_wf, own) if all(x is not None for x in own.values()) else None
         if total is not None:
             out[t.id] = Prediction(total, stages)
     return out
