@@ -160,6 +160,8 @@ def _poisson(streams: list[tuple[float, tuple[tuple[str, int, int], ...]]], hori
 # The emulated bench's 3B tp2 and 14B tp4 profiles on A6000 (flowmaker bench live-sharing).
 P3 = Profile("q3", 2, 1, memory_gb_per_gpu=1.0, fixed_s=0.01689, prefill_s_per_token=4.72e-05,
              decode_s_per_token=0.007445, max_output_tokens_per_s=1861.6, decode_tokens_per_s=2870.6)
+P14_2 = Profile("q14", 2, 1, memory_gb_per_gpu=1.0, fixed_s=0.03756, prefill_s_per_token=0.00020562,
+                decode_s_per_token=0.028316, max_output_tokens_per_s=454.7, decode_tokens_per_s=726.2)
 P14 = Profile("q14", 4, 1, memory_gb_per_gpu=1.0, fixed_s=0.02762, prefill_s_per_token=0.00014669,
               decode_s_per_token=0.018292, max_output_tokens_per_s=674.4, decode_tokens_per_s=1116.1)
 
@@ -172,6 +174,9 @@ P14 = Profile("q14", 4, 1, memory_gb_per_gpu=1.0, fixed_s=0.02762, prefill_s_per
     # Poisson batch is the least accurate here.
     (P14, [(2.0, (("explain", 472, 84),))], 0.5, 0.05),
     (P14, [(2.765, (("explain", 472, 84),))], 0.5, 0.12),
+    # At the compute-bound knee (a mean batch of 13-14 calls, steps lengthen past d x D = 20.6; prompts and decode
+    # fill 0.7 of the time): the batch's geometric tail counts.
+    (P14_2, [(1.5, (("solve", 555, 254),))], 1.0, 0.05),
 ])
 def test_the_model_matches_the_engine_model_it_stands_for(profile: Profile, streams: list, speed: float,
                                                           within: float) -> None:
