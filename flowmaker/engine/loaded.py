@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 from flowmaker.domain import Profile
 
-# The fixed point stops when no busy share moves by more than this, or after MAX_ROUNDS rounds (a placement that
-# does not settle by then is treated as overloaded).
+# The fixed points stop when no busy share moves by more than this, or after MAX_ROUNDS rounds (the last stands:
+# busy shares are bounded and only grow, so they settle long before).
 TOLERANCE = 1e-9
 MAX_ROUNDS = 500
 # An instance whose decode steps and prompt stalls would need this much of its time cannot keep up.
