@@ -1,18 +1,20 @@
-"""What a serving task's latency is predicted to be on the CURRENT placement. Pure.
+"""What a serving task's latency is predicted to be on the CURRENT placement, at its planned load. Pure.
 
-A selection predicts a variant's latency on the cluster it saw (docs/selection-spec.md, "Extension: GPU
-sharing"). Tasks deployed later may land on the same GPUs, and deletions or re-selections may free them, so that
-prediction goes stale. `predict_on_placement` re-derives it with the same model (flowmaker.sharing) on the whole
-placement as it stands: every instance's compute share rho (its planned load over its profile's
-max_output_tokens_per_s, as the selector reads a running instance) and busy share b (the planned one: occupancy of
-the call-seconds/s its tasks' committed variants offer it, `cluster.planned_busy_shares`; else min(1, rho) as the
-selector's b0), its multiplier from its co-residents' busy shares (`sharing.placed_multipliers`), each LLM stage's
-latency alone times its instance's multiplier (the largest of a replica group's), and the longest path.
+A selection checks a variant against the cluster it saw with the selector's sharing bound (docs/selection-spec.md,
+"Extension: GPU sharing": latency alone x an M/M/1-like multiplier). Tasks deployed later may land on the same GPUs,
+and deletions or re-selections may free them, so that figure goes stale; and as a bound it is not what a call
+takes on average. `predict_on_placement` re-derives each task's expected latency on the whole placement as it
+stands, with the engine's own load model (`flowmaker.engine.loaded`, the analytic twin of the engine model the
+emulated node and the simulator run): every instance gets the calls its tasks' committed variants send it (each
+LLM stage's planned tokens per call, at the task's planned rate over the stage's replicas, `calls_per_request`
+calls one after another; parallel stages of one request on one instance arrive together), the co-residents' busy
+shares are solved together with the calls' latencies (prompt stalls, batched decode, queueing at the slowed
+speed), each LLM stage takes its calls' mean latency (the slowest replica of a group), TOOL stages their own, and
+the task the longest path.
 
-Right after a task's commit, with no measured busy shares, this is the selector's own Feasibility 5 figure for it
-(up to float rounding of the busy shares' sums). Measured busy shares are left out on purpose: the prediction
-moves when the plan moves (a deploy, a delete, a switch), not with every scrape; the load follower meters what
-really happens (flowmaker.orchestration.adapt).
+Measured busy shares and metered rates are left out on purpose: the prediction moves when the plan moves (a deploy,
+a delete, a switch), not with every scrape; the load follower meters what really happens
+(flowmaker.orchestration.adapt).
 """
 
 from __future__ import annotations
@@ -20,18 +22,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from fractions import Fraction
 
-from flowmaker.domain import Instance, Profile
-from flowmaker.orchestration.cluster import (
-    TOLERATING_STATES,
-    longest_path_s,
-    planned_busy_shares,
-    stage_latencies_alone,
-    task_uses,
-)
-from flowmaker.orchestration.task import TaskRecord, TaskState, replicas_of
-from flowmaker.sharing import busy_share, placed_multipliers
+from flowmaker.domain import Instance, Profile, Workflow
+from flowmaker.engine.loaded import Arrivals, Call, InstanceLoad, placement_latencies
+from flowmaker.orchestration.cluster import TOLERATING_STATES, longest_path_s
+from flowmaker.orchestration.task import REPLICA_SEP, TaskRecord, TaskState, replicas_of
+from flowmaker.sharing import busy_share
 
 Key = tuple[str, int, int]
 
@@ -41,7 +37,7 @@ class Prediction:
     """A task's predicted latency on a placement (model seconds; inf: an instance it uses cannot keep up)."""
 
     latency_s: float
-    stage_latency_s: dict[str, float]  # LLM stage id -> its slowed latency (a replica group: its slowest replica)
+    stage_latency_s: dict[str, float]  # LLM stage id -> its mean latency (a replica group: its slowest replica)
 
     def differs(self, t: TaskRecord) -> bool:
         """Whether `t` stores another prediction (relative 1e-9: the same figure re-derived is not a change)."""
@@ -52,43 +48,88 @@ class Prediction:
                                                           for k, x in self.stage_latency_s.items())
 
 
+def _committed(t: TaskRecord) -> Iterable[tuple[Workflow, dict[str, str], float]]:
+    """The task's committed variants as (workflow, stage slot -> instance, planned rate): the current one at the rate
+    it was planned for and, during a switch, the next one at the re-selection's rate (as `task_uses` counts them)."""
+    next_rate = t.last_reselection.rate_rps if t.last_reselection is not None and \
+        t.last_reselection.rate_rps > 0 else t.plan_rate_rps
+    for v, stage_instances, rate in ((t.variant, t.stage_instances, t.plan_rate_rps),
+                                     (t.next_variant, t.next_stage_instances, next_rate)):
+        wf = next((w for w in t.candidates if w.id == v.workflow_id), None) if v is not None else None
+        if wf is not None and stage_instances:
+            yield wf, stage_instances, rate
+
+
+def _arrivals(task_id: str, wf: Workflow, stage_instances: dict[str, str], rate: float
+              ) -> Iterable[tuple[str, Arrivals]]:
+    """(instance id, arrivals) of one committed variant: per LLM stage and replica, rate / replicas of its calls
+    (keyed (task id, stage id)); stages with the same predecessors, one call each, mapped to the same instance,
+    reach it together."""
+    if not (rate >= 0 and math.isfinite(rate)):
+        return
+    by_stage: dict[str, list[str]] = {}
+    for slot, iid in stage_instances.items():
+        by_stage.setdefault(slot.split(REPLICA_SEP, 1)[0], []).append(iid)
+    together: dict[tuple[str, tuple[str, ...], float], list[Call]] = {}
+    for s in wf.stages:
+        iids = by_stage.get(s.id, [])
+        if not s.is_llm or not iids:
+            continue
+        call = Call((task_id, s.id), float(s.input_tokens), float(s.output_tokens))
+        per = rate / len(iids)
+        for iid in iids:
+            if s.calls_per_request == 1:
+                together.setdefault((iid, tuple(sorted(s.depends_on)), per), []).append(call)
+            else:
+                yield iid, Arrivals(per * s.calls_per_request, (call,))
+    for (iid, _, per), calls in together.items():
+        yield iid, Arrivals(per, tuple(calls))
+
+
 def predict_on_placement(tasks: Iterable[TaskRecord], instances: Iterable[Instance],
                          profiles: Mapping[Key, Profile], kappa: float, *,
                          only: frozenset[str] | None = None) -> dict[str, Prediction]:
-    """By task id, the prediction of each ACTIVE task (of `only`, when given) on the placement `instances`
-    (their `load_output_tokens_per_s` = the PLANNED load, the sum of their tasks' reuse shares). Every task
-    holding a committed variant (DEPLOYING, ACTIVE, a switch's next variant too) counts in the busy shares. A task
-    with a stage whose profile or instance is unknown gets none (its stored prediction stands)."""
+    """By task id, the prediction of each ACTIVE task (of `only`, when given) on the placement `instances`. Every
+    task holding a committed variant (DEPLOYING, ACTIVE, a switch's next variant too) sends its planned calls. A
+    task with a stage whose profile or instance is unknown gets none (its stored prediction stands); an instance
+    whose profile is unknown is placed but sends nothing known, and a stage on it is unknown."""
     tasks = list(tasks)
-    planned = planned_busy_shares(task_uses(tasks, profiles))
-    placed: dict[str, tuple[tuple[str, ...], float, float]] = {}
-    for i in instances:
-        p = profiles.get(i.key)
-        rho = busy_share(i.load_output_tokens_per_s, p.max_output_tokens_per_s) if p is not None else 0.0
-        placed[i.id] = (tuple(i.gpu_ids), rho, planned.get(i.id) or min(1.0, rho))
-    mult = placed_multipliers(placed, Fraction(kappa))
+    insts = {i.id: i for i in instances}
+    arrivals: dict[str, list[Arrivals]] = {iid: [] for iid in insts}
+    for t in tasks:
+        if t.state not in TOLERATING_STATES:
+            continue
+        for wf, stage_instances, rate in _committed(t):
+            for iid, a in _arrivals(t.id, wf, stage_instances, rate):
+                if iid in arrivals:
+                    arrivals[iid].append(a)
+    loads = {i.id: InstanceLoad(profiles[i.key], tuple(i.gpu_ids), tuple(arrivals[i.id]))
+             for i in insts.values() if i.key in profiles and (arrivals[i.id] or not i.load_output_tokens_per_s > 0)}
+    # An instance none of these tasks sends calls to but that carries a planned load (its tasks' records unread)
+    # is seen as the selector sees a running instance: busy min(1, load / capacity).
+    others = {i.id: (tuple(i.gpu_ids), min(1.0, busy_share(i.load_output_tokens_per_s,
+                                                           profiles[i.key].max_output_tokens_per_s)))
+              for i in insts.values() if i.key in profiles and not arrivals[i.id] and i.load_output_tokens_per_s > 0}
+    solved = placement_latencies(loads, kappa, fixed_busy=others)
     out: dict[str, Prediction] = {}
     for t in tasks:
-        if t.state is not TaskState.ACTIVE or (only is not None and t.id not in only):
+        task_wf = t.workflow
+        if t.state is not TaskState.ACTIVE or (only is not None and t.id not in only) or task_wf is None \
+                or t.variant is None or t.variant.workflow_id != task_wf.id:
             continue
-        wf = t.workflow
-        own = stage_latencies_alone(wf, t.variant, profiles) if wf is not None and t.variant is not None else None
-        if wf is None or own is None:
-            continue
-        slowed: dict[str, float | None] = dict(own)
+        own: dict[str, float | None] = {}
         stages: dict[str, float] = {}
-        for s in wf.stages:
+        for s in task_wf.stages:
             if not s.is_llm:
+                own[s.id] = s.latency_s
                 continue
             iids = replicas_of(t.stage_instances, s.id)
-            lat = own.get(s.id)
-            if lat is None or not iids or any(i not in mult for i in iids):
-                slowed[s.id] = None
+            if not iids or any(i not in solved for i in iids):  # gone, of unknown profile
+                own[s.id] = None
                 break
-            ms = [mult[i] for i in iids]
-            m = math.inf if any(x is None for x in ms) else float(max(x for x in ms if x is not None))
-            slowed[s.id] = stages[s.id] = lat * m
-        total = longest_path_s(wf, slowed) if all(x is not None for x in slowed.values()) else None
+            lats = [solved[i].latency_s.get((t.id, s.id), math.inf) for i in iids]
+            own[s.id] = stages[s.id] = s.calls_per_request * max(lats)
+        total = longest_path_s(task_wf, own) if all(x is not None for x in own.values()) else None
         if total is not None:
             out[t.id] = Prediction(total, stages)
     return out

@@ -1,5 +1,5 @@
 """Pure parts of keeping plans current: the prediction re-derived on the whole placement (flowmaker.orchestration
-.predict) agrees with the selector's own figure for the task it just placed and rises for a task already there; the
+.predict) is the engine load model on the tasks' planned calls, and rises for a task already there; the
 burst meter (exact densest window, against a brute force); the drift rule's burst-aware rates, scale-in hysteresis
 and prediction drift."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import replace
-from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
@@ -30,11 +29,12 @@ from flowmaker.domain import (
     Variant,
     Workflow,
 )
+from flowmaker.engine.loaded import Arrivals, Call, InstanceLoad, placement_latencies
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad, demand, drifted, peak_window_count
 from flowmaker.orchestration.predict import placement_key, predict_on_placement
 from flowmaker.orchestration.task import TaskRecord, TaskState, selected_prediction
 from flowmaker.selection.registry import select
-from flowmaker.sharing import multiplier, occupancy
+from flowmaker.sharing import occupancy
 
 A_MODEL, B_MODEL = "m-small", "m-better"
 PA = Profile(A_MODEL, 1, 1, memory_gb_per_gpu=2.0, fixed_s=0.02, prefill_s_per_token=0.0002,
@@ -70,17 +70,26 @@ def _running_a(rate: float) -> tuple[TaskRecord, Instance]:
     return _task("A", v, {"ask": "a0", "say": "a0"}, rate), Instance("a0", A_MODEL, 1, 1, ("g0",), load)
 
 
-def test_prediction_on_the_placement_is_the_selectors_for_the_task_it_placed_and_rises_for_the_one_there() -> None:
+def _calls(task: str, rate: float, *stages: str, share: float = 1.0) -> tuple[Arrivals, ...]:
+    """Arrivals at an instance of PA/PB: each named stage of WF (they run one after another) at rate x share."""
+    by_id = {s.id: s for s in WF.stages}
+    return tuple(Arrivals(rate * share, (Call((task, s), by_id[s].input_tokens, by_id[s].output_tokens),))
+                 for s in stages)
+
+
+def test_prediction_is_the_engine_load_model_on_the_planned_calls_and_rises_for_the_task_already_there() -> None:
     rate_a, rate_b = 3.0, 4.0
     a, a0 = _running_a(rate_a)
-    n_a = rate_a * (_alone(PA, WF.stages[0]) + _alone(PA, WF.stages[2]))
-    # Alone on its GPU: its prediction is its latency alone.
-    alone_a = _alone(PA, WF.stages[0]) + 0.1 + _alone(PA, WF.stages[2])
+    # Alone on its GPU: both its stages' calls on a0 at A's planned rate, the tool stage's 0.1 s between them.
+    alone = placement_latencies({"a0": InstanceLoad(PA, ("g0",), _calls("A", rate_a, "ask", "say"))}, KAPPA)
     (got,) = predict_on_placement([a], [a0], PROFILES, KAPPA).values()
-    assert got.latency_s == alone_a and got.stage_latency_s == {"ask": _alone(PA, WF.stages[0]),
-                                                                "say": _alone(PA, WF.stages[2])}
+    want = {s: alone["a0"].latency_s[("A", s)] for s in ("ask", "say")}
+    assert got.stage_latency_s == want and got.latency_s == pytest.approx(want["ask"] + 0.1 + want["say"])
+    # Queueing at its own load: above its latency alone.
+    assert got.stage_latency_s["ask"] > 1.2 * _alone(PA, WF.stages[0])
     # B needs the better model: the selector (exact, GPU sharing) places a new instance beside a0 on the one GPU,
     # seeing a0 as the orchestrator shows it (planned busy share, planned load).
+    n_a = rate_a * (_alone(PA, WF.stages[0]) + _alone(PA, WF.stages[2]))
     req = SelectionRequest(Slo(0.3, 5.0, rate_b), (WF,), MODELS, (PA, PB),
                            Cluster((Gpu("g0", "n0", 48.0, 2.0, "A6000"),),
                                    (replace(a0, busy_share=occupancy(n_a)),)),
@@ -91,18 +100,16 @@ def test_prediction_on_the_placement_is_the_selectors_for_the_task_it_placed_and
     b0 = Instance("b0", B_MODEL, 1, 1, ("g0",), v.new_instances[0].load_output_tokens_per_s)
     b = _task("B", v, {"ask": "b0", "say": "b0"}, rate_b)
     preds = predict_on_placement([a, b], [a0, b0], PROFILES, KAPPA)
-    # B: the selector's own figures (stage by stage), up to the rounding of the busy shares' sums.
-    assert preds["B"].latency_s == pytest.approx(v.latency_s, rel=1e-12)
-    assert preds["B"].stage_latency_s == pytest.approx({x.stage_id: x.latency_s for x in v.assignments}, rel=1e-12)
-    assert not preds["B"].differs(b)
-    # A: slowed by B's busy share, by hand.
-    n_b = rate_b * (_alone(PB, WF.stages[0]) + _alone(PB, WF.stages[2]))
-    m = float(multiplier(1 + Fraction(KAPPA) * Fraction(occupancy(n_b)), Fraction(a0.load_output_tokens_per_s / 400)))
-    assert m > 1.05
-    assert preds["A"].stage_latency_s == pytest.approx({"ask": _alone(PA, WF.stages[0]) * m,
-                                                        "say": _alone(PA, WF.stages[2]) * m}, rel=1e-12)
-    assert preds["A"].latency_s == pytest.approx((_alone(PA, WF.stages[0]) + _alone(PA, WF.stages[2])) * m + 0.1)
-    assert preds["A"].differs(a)
+    # Both solved together: each slowed by the other's busy share, f = 1 + kappa x it.
+    both = placement_latencies({"a0": InstanceLoad(PA, ("g0",), _calls("A", rate_a, "ask", "say")),
+                                "b0": InstanceLoad(PB, ("g0",), _calls("B", rate_b, "ask", "say"))}, KAPPA)
+    assert both["a0"].f == pytest.approx(1 + KAPPA * both["b0"].busy_share, abs=1e-8)
+    for tid, iid in (("A", "a0"), ("B", "b0")):
+        lat = {s: both[iid].latency_s[(tid, s)] for s in ("ask", "say")}
+        assert preds[tid].stage_latency_s == lat and preds[tid].latency_s == pytest.approx(sum(lat.values()) + 0.1)
+    assert preds["A"].latency_s > 1.05 * got.latency_s and preds["A"].differs(a)
+    # B's prediction is the model's, not the selection's figure (the variant keeps that one).
+    assert preds["B"].differs(b)
     # The key moves with the placement, not with a task's prediction.
     k = placement_key([a, b], [a0, b0])
     assert placement_key([a.with_prediction(9.0, {}, 1.0), b], [a0, b0]) == k
@@ -111,22 +118,37 @@ def test_prediction_on_the_placement_is_the_selectors_for_the_task_it_placed_and
 
 def test_prediction_replicas_overload_unknown_and_who_is_predicted() -> None:
     a, a0 = _running_a(1.0)
-    # A replica group: the slowest replica's multiplier. Replica a1 shares g1 with a busy co-resident.
+    # A replica group: each replica gets half of the stage's calls; the stage takes its slowest replica's latency.
+    # Replica a1 shares g1 with z, which no task plans: busy min(1, load / capacity) = 0.5, as the selector sees it.
     grouped = replace(a, stage_instances={"ask": "a0", "ask#1": "a1", "say": "a0"})
     a1 = Instance("a1", A_MODEL, 1, 1, ("g1",), a0.load_output_tokens_per_s)
-    other = Instance("z", B_MODEL, 1, 1, ("g1",), 150.0)  # no task plans it: busy share = min(1, rho) = 0.5
+    other = Instance("z", B_MODEL, 1, 1, ("g1",), 150.0)
     p = predict_on_placement([grouped], [a0, a1, other], PROFILES, 1.0)["A"]
-    m1 = float(multiplier(Fraction(3, 2), Fraction(a1.load_output_tokens_per_s / 400)))
-    assert p.stage_latency_s["ask"] == pytest.approx(_alone(PA, WF.stages[0]) * m1)
-    assert p.stage_latency_s["say"] == _alone(PA, WF.stages[2])  # a0 alone on g0
-    # An instance that can no longer keep up: infinite.
-    hot = replace(a0, load_output_tokens_per_s=390.0)
-    inf = predict_on_placement([a], [hot, replace(other, gpu_ids=("g0",))], PROFILES, 1.0)["A"]
-    assert math.isinf(inf.latency_s) and inf.differs(a)
+    want = placement_latencies({"a0": InstanceLoad(PA, ("g0",), _calls("A", 1.0, "ask", share=0.5)
+                                                   + _calls("A", 1.0, "say")),
+                                "a1": InstanceLoad(PA, ("g1",), _calls("A", 1.0, "ask", share=0.5))}, 1.0,
+                               fixed_busy={"z": (("g1",), 0.5)})
+    assert want["a1"].f == 1.5 and want["a0"].f == 1.0
+    assert p.stage_latency_s["ask"] == want["a1"].latency_s[("A", "ask")] > want["a0"].latency_s[("A", "ask")]
+    assert p.stage_latency_s["say"] == want["a0"].latency_s[("A", "say")]
+    # Parallel stages of one request on one instance arrive together: each waits for the other's prompt.
+    par = Workflow("p", (Stage("x", input_tokens=100, output_tokens=20), Stage("y", input_tokens=100, output_tokens=20)))
+    vp = Variant("p", tuple(StageAssignment(s, A_MODEL, 1, 1, False, new_key="new-0", gpu_ids=("g0",), latency_s=0.1)
+                            for s in ("x", "y")), (), (), latency_s=0.1, accuracy=0.2, cost=0.0, new_memory_gb=2.0,
+                 new_gpus=1)
+    tp = replace(_task("P", vp, {"x": "a0", "y": "a0"}, 2.0), candidates=(par,))
+    together = placement_latencies({"a0": InstanceLoad(PA, ("g0",), (Arrivals(2.0, (
+        Call(("P", "x"), 100, 20), Call(("P", "y"), 100, 20))),))}, 1.0)["a0"].latency_s
+    assert predict_on_placement([tp], [a0], PROFILES, 1.0)["P"].stage_latency_s == {"x": together[("P", "x")],
+                                                                                    "y": together[("P", "y")]}
+    # An instance that can no longer keep up at the planned rate: infinite.
+    hot, _ = _running_a(12.0)
+    inf = predict_on_placement([hot], [a0], PROFILES, 1.0)["A"]
+    assert math.isinf(inf.latency_s) and inf.differs(hot)
     # An instance not on the placement (gone, or its node lost), or a profile unknown: no prediction.
     assert predict_on_placement([a], [], PROFILES, 1.0) == {}
     assert predict_on_placement([a], [a0], {}, 1.0) == {}
-    # Only ACTIVE tasks (of `only`) are predicted; a DEPLOYING one counts in the shares all the same.
+    # Only ACTIVE tasks (of `only`) are predicted; a DEPLOYING one sends its planned calls all the same.
     deploying = replace(a, id="D", state=TaskState.DEPLOYING, stage_instances={"ask": "z", "say": "z"})
     got = predict_on_placement([a, deploying], [a0, replace(other, gpu_ids=("g0",))], PROFILES, 1.0)
     assert set(got) == {"A"} and got["A"].latency_s > predict_on_placement([a], [a0], PROFILES, 1.0)["A"].latency_s

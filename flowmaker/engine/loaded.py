@@ -1,0 +1,192 @@
+"""Mean call latency of engine instances under load, in closed form: the analytic twin of `EngineModel`.
+
+The live prediction (`flowmaker.orchestration.predict`) needs what a call takes on an instance that serves Poisson
+arrivals at its tasks' rates, beside co-residents that slow it while they are busy. The selector's multiplier
+(`flowmaker.sharing`: latency alone x f (1 - rho) / (1 - rho f)) is a conservative, exact bound for the
+feasibility check; it treats an instance as an M/M/1 queue of whole calls. The engine model (which the emulated node
+and the simulator both run) is a continuous-batching engine instead, and its latency under load has another shape:
+
+* decode: a step lasts `max(d, b / D)` (d = `decode_s_per_token`, D = the pure-decode throughput,
+  b = the batch), and every call in the batch gets one token a step. Calls decode side by side, so up to d D calls
+  cost nothing more; above it the engine is compute-bound and serves D tokens/s. That is a processor-sharing queue of
+  tokens whose rate depends on the batch (`decode_queue`): its batch is Poisson-like while steps do not lengthen and
+  geometric beyond (near saturation, where the batch piles up, this matters most), and a call takes its tokens x the
+  mean batch / the token rate;
+* prefill is not chunked: every admitted prompt stalls the whole batch for `p x in` (p = `prefill_s_per_token`).
+  A call in the batch is stalled by every prompt admitted while it is there, a fraction `rho_p` of its life
+  (`rho_p` = the prompt work offered per second), so decode runs `1 - rho_p` of the time and its own prompt takes
+  `p x in / (1 - rho_p)`;
+* a call joins at the next step boundary: it waits the residual of the step in progress (mean `sum(S^2) / 2` per
+  second of steps S: the long steps are those with a prefill), and the prompts that became ready in that step are
+  prefilled in its admission step with its own; calls that reach the instance together (parallel stages of one
+  request) are prefilled together;
+* `fixed_s` is spent outside the batch and never slowed;
+* co-residents: while busy (a call in flight, `1 - exp(-N)` with N = calls in flight, M/G/inf), each takes a share of
+  the GPU (processor sharing, `flowmaker.sharing`'s kappa), so the instance runs at speed 1/f, f = 1 + kappa x the
+  co-residents' busy shares on its most crowded GPU, and every GPU time above is multiplied by f. Slowed calls stay
+  longer, so busy shares grow: `placement_latencies` solves the whole placement as a fixed point.
+
+So a call of `in` prompt and `out` output tokens takes
+
+    fixed + R + (f p (in + in_together) + rho_p x 2R) / (1 - rho_p) + out x batch / token rate,
+    rho_p = f x sum(rate p in)
+
+Every input is a planned or metered figure the product has at run time: rates, per-stage token shapes, the
+placement, the profiles and kappa. No latency (cannot keep up) when prompt stalls and decode at full batch would
+fill the time: `rho_p + f x sum(rate x out) / D >= 1`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+from flowmaker.domain import Profile
+
+# The fixed points stop when no busy share moves by more than this, or after MAX_ROUNDS rounds (the last stands:
+# busy shares are bounded and only grow, so they settle long before).
+TOLERANCE = 1e-9
+MAX_ROUNDS = 500
+# An instance whose decode steps and prompt stalls would need this much of its time cannot keep up.
+SATURATED = 1.0 - 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One kind of call an instance serves: its prompt and output tokens, and the key it is reported by."""
+
+    key: Hashable
+    input_tokens: float
+    output_tokens: float
+
+
+@dataclass(frozen=True, slots=True)
+class Arrivals:
+    """Poisson arrivals, `rate_rps` per second, of `calls` that reach the instance together (one call, or the
+    parallel stages of one request mapped to the same instance)."""
+
+    rate_rps: float
+    calls: tuple[Call, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """An instance as the model sees it: its profile, its GPUs and what arrives at it."""
+
+    profile: Profile
+    gpu_ids: tuple[str, ...]
+    arrivals: tuple[Arrivals, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """One instance under its load: the mean latency of each of its calls by key (model seconds; absent for every
+    call when it cannot keep up), its busy share, its speed factor f, its prompt-stall share and mean batch."""
+
+    latency_s: dict[Hashable, float]
+    busy_share: float
+    f: float
+    prefill_share: float
+    batch: float
+
+
+def decode_queue(token_rate: float, d: float, D: float, stall: float) -> tuple[float, float]:
+    """(mean batch, mean time per output token of a call) of the decode phase: a processor-sharing queue whose n calls
+    each get a token per step of max(d, n / D), stalled by prompts a fraction `stall` of the time, so that it serves
+    r(n) = n (1 - stall) / max(d, n / D) tokens/s, offered `token_rate` tokens/s. Its batch is distributed as
+    pi(n) ~ prod_{k <= n} token_rate / r(k) (a symmetric queue: insensitive to how the tokens are spread over calls),
+    Poisson-like up to n0 = floor(d D) calls, where steps do not lengthen, and geometric beyond, where the engine is
+    compute-bound. A call takes its tokens x the mean batch / token_rate (Little's law, per token). Needs
+    token_rate < (1 - stall) D, the most the engine decodes."""
+    n0 = math.floor(d * D)
+    if token_rate <= 0.0:
+        return 0.0, max(d, 1.0 / D) / (1.0 - stall)
+    a = token_rate * d / (1.0 - stall)  # pi(n) / pi(n - 1) = a / n up to n0
+    q = token_rate / ((1.0 - stall) * D)  # pi(n) / pi(n - 1) beyond n0
+    log_a = math.log(a)
+    # Weights relative to the largest Poisson-like one (a^n / n! overflows for large batches).
+    top = min(n0, math.floor(a))
+    log_top = top * log_a - math.lgamma(top + 1)
+    # Past a + 40 sqrt(a) + 50 the Poisson-like weights (and a tail after them) are below 1e-300 of the largest.
+    last = min(n0, math.ceil(a + 40.0 * math.sqrt(a) + 50.0))
+    z = mean = w = 0.0
+    for n in range(last + 1):
+        w = math.exp(n * log_a - math.lgamma(n + 1) - log_top)
+        z += w
+        mean += n * w
+    if last == n0:
+        # The geometric tail from w = pi(n0): sum_{j >= 1} q^j = q / (1 - q); sum_{j >= 1} (n0 + j) q^j =
+        # n0 q / (1 - q) + q / (1 - q)^2.
+        z += w * q / (1.0 - q)
+        mean += w * (n0 * q / (1.0 - q) + q / (1.0 - q) ** 2)
+    batch = mean / z
+    return batch, batch / token_rate
+
+
+def instance_latencies(load: InstanceLoad, f: float) -> Loaded:
+    """The instance at speed 1/f under its arrivals (see the module docstring). Arrivals at rate 0 add no load; their
+    calls still get a latency (what one would take)."""
+    p = load.profile
+    pf, d, D = p.prefill_s_per_token * f, p.decode_s_per_token * f, p.pure_decode_tokens_per_s / f
+    prompt = [pf * sum(c.input_tokens for c in a.calls) for a in load.arrivals]  # each arrival's stall
+    rho_p = sum(a.rate_rps * x for a, x in zip(load.arrivals, prompt, strict=True))
+    tokens = sum(a.rate_rps * sum(c.output_tokens for c in a.calls) for a in load.arrivals)
+    if rho_p + tokens / D >= SATURATED:
+        return Loaded({}, 1.0, f, rho_p, math.inf)
+    batch, per_token = decode_queue(tokens, d, D, rho_p)
+    step = max(d, batch / D)
+    busy = new_busy = 0.0
+    lat: dict[Hashable, float] = {}
+    for _ in range(MAX_ROUNDS):
+        # Admission steps (an arrival's prompts, then a decode step) and decode steps in the rest of the busy time:
+        # the sum of squared step lengths per second, over 2, is the mean residual a ready call waits.
+        adm = [(a.rate_rps, x + step) for a, x in zip(load.arrivals, prompt, strict=True)]
+        resid = (sum(r * s * s for r, s in adm) + max(0.0, busy - sum(r * s for r, s in adm)) * step) / 2.0
+        lat = {}
+        in_flight = 0.0
+        for a, x in zip(load.arrivals, prompt, strict=True):
+            for c in a.calls:
+                # Its prompt, with those that arrived with it and those that became ready in the same step (rho_p x
+                # that step's length-biased mean 2R), stalled by the prompts admitted meanwhile; then its tokens.
+                lat[c.key] = p.fixed_s + resid + (x + rho_p * 2.0 * resid) / (1.0 - rho_p) \
+                    + c.output_tokens * per_token
+                in_flight += a.rate_rps * lat[c.key]
+        new_busy = -math.expm1(-in_flight)
+        if abs(new_busy - busy) <= TOLERANCE:
+            break
+        busy = new_busy
+    return Loaded(lat, new_busy, f, rho_p, batch)
+
+
+def speed_factor(gpu_ids: Sequence[str], own: str, busy: Mapping[str, float], on_gpu: Mapping[str, Sequence[str]],
+                 kappa: float) -> float:
+    """f = 1 + kappa x the most busy share its co-residents put on any one of its GPUs (`flowmaker.sharing`'s)."""
+    worst = 0.0
+    for g in gpu_ids:
+        worst = max(worst, sum(busy.get(j, 0.0) for j in on_gpu.get(g, ()) if j != own))
+    return 1.0 + kappa * worst
+
+
+def placement_latencies(instances: Mapping[str, InstanceLoad], kappa: float, *,
+                        fixed_busy: Mapping[str, tuple[tuple[str, ...], float]] | None = None) -> dict[str, Loaded]:
+    """Every instance of a placement under its load, co-residents' busy shares solved together: start from every
+    instance alone, slow each by its co-residents' busy shares, recompute them, until none moves by more than
+    TOLERANCE. Busy shares only grow from round to round (a slower co-resident is busy longer), so this converges to
+    the least fixed point, or an instance stops keeping up (busy all the time from then on). `fixed_busy`: other
+    instances on the GPUs (id -> GPU ids, busy share) whose busy share is given, not solved."""
+    fixed = dict(fixed_busy or {})
+    on_gpu: dict[str, list[str]] = {}
+    for iid, gids in [(i, x.gpu_ids) for i, x in instances.items()] + [(i, g) for i, (g, _) in fixed.items()]:
+        for g in gids:
+            on_gpu.setdefault(g, []).append(iid)
+    busy = {iid: b for iid, (_, b) in fixed.items()}
+    out: dict[str, Loaded] = {}
+    for _ in range(MAX_ROUNDS):
+        out = {iid: instance_latencies(x, speed_factor(x.gpu_ids, iid, busy, on_gpu, kappa))
+               for iid, x in sorted(instances.items())}
+        moved = any(abs(r.busy_share - busy.get(iid, 0.0)) > TOLERANCE for iid, r in out.items())
+        busy.update((iid, r.busy_share) for iid, r in out.items())
+        if not moved:
+            break
+    return out

@@ -1,0 +1,187 @@
+"""The engine load model (flowmaker.engine.loaded): its pieces by hand, its fixed points against an independent
+solution of the docstring's equations, and its figures against the engine model it stands for (EngineModel, the
+code the emulated node and the simulator run), alone and at a fixed GPU share."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import replace
+
+import pytest
+
+from flowmaker.domain import Profile
+from flowmaker.engine import EngineModel
+from flowmaker.engine.loaded import (
+    Arrivals,
+    Call,
+    InstanceLoad,
+    decode_queue,
+    instance_latencies,
+    placement_latencies,
+)
+
+# Memory-bound whatever the batch (d x D is huge): every decode step lasts d exactly.
+FLAT = Profile("m", 1, 1, memory_gb_per_gpu=1.0, fixed_s=0.1, prefill_s_per_token=0.001, decode_s_per_token=0.01,
+               max_output_tokens_per_s=1e9, decode_tokens_per_s=1e9)
+
+
+def _one(rate: float, tin: float = 100.0, tout: float = 10.0, profile: Profile = FLAT) -> InstanceLoad:
+    return InstanceLoad(profile, ("g0",), (Arrivals(rate, (Call("c", tin, tout),)),))
+
+
+def test_alone_and_at_a_fixed_speed_a_call_takes_its_profile_latency_times_f_on_gpu_time() -> None:
+    # No load: fixed + p in + d out; at speed 1/f the GPU time (prefill, decode) is f times longer, fixed_s is not.
+    assert instance_latencies(_one(0.0), 1.0).latency_s["c"] == pytest.approx(0.1 + 0.1 + 0.1, rel=1e-12)
+    got = instance_latencies(_one(0.0), 1.5)
+    assert got.latency_s["c"] == pytest.approx(0.1 + 1.5 * (0.1 + 0.1), rel=1e-12)
+    assert got.busy_share == 0.0 and got.prefill_share == 0.0
+
+
+def test_decode_queue_by_hand() -> None:
+    # Compute-bound at once (d x D < 1): an M/M/1 processor-sharing queue of tokens, q = rate / D; batch q / (1 - q),
+    # a token takes 1 / D / (1 - q).
+    batch, per_token = decode_queue(50.0, 0.001, 100.0, 0.0)
+    assert batch == pytest.approx(1.0, rel=1e-12) and per_token == pytest.approx(0.02, rel=1e-12)
+    # Memory-bound whatever the batch: Poisson, a = rate x d / (1 - stall); a token takes d / (1 - stall).
+    batch, per_token = decode_queue(100.0, 0.01, 1e9, 0.5)
+    assert batch == pytest.approx(2.0, rel=1e-12) and per_token == pytest.approx(0.02, rel=1e-12)
+    # One call decodes at d, more are compute-bound (n0 = 1): pi = 1, a, a q, a q^2, ...
+    a, q = 30.0 * 0.01 / 0.8, 30.0 / (0.8 * 150.0)
+    batch, per_token = decode_queue(30.0, 0.01, 150.0, 0.2)
+    assert batch == pytest.approx(a / (1 - q) ** 2 / (1 + a / (1 - q)), rel=1e-12)
+    assert per_token == pytest.approx(batch / 30.0, rel=1e-12)
+    # No load: a lone call's step.
+    assert decode_queue(0.0, 0.01, 150.0, 0.2) == (0.0, 0.01 / 0.8)
+
+
+def test_loaded_latency_is_the_fixed_point_of_the_docstring_equations() -> None:
+    # FLAT at 1 call/s of 100 in / 10 out: rho_p = 0.1, step d = 0.01, admission step 0.1 + 0.01. With busy share b:
+    # R = (1 x 0.11^2 + (b - 0.11) x 0.01) / 2, latency = 0.1 + R + (0.1 + 0.1 x 2R + 10 x 0.01) / 0.9 =: L(b),
+    # b = 1 - exp(-1 x L(b)). Solved here by bisection, independently of the code's iteration.
+    def lat(b: float) -> float:
+        r = (0.11 ** 2 + max(0.0, b - 0.11) * 0.01) / 2
+        return 0.1 + r + (0.1 + 0.1 * 2 * r + 0.1) / 0.9
+
+    lo, hi = 0.0, 1.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if -math.expm1(-lat(mid)) > mid else (lo, mid)
+    got = instance_latencies(_one(1.0), 1.0)
+    assert got.latency_s["c"] == pytest.approx(lat(lo), rel=1e-7)
+    assert got.busy_share == pytest.approx(lo, abs=1e-7)
+    assert got.prefill_share == pytest.approx(0.1, rel=1e-12)
+    # The decode batch is Little's: 10 tokens/s x d / (1 - rho_p).
+    assert got.batch == pytest.approx(10 * 0.01 / 0.9, rel=1e-12)
+
+
+def test_calls_that_arrive_together_are_prefilled_together() -> None:
+    alone = instance_latencies(_one(1.0), 1.0).latency_s["c"]
+    pair = InstanceLoad(FLAT, ("g0",), (Arrivals(0.5, (Call("a", 100, 10), Call("b", 100, 10))),))
+    got = instance_latencies(pair, 1.0)
+    # The same prompt work per second, but each call also waits for its sibling's prompt (0.1 / 0.9 more), and for
+    # a longer residual R (admission steps of 0.21 s at 0.5/s instead of 0.11 s at 1/s): sum(S^2) / 2 grows by
+    # (0.5 x 0.21^2 - 0.11^2) / 2, and R counts 1 + 0.2 / 0.9 times (itself, and the prompts ready in its step).
+    assert got.latency_s["a"] == got.latency_s["b"]
+    assert got.latency_s["a"] - alone == pytest.approx(0.1 / 0.9 + (0.5 * 0.21 ** 2 - 0.11 ** 2) / 2 * (1 + 0.2 / 0.9),
+                                                       rel=0.01)
+
+
+def test_an_instance_whose_prompts_and_decode_fill_its_time_cannot_keep_up() -> None:
+    # 1000 prompt tokens at 1 ms each, 1 call/s, at speed 1/f = 1/1: rho_p = 1.
+    assert instance_latencies(_one(1.0, tin=1000.0), 1.0).latency_s == {}
+    # Decode-bound: 10 calls/s x 100 tokens on an engine that decodes 1000 tokens/s at most.
+    tight = replace(FLAT, decode_tokens_per_s=1000.0)
+    assert instance_latencies(_one(10.0, tin=0.0, tout=100.0, profile=tight), 1.0).latency_s == {}
+    # Half of it keeps up, and at speed 1/2 it no longer does.
+    assert instance_latencies(_one(0.5, tin=1000.0), 1.0).latency_s
+    assert instance_latencies(_one(0.5, tin=1000.0), 2.0).latency_s == {}
+
+
+def test_co_residents_slow_each_other_by_their_solved_busy_shares() -> None:
+    a, b = _one(1.0), replace(_one(1.0), gpu_ids=("g0", "g1"))
+    solo = instance_latencies(a, 1.0)
+    got = placement_latencies({"a": a, "b": b, "c": replace(_one(1.0), gpu_ids=("g2",))}, 0.5)
+    # Symmetric: the same busy share s each, f = 1 + 0.5 s, and each is its own instance_latencies at that f.
+    s = got["a"].busy_share
+    assert got["b"].busy_share == pytest.approx(s, abs=1e-12) and s > solo.busy_share
+    assert got["a"].f == pytest.approx(1 + 0.5 * s, abs=1e-8)
+    assert got["a"].latency_s["c"] == pytest.approx(instance_latencies(a, 1 + 0.5 * s).latency_s["c"], rel=1e-7)
+    assert got["c"].f == 1.0 and got["c"].latency_s == solo.latency_s  # alone on g2
+    # A co-resident of a given busy share (not solved): f = 1 + kappa x it.
+    fixed = placement_latencies({"a": a}, 2.0, fixed_busy={"z": (("g0",), 0.25)})
+    assert fixed["a"].f == 1.5 and fixed["a"].latency_s == instance_latencies(a, 1.5).latency_s
+
+
+def _simulate(profile: Profile, arrivals: list[tuple[float, tuple[tuple[str, int, int], ...]]], speed: float,
+              warm_s: float) -> dict[str, float]:
+    """Mean latency by call key of EngineModel serving these arrivals at a fixed speed (calls of one arrival
+    submitted together), over the calls submitted after warm_s."""
+    m = EngineModel(profile)
+    m.set_speed(speed, 0.0)
+    sub: dict[str, tuple[float, str]] = {}
+    lat: dict[str, list[float]] = {}
+
+    def drain(to: float) -> None:
+        while (nt := m.next_event_time()) is not None and nt <= to:
+            done(m.advance(nt))
+        done(m.advance(to))
+
+    def done(cs: list) -> None:  # type: ignore[type-arg]
+        for c in cs:
+            t0, key = sub.pop(c.req_id)
+            if t0 >= warm_s:
+                lat.setdefault(key, []).append(c.finish_time - t0)
+
+    n = 0
+    for t, calls in arrivals:
+        drain(t)
+        for key, tin, tout in calls:
+            m.submit(f"r{n}", tin, tout, t)
+            sub[f"r{n}"] = (t, key)
+            n += 1
+    drain(math.inf if not sub else arrivals[-1][0] + 1e6)
+    return {k: statistics.fmean(v) for k, v in lat.items()}
+
+
+def _poisson(streams: list[tuple[float, tuple[tuple[str, int, int], ...]]], horizon_s: float, seed: int
+             ) -> list[tuple[float, tuple[tuple[str, int, int], ...]]]:
+    rng = random.Random(seed)
+    out = []
+    for rate, calls in streams:
+        t = rng.expovariate(rate)
+        while t < horizon_s:
+            out.append((t, calls))
+            t += rng.expovariate(rate)
+    return sorted(out, key=lambda x: x[0])
+
+
+# The emulated bench's 3B tp2 and 14B tp4 profiles on A6000 (flowmaker bench live-sharing).
+P3 = Profile("q3", 2, 1, memory_gb_per_gpu=1.0, fixed_s=0.01689, prefill_s_per_token=4.72e-05,
+             decode_s_per_token=0.007445, max_output_tokens_per_s=1861.6, decode_tokens_per_s=2870.6)
+P14_2 = Profile("q14", 2, 1, memory_gb_per_gpu=1.0, fixed_s=0.03756, prefill_s_per_token=0.00020562,
+                decode_s_per_token=0.028316, max_output_tokens_per_s=454.7, decode_tokens_per_s=726.2)
+P14 = Profile("q14", 4, 1, memory_gb_per_gpu=1.0, fixed_s=0.02762, prefill_s_per_token=0.00014669,
+              decode_s_per_token=0.018292, max_output_tokens_per_s=674.4, decode_tokens_per_s=1116.1)
+
+
+@pytest.mark.parametrize(("profile", "streams", "speed", "within"), [
+    # Prompt stalls dominate (rho_p = 0.46), two parallel stages of one request arrive together.
+    (P3, [(2.765, (("chat", 1060, 129),)), (2.765, (("sum", 1060, 96),)),
+          (1.2835, (("ent", 1549, 16), ("rel", 1549, 16)))], 1.0, 0.05),
+    # Beside a co-resident busy all the time (speed 1/2), decode near the compute-bound knee: the model's
+    # Poisson batch is the least accurate here.
+    (P14, [(2.0, (("explain", 472, 84),))], 0.5, 0.05),
+    (P14, [(2.765, (("explain", 472, 84),))], 0.5, 0.12),
+    # At the compute-bound knee (a mean batch of 13-14 calls, steps lengthen past d x D = 20.6; prompts and decode
+    # fill 0.7 of the time): the batch's geometric tail counts.
+    (P14_2, [(1.5, (("solve", 555, 254),))], 1.0, 0.05),
+])
+def test_the_model_matches_the_engine_model_it_stands_for(profile: Profile, streams: list, speed: float,
+                                                          within: float) -> None:
+    arrivals = [Arrivals(rate, tuple(Call(k, tin, tout) for k, tin, tout in calls)) for rate, calls in streams]
+    pred = instance_latencies(InstanceLoad(profile, ("g0",), tuple(arrivals)), 1.0 / speed).latency_s
+    sim = _simulate(profile, _poisson(streams, 4000.0, seed=7), speed, warm_s=400.0)
+    for key, v in sim.items():
+        assert pred[key] == pytest.approx(v, rel=within), key
