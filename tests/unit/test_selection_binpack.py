@@ -1,13 +1,15 @@
-"""`binpack.least_l_bins` (issue 24) against a brute force of every assignment, on small packings with clones."""
+"""`binpack.least_l_bins` and `binpack.least_l_classes` (issue 24) against a brute force of every assignment, on
+small packings with clones."""
 
 from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import pytest
 
-from flowmaker.selection.binpack import least_l_bins
+from flowmaker.selection.binpack import least_l_bins, least_l_classes
 from flowmaker.selection.chain import _prices
 from flowmaker.selection.problem import INF, NEW, REUSE, leq
 
@@ -64,8 +66,9 @@ def _brute(so: list[list[tuple[float, str, int]]], loads: list[float], bins: lis
     return best
 
 
+@pytest.mark.parametrize("search", [least_l_bins, least_l_classes], ids=["bins", "classes"])
 @pytest.mark.parametrize("seed", range(1000))
-def test_least_l_bins_matches_brute_force(seed: int) -> None:
+def test_least_l_matches_brute_force(seed: int, search: Any) -> None:
     so, loads, bins = _instance(seed)
     tool = 0.5 if seed % 2 else 0.0
     room: dict[tuple[str, int], float] = {}
@@ -75,7 +78,7 @@ def test_least_l_bins_matches_brute_force(seed: int) -> None:
     mu = _prices(so, loads, room) if rng.random() < 0.7 else {c: rng.uniform(0.0, 0.3) for c in room}
     want = _brute(so, loads, bins, tool)
     for cap_l in (INF, want * 1.01 if want < INF else 50.0, want if want < INF else 50.0, want * 0.99):
-        L, a, done, _ = least_l_bins(so, loads, bins, mu, tool, cap_l, 10**7)
+        L, a, done, _ = search(so, loads, bins, mu, tool, cap_l, 10**7)
         assert done
         if want < INF and want <= cap_l:
             assert a is not None
@@ -94,6 +97,6 @@ def test_least_l_bins_matches_brute_force(seed: int) -> None:
         else:
             assert a is None and L == cap_l
     # a search stopped early never claims more than the optimum
-    L, a, done, _ = least_l_bins(so, loads, bins, mu, tool, INF, 3)
+    L, a, done, _ = search(so, loads, bins, mu, tool, INF, 3)
     if not done:
         assert L <= want
