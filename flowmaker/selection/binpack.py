@@ -28,10 +28,11 @@ finishes within its node limit (the least L <= cap_l, or None when nothing fits 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from flowmaker.selection.problem import INF, NEW, leq
 
+_CHECK = 4096  # search nodes between two looks at the clock (the caller's final deadline only)
 Bin = tuple[str, int, int, float, float]  # (kind, ref, bin index within the profile, base load, capacity)
 
 
@@ -128,7 +129,7 @@ def least_l_bins(so: Sequence[Sequence[tuple[float, str, int]]], loads: Sequence
                 k_l: float, k_0: float) -> bool:
             # s: latency of the stages chosen for bin i; u: undecided (may use bins >= i); k: skipped (bins > i)
             nodes[0] += 1
-            if nodes[0] > limit or (not nodes[0] & 4095 and time.perf_counter() > deadline):
+            if nodes[0] > limit or (not nodes[0] % _CHECK and time.perf_counter() > deadline):
                 return False
             # The room bin i still prices is at most what the stages not yet considered for it can fill: the
             # others are in it or skipped (a tighter capacity row, so still a Lagrangian bound).
@@ -238,10 +239,23 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
     memo: dict[tuple[int, int], list[int] | None] = {}
     nodes = [0]
 
+    next_check = [_CHECK]
+
+    def step() -> bool:
+        """Count one node (of the search or its oracle); False at the node limit or the deadline."""
+        nodes[0] += 1
+        if nodes[0] > node_limit:
+            return False
+        if nodes[0] >= next_check[0]:
+            next_check[0] = nodes[0] + _CHECK
+            if time.perf_counter() > deadline:
+                return False
+        return True
+
     def packing(c: int, items: list[int]) -> list[int] | None:
         key = (c, sum(1 << j for j in items))
         if key not in memo:
-            memo[key] = _pack_exact([loads[j] for j in items], count[c], base[c], cap[c], nodes)
+            memo[key] = _pack_exact([loads[j] for j in items], count[c], base[c], cap[c], step)
         return memo[key]
 
     best_l = [cap_l]
@@ -250,8 +264,7 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
     pen = [sum(mu_c[c] * room_tot[c] for c in range(nc))]
 
     def go(j: int, part: float) -> bool:
-        nodes[0] += 1
-        if nodes[0] > node_limit or (not nodes[0] & 4095 and time.perf_counter() > deadline):
+        if not step():
             return False
         if j == n:
             if part < best_l[0] or (best_a[0] is None and part <= best_l[0] * (1 + 1e-12)):
@@ -292,7 +305,11 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
                     new_pk = list(old_pk)
                     new_pk[b_ff] += w
                 else:
-                    got = packing(c, ms)
+                    try:
+                        got = packing(c, ms)
+                    except _Stop:
+                        ms.pop()
+                        return False
                     if got is None:
                         ms.pop()
                         continue
@@ -319,7 +336,7 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
         res: list[tuple[str, int, int]] = [("", 0, 0)] * n
         for c in range(nc):
             items = [j for j in range(n) if a[j] == c]
-            got = _pack_exact([loads[j] for j in items], count[c], base[c], cap[c], [0])
+            got = _pack_exact([loads[j] for j in items], count[c], base[c], cap[c], lambda: True)
             assert got is not None  # the search checked it
             for j, b in zip(items, got, strict=True):
                 res[j] = (keys[c][0], keys[c][1], b)
@@ -332,10 +349,14 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
     return -INF, out(best_a[0]) if best_a[0] is not None else None, False, nodes[0]
 
 
-def _pack_exact(ws: list[float], nbins: int, base: float, cap: float, steps: list[int]) -> list[int] | None:
+class _Stop(Exception):
+    """The search's node limit or the caller's deadline was reached inside the packing oracle."""
+
+
+def _pack_exact(ws: list[float], nbins: int, base: float, cap: float, step: Callable[[], bool]) -> list[int] | None:
     """The bin of each load of ws (heaviest first) in nbins identical bins, each holding `base` already, within
     `cap` as `problem.leq` admits, or None when they do not fit: exact, depth first (bins of equal fill are
-    tried once). Its nodes are added to steps[0]."""
+    tried once). Each node calls step(), which counts it; raises _Stop when step() returns False."""
     fill = [0.0] * nbins
     where = [0] * len(ws)
     suf = [0.0] * (len(ws) + 1)
@@ -346,7 +367,8 @@ def _pack_exact(ws: list[float], nbins: int, base: float, cap: float, steps: lis
     def go(i: int) -> bool:
         if i == len(ws):
             return True
-        steps[0] += 1
+        if not step():
+            raise _Stop
         if suf[i] > room - sum(fill) + 1e-9:
             return False  # the load left exceeds the room left
         w = ws[i]

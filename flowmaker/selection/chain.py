@@ -150,6 +150,9 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         room = {(REUSE, r): _tol(spare[r]) for r in spare}
         room.update({(NEW, pi): y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]]})
         mu = pricer.prices(room)
+        if mu is None:  # not even a fractional assignment fits these capacities: no assignment fits y
+            preps[y] = None
+            return None
         last_mu[0] = mu
         fastest = sum(o[0][0] for o in reversed(so))
         priced = sum(min(lat + mu.get((k, ref), 0.0) * pw.load[s_] for lat, k, ref in o)
@@ -619,8 +622,9 @@ class _Pricer:
         self.open: set[tuple[str, int]] = set()  # classes whose columns are free now
         self.room: dict[tuple[str, int], float] = {}
 
-    def prices(self, room: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
-        """The prices of `_prices(so restricted to the classes in room, loads, room)`."""
+    def prices(self, room: dict[tuple[str, int], float]) -> dict[tuple[str, int], float] | None:
+        """The prices of `_prices(so restricted to the classes in room, loads, room)`; None when HiGHS proves
+        that LP infeasible (the stages do not fit these capacities even fractionally)."""
         import numpy as np
 
         h = self.h
@@ -640,7 +644,10 @@ class _Pricer:
                                np.full(len(rows), -INF), np.array([room.get(c, 0.0) for c in rows]))
             self.room = dict(room)
         h.run()
-        if h.modelStatusToString(h.getModelStatus()) != "Optimal":
+        status = h.modelStatusToString(h.getModelStatus())
+        if status == "Infeasible":
+            return None
+        if status != "Optimal":
             return {}
         dual = h.getSolution().row_dual
         return {c: max(0.0, -dual[self.crow[c]]) for c in sorted(room)}
