@@ -103,6 +103,9 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     reuse_lat = [min((lat for k, _, lat in opts[s] if k == REUSE), default=INF) for s in llm]
     lmin_all = tool + sum(min(lat for _, _, lat in opts[s]) for s in llm)
     spare = {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for s in llm for k, r, _ in opts[s] if k == REUSE}
+    # the room of a running instance as `leq(load0 + fill + load, capacity)` admits it: what a bound may count (an
+    # infeasible pricing LP drops the multiset, so its rooms must not be smaller than the checks')
+    room_r = {r: _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r] for r in spare}
     total_load = sum(pw.load[s] for s in llm)
     n_llm = len(llm)
     P = len(profs)
@@ -147,7 +150,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             return None
         # Lagrangian prices of the aggregated capacities (the LP's duals): for any prices mu >= 0,
         # L >= part + sum_j min_o (lat + mu_o * load_j) - sum_c mu_c * (room left in c).
-        room = {(REUSE, r): _tol(spare[r]) for r in spare}
+        room = {(REUSE, r): room_r[r] for r in spare}
         room.update({(NEW, pi): y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]]})
         mu = pricer.prices(room)
         if mu is None:  # not even a fractional assignment fits these capacities: no assignment fits y
@@ -186,7 +189,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 return INF
             plain += b0
             lag += bl
-        pen = sum(mu.get((REUSE, r), 0.0) * _tol(spare[r]) for r in spare)
+        pen = sum(mu.get((REUSE, r), 0.0) * room_r[r] for r in spare)
         pen += sum(mu.get((NEW, pi), 0.0) * y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]])
         return tool + max(plain, lag - pen)
 
