@@ -23,6 +23,13 @@ stage-by-stage bound misses. It also prunes when the load left exceeds the room 
 checked as `problem.leq(base + fill + load, capacity)`, as the spec's checks do. A state (next bin, the stages left)
 reached again at no lower latency so far is not searched again. The search is exact when it
 finishes within its node limit (the least L <= cap_l, or None when nothing fits within cap_l).
+
+`least_l_classes` answers the same question by classes instead (the walk's first tool): a stage's latency depends
+only on the class of its bin (a running instance, or the identical instances of one profile), so it decides each
+stage's class, heaviest stage first, fastest class first, under the same Lagrangian bound, and an exact packing
+oracle (memoized per class and set of stages) says whether a class of several bins still holds its stages. The
+bins of one class are never branched on, which is the symmetry the clones create (measured on the packings that
+chain_clones left open: 0.003-0.4 s where HiGHS takes 0.1-2 s, same least L).
 """
 
 from __future__ import annotations

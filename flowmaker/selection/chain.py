@@ -20,7 +20,8 @@ the workflow, are generated in canonical order), until no bound is at or below t
 included). A multiset is evaluated lazily: popped first, it goes back to the heap under M(y) times a
 Lagrangian bound of L(y) with the last LP's prices (no LP), popped again under M(y) times its own Lagrangian
 bound of L(y) (the LP dual prices of the aggregated capacities: unlike Lfast it counts capacity,
-which is what separates near-identical clones), and only when it comes up again is its packing searched.
+which is what separates near-identical clones; a multiset whose pricing LP is infeasible cannot hold its stages
+even fractionally and is dropped), and only when it comes up again is its packing searched.
 The class search prunes by capacity too (the load left must fit the room of the classes that can still
 take the least of it); when it gives up, the multiset goes back once more under the bound it proved, and
 its second search may use a MILP (HiGHS; an unsettled MILP still proves its dual bound). A multiset left
