@@ -6,7 +6,9 @@ the same options per stage), but bin packing is not aggregated: in a chain the l
 stage latencies, so for a fixed multiset y of new instances (y[p] instances of profile p; M(y) their
 memory) the least latency L(y) of any assignment that fits (each stage on a running instance with room for
 it or on one of the y instances, every instance within its capacity) is found exactly by a depth-first
-search over the stages, heaviest first, bounded by the sum of each undecided stage's fastest option in y.
+search (`binpack.least_l_classes`) that decides each stage's class (a running instance, or the y[p] instances
+of one profile: a stage's latency depends only on that), stages heaviest first, with an exact packing oracle
+for a class of several instances, bounded by the Lagrangian bound below.
 
 Every variant V with new instances y_V costs M(y_V) * L_V >= M(y_V) * L(y_V), so
 
@@ -18,8 +20,9 @@ the workflow, are generated in canonical order), until no bound is at or below t
 included). A multiset is evaluated lazily: popped first, it goes back to the heap under M(y) times a
 Lagrangian bound of L(y) with the last LP's prices (no LP), popped again under M(y) times its own Lagrangian
 bound of L(y) (the LP dual prices of the aggregated capacities: unlike Lfast it counts capacity,
-which is what separates near-identical clones), and only when it comes up again is its packing searched.
-The depth-first search prunes by capacity too (the load left must fit the room of the bins that can still
+which is what separates near-identical clones; a multiset whose pricing LP is infeasible cannot hold its stages
+even fractionally and is dropped), and only when it comes up again is its packing searched.
+The class search prunes by capacity too (the load left must fit the room of the classes that can still
 take the least of it); when it gives up, the multiset goes back once more under the bound it proved, and
 its second search may use a MILP (HiGHS; an unsettled MILP still proves its dual bound). A multiset left
 unsettled keeps that bound, and it stops `complete` only when the bound is at or below the incumbent. Before the
@@ -42,14 +45,19 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from flowmaker.selection.binpack import Bin, least_l_bins
+from flowmaker.selection.binpack import Bin, least_l_bins, least_l_classes
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
 
 if TYPE_CHECKING:
     from flowmaker.selection.milp import Front, RelaxedModel
 
 CHAIN_PREPS = 10  # Lagrangian bounds (one small LP each) per multiset the walk may search
-NODE_LIMIT = 4_000  # depth-first nodes per search of a multiset (measured: 4,000 settles more than 1,000 in 1 s)
+# Nodes (its packing oracle's included) of the class search (`binpack.least_l_classes`) of a multiset's first
+# packing, and of its second, before the MILP. Measured on chain_clones (60 instances each of seeds 411000, 420000,
+# 430000, 457000, within 1 s): 20,000 first proves 1-2 more per seed than 5,000, 50,000 no more; 60,000 second
+# 2-3 fewer than 200,000. The class search settles in 0.003-0.4 s packings that HiGHS takes 0.1-2 s on.
+CLASS_NODES = 20_000
+CLASS_NODES_MORE = 200_000
 CHEAP_FIRST = True  # a multiset's first bound uses the last LP's prices; its own LP comes when it is popped again
 BIN_NODES = 80_000  # nodes of the bin-by-bin search (`binpack`) of a packing before its MILP (0: none)
 BIN_TRIES = 1  # packings searched so before the first that it settles; none after, unless one was settled
@@ -100,6 +108,9 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     reuse_lat = [min((lat for k, _, lat in opts[s] if k == REUSE), default=INF) for s in llm]
     lmin_all = tool + sum(min(lat for _, _, lat in opts[s]) for s in llm)
     spare = {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for s in llm for k, r, _ in opts[s] if k == REUSE}
+    # the room of a running instance as `leq(load0 + fill + load, capacity)` admits it: what a bound may count (an
+    # infeasible pricing LP drops the multiset, so its rooms must not be smaller than the checks')
+    room_r = {r: _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r] for r in spare}
     total_load = sum(pw.load[s] for s in llm)
     n_llm = len(llm)
     P = len(profs)
@@ -128,36 +139,34 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             m = m_memo[y] = sum(mem[i] * c for i, c in enumerate(y))
         return m
 
-    Prep = tuple[list[list[tuple[float, str, int]]], dict[tuple[str, int], float], list[float], list[float],
-                 float, float]
+    Prep = tuple[list[list[tuple[float, str, int]]], dict[tuple[str, int], float], float]
     preps: dict[tuple[int, ...], Prep | None] = {}
 
     def prep(y: tuple[int, ...]) -> Prep | None:
         """Per multiset (cached): each stage's options usable with y (fastest first), the Lagrangian prices,
-        the suffix sums of the fastest options with and without prices, the prices' penalty, and the
-        Lagrangian bound of every assignment that fits y (the root bound). None: some stage has no option."""
+        and the Lagrangian bound of every assignment that fits y (the root bound). None: some stage has no
+        option."""
         if y in preps:
             return preps[y]
         so = [sorted(((lat, k, ref) for k, ref, lat in opts[s] if k == REUSE or y[pos[ref]]), key=lambda o: o[0])
               for s in llm]
-        rem = [0.0] * (n_llm + 1)
-        for j in range(n_llm - 1, -1, -1):
-            if not so[j]:
-                preps[y] = None
-                return None
-            rem[j] = rem[j + 1] + so[j][0][0]
+        if not all(so):
+            preps[y] = None
+            return None
         # Lagrangian prices of the aggregated capacities (the LP's duals): for any prices mu >= 0,
         # L >= part + sum_j min_o (lat + mu_o * load_j) - sum_c mu_c * (room left in c).
-        room = {(REUSE, r): _tol(spare[r]) for r in spare}
+        room = {(REUSE, r): room_r[r] for r in spare}
         room.update({(NEW, pi): y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]]})
         mu = pricer.prices(room)
+        if mu is None:  # not even a fractional assignment fits these capacities: no assignment fits y
+            preps[y] = None
+            return None
         last_mu[0] = mu
-        rem_mu = [0.0] * (n_llm + 1)
-        for j in range(n_llm - 1, -1, -1):
-            ld = pw.load[llm[j]]
-            rem_mu[j] = rem_mu[j + 1] + min(lat + mu.get((k, ref), 0.0) * ld for lat, k, ref in so[j])
+        fastest = sum(o[0][0] for o in reversed(so))
+        priced = sum(min(lat + mu.get((k, ref), 0.0) * pw.load[s_] for lat, k, ref in o)
+                     for s_, o in zip(reversed(llm), reversed(so), strict=True))
         pen0 = sum(mu.get(c, 0.0) * room[c] for c in room)
-        got: Prep = (so, mu, rem, rem_mu, pen0, max(rem[0], rem_mu[0] - pen0) + tool)
+        got: Prep = (so, mu, max(fastest, priced - pen0) + tool)
         preps[y] = got
         return got
 
@@ -185,117 +194,31 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 return INF
             plain += b0
             lag += bl
-        pen = sum(mu.get((REUSE, r), 0.0) * _tol(spare[r]) for r in spare)
+        pen = sum(mu.get((REUSE, r), 0.0) * room_r[r] for r in spare)
         pen += sum(mu.get((NEW, pi), 0.0) * y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]])
         return tool + max(plain, lag - pen)
 
     def least_l(y: tuple[int, ...], cap_l: float, use_milp: bool
                 ) -> tuple[float, list[tuple[str, int, int]] | None, bool]:
         """Least L <= cap_l of an assignment that fits y exactly: (L, per stage (kind, ref, bin), True). When
-        the search gives up (the depth-first nodes, then the MILP if `use_milp`): (a lower bound of that least
+        the search gives up (the class search's nodes, then the MILP if `use_milp`): (a lower bound of that least
         L, the best assignment found or None, False)."""
-        bins_of = {pi: list(range(y[pos[pi]])) for pi in profs}
-        fill_new = {pi: [0.0] * y[pos[pi]] for pi in profs}
-        fill_r = {r: 0.0 for r in spare}
         pr = prep(y)
         if pr is None:
             return INF, None, True
-        so, mu, rem, rem_mu, pen0, root = pr
-        pen = [pen0]
-        # Capacity pruning (bin completion's wasted space): the load of stages j.. must fit in the room of the
-        # bins that some stage j.. may use, counting a bin's room only when it can hold the least load of
-        # those stages (room below that is wasted). A relaxation of the packing: it prunes only infeasible nodes.
-        ld_suf = [0.0] * (n_llm + 1)
-        for j in range(n_llm - 1, -1, -1):
-            ld_suf[j] = ld_suf[j + 1] + pw.load[llm[j]]
+        so, mu, root = pr
         classes = sorted({(k, ref) for o in so for _, k, ref in o})
-        min_ld: list[list[float]] = [[INF] * len(classes) for _ in range(n_llm + 1)]
-        ci = {c: i for i, c in enumerate(classes)}
-        for j in range(n_llm - 1, -1, -1):
-            row = min_ld[j]
-            row[:] = min_ld[j + 1]
-            for _, k, ref in so[j]:
-                c = ci[(k, ref)]
-                row[c] = min(row[c], pw.load[llm[j]])
-        bins: list[tuple[int, list[float] | dict[int, float], int, float]] = []  # (class, fills, bin, room)
-        for k, ref in classes:
-            if k == REUSE:
-                bins.append((ci[(k, ref)], fill_r, ref, _tol(pb.p_cap[pb.r_prof[ref]]) - pb.r_load0[ref]))
-            else:
-                bins.extend((ci[(k, ref)], fill_new[ref], b, _tol(pb.p_cap[ref])) for b in range(y[pos[ref]]))
-
-        def fits(j: int) -> bool:
-            need = ld_suf[j]
-            row = min_ld[j]
-            room_all = 0.0
-            for c, fills, b, capc in bins:
-                m_ld = row[c]
-                if m_ld == INF:
-                    continue
-                r = capc - fills[b]
-                if r >= m_ld * (1 - 1e-9):
-                    room_all += r
-            return need <= room_all * (1 + 1e-9) + 1e-9
-        best_l = [cap_l]
-        best_a: list[list[tuple[str, int, int]] | None] = [None]
-        cur: list[tuple[str, int, int]] = [(REUSE, 0, 0)] * n_llm
-        nodes = [0]
-
-        def go(j: int, part: float) -> bool:
-            nodes[0] += 1
-            if nodes[0] > NODE_LIMIT:
-                return False
-            if j == n_llm:
-                if part <= best_l[0]:
-                    best_l[0] = part
-                    best_a[0] = list(cur)
-                return True
-            if not fits(j):
-                return True
-            nb = max(rem[j], rem_mu[j] - pen[0]) + part
-            if nb > best_l[0] * (1 + 1e-12) or (best_a[0] is not None and nb >= best_l[0] * (1 - 1e-12)):
-                return True
-            ld = pw.load[llm[j]]
-            for lat, k, ref in so[j]:
-                if part + lat + rem[j + 1] > best_l[0] * (1 + 1e-12):
-                    break  # options are fastest first
-                if best_a[0] is not None and part + lat + rem[j + 1] >= best_l[0] * (1 - 1e-12):
-                    break
-                dp = mu.get((k, ref), 0.0) * ld
-                if k == REUSE:
-                    if not leq(pb.r_load0[ref] + fill_r[ref] + ld, pb.p_cap[pb.r_prof[ref]]):
-                        continue
-                    fill_r[ref] += ld
-                    cur[j] = (REUSE, ref, 0)
-                    pen[0] -= dp
-                    ok = go(j + 1, part + lat)
-                    pen[0] += dp
-                    fill_r[ref] -= ld
-                    if not ok:
-                        return False
-                    continue
-                fills = fill_new[ref]
-                seen: set[float] = set()
-                cp = pb.p_cap[ref]
-                for b in bins_of[ref]:
-                    f = fills[b]
-                    if f in seen or not leq(f + ld, cp):
-                        continue
-                    seen.add(f)
-                    fills[b] = f + ld
-                    cur[j] = (NEW, ref, b)
-                    pen[0] -= dp
-                    ok = go(j + 1, part + lat)
-                    pen[0] += dp
-                    fills[b] = f
-                    if not ok:
-                        return False
-            return True
-
-        done = go(0, tool)
-        work[0] += nodes[0]
-        if done:
-            return best_l[0], best_a[0], True
+        bl: list[Bin] = [(k, ref, 0, pb.r_load0[ref], pb.p_cap[pb.r_prof[ref]]) if k == REUSE
+                         else (k, ref, b, 0.0, pb.p_cap[ref])
+                         for k, ref in classes for b in (range(1) if k == REUSE else range(y[pos[ref]]))]
+        loads = [pw.load[s] for s in llm]
+        got_c = least_l_classes(so, loads, bl, mu, tool, cap_l, CLASS_NODES_MORE if use_milp else CLASS_NODES,
+                                deadline)
+        work[0] += got_c[3]
+        if got_c[2]:
+            return got_c[0], got_c[1], True
+        best_a: list[list[tuple[str, int, int]] | None] = [got_c[1]]
+        best_l = [tool + _lat_of(so, got_c[1]) if got_c[1] is not None else INF]
         bound = min(root, cap_l)
         if best_a[0] is None and not use_milp and MILP_QUICK_NODES:
             # The search saw no assignment at all: most often none fits (the stages do not pack into these bins),
@@ -312,22 +235,19 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             best_a[0] = _first_fit(so, [pw.load[s] for s in llm], y, pos,
                                    {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for r in spare}, pb.p_cap)
         if use_milp and BIN_NODES and (bins_tried[0] < BIN_TRIES or bins_won[0]):
-            # The depth-first search gave up twice: bin by bin (`binpack`), whose bound sees the room a packing
+            # The class search gave up twice: bin by bin (`binpack`), whose bound sees the room a packing
             # wastes, before the MILP, for as long as that settles some packings (measured on chain_clones: it
             # settles in 0.1 s packings that HiGHS leaves open after 1 s, and on other instances it settles
             # none of those that HiGHS settles in 5 ms; counted in work, never in time).
             bins_tried[0] += 1
-            bl: list[Bin] = [(k, ref, 0, pb.r_load0[ref], pb.p_cap[pb.r_prof[ref]]) if k == REUSE
-                             else (k, ref, b, 0.0, pb.p_cap[ref])
-                             for k, ref in classes for b in (range(1) if k == REUSE else range(y[pos[ref]]))]
-            got_b = least_l_bins(so, [pw.load[s] for s in llm], bl, mu, tool, cap_l, BIN_NODES)
+            got_b = least_l_bins(so, [pw.load[s] for s in llm], bl, mu, tool, cap_l, BIN_NODES, deadline)
             work[0] += got_b[3]
             if got_b[2]:
                 bins_won[0] += 1
                 return got_b[0], got_b[1], True
             if got_b[1] is not None and (best_a[0] is None or tool + _lat_of(so, got_b[1]) < best_l[0]):
                 best_a[0] = got_b[1]
-        if use_milp:  # the depth-first search gave up: the same question as a MILP (HiGHS)
+        if use_milp:  # the class search gave up: the same question as a MILP (HiGHS)
             milps[0] += 1
             got = _least_l_milp(pb, [pw.load[s] for s in llm], so, y, profs, pos, tool, cap_l, deadline)
             if got is not None and got[2]:
@@ -342,7 +262,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     y0 = tuple([0] * P)
     heap: list[tuple[float, int, tuple[int, ...], int, bool]] = []
     tick = 0
-    work = [0]  # depth-first nodes of every multiset so far
+    work = [0]  # search nodes of every multiset so far
     milps = [0]  # packings solved as MILPs so far
     bins_tried, bins_won = [0], [0]  # packings searched bin by bin before their MILP, and settled so
 
@@ -444,7 +364,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         # A multiset is evaluated lazily, cheapest bound first: on its first pop (i = 0) it goes back to the
         # heap keyed by a Lagrangian bound with the last LP's prices (no LP; CHEAP_FIRST), on the next (i = 3)
         # keyed by its own Lagrangian bound (capacity counted, unlike the key's), then (i = 1) its packing is
-        # searched depth first; if that search gives up, it goes back keyed by the bound the search proved
+        # searched (class by class); if that search gives up, it goes back keyed by the bound the search proved
         # (i = 2), and by the time it comes up again the incumbent may have fallen below it, or a MILP settles it.
         if i == 0 and CHEAP_FIRST:
             c = cheap(y)
@@ -456,7 +376,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             pr = prep(y)
             if pr is not None:
                 tick += 1
-                heapq.heappush(heap, (max(key, m * pr[5]), tick, y, 1, False))
+                heapq.heappush(heap, (max(key, m * pr[2]), tick, y, 1, False))
             continue
         cap_l = min(_tol(pb.lam), inc * (1 + 1e-9) / m if m > 0 else INF)
         L, a, done = least_l(y, cap_l, use_milp=i > 1)
@@ -710,8 +630,9 @@ class _Pricer:
         self.open: set[tuple[str, int]] = set()  # classes whose columns are free now
         self.room: dict[tuple[str, int], float] = {}
 
-    def prices(self, room: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
-        """The prices of `_prices(so restricted to the classes in room, loads, room)`."""
+    def prices(self, room: dict[tuple[str, int], float]) -> dict[tuple[str, int], float] | None:
+        """The prices of `_prices(so restricted to the classes in room, loads, room)`; None when HiGHS proves
+        that LP infeasible (the stages do not fit these capacities even fractionally)."""
         import numpy as np
 
         h = self.h
@@ -731,7 +652,10 @@ class _Pricer:
                                np.full(len(rows), -INF), np.array([room.get(c, 0.0) for c in rows]))
             self.room = dict(room)
         h.run()
-        if h.modelStatusToString(h.getModelStatus()) != "Optimal":
+        status = h.modelStatusToString(h.getModelStatus())
+        if status == "Infeasible":
+            return None
+        if status != "Optimal":
             return {}
         dual = h.getSolution().row_dual
         return {c: max(0.0, -dual[self.crow[c]]) for c in sorted(room)}

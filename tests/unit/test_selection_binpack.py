@@ -1,13 +1,15 @@
-"""`binpack.least_l_bins` (issue 24) against a brute force of every assignment, on small packings with clones."""
+"""`binpack.least_l_bins` and `binpack.least_l_classes` (issue 24) against a brute force of every assignment, on
+small packings with clones."""
 
 from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import pytest
 
-from flowmaker.selection.binpack import least_l_bins
+from flowmaker.selection.binpack import least_l_bins, least_l_classes
 from flowmaker.selection.chain import _prices
 from flowmaker.selection.problem import INF, NEW, REUSE, leq
 
@@ -64,8 +66,9 @@ def _brute(so: list[list[tuple[float, str, int]]], loads: list[float], bins: lis
     return best
 
 
+@pytest.mark.parametrize("search", [least_l_bins, least_l_classes], ids=["bins", "classes"])
 @pytest.mark.parametrize("seed", range(1000))
-def test_least_l_bins_matches_brute_force(seed: int) -> None:
+def test_least_l_matches_brute_force(seed: int, search: Any) -> None:
     so, loads, bins = _instance(seed)
     tool = 0.5 if seed % 2 else 0.0
     room: dict[tuple[str, int], float] = {}
@@ -75,7 +78,7 @@ def test_least_l_bins_matches_brute_force(seed: int) -> None:
     mu = _prices(so, loads, room) if rng.random() < 0.7 else {c: rng.uniform(0.0, 0.3) for c in room}
     want = _brute(so, loads, bins, tool)
     for cap_l in (INF, want * 1.01 if want < INF else 50.0, want if want < INF else 50.0, want * 0.99):
-        L, a, done, _ = least_l_bins(so, loads, bins, mu, tool, cap_l, 10**7)
+        L, a, done, _ = search(so, loads, bins, mu, tool, cap_l, 10**7)
         assert done
         if want < INF and want <= cap_l:
             assert a is not None
@@ -94,6 +97,41 @@ def test_least_l_bins_matches_brute_force(seed: int) -> None:
         else:
             assert a is None and L == cap_l
     # a search stopped early never claims more than the optimum
-    L, a, done, _ = least_l_bins(so, loads, bins, mu, tool, INF, 3)
+    L, a, done, _ = search(so, loads, bins, mu, tool, INF, 3)
     if not done:
         assert L <= want
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_least_l_classes_matches_least_l_bins_on_larger_packings(seed: int) -> None:
+    """Packings too large for the brute force (8-12 stages, several identical bins per profile, so that the class
+    search's packing oracle has to repack): the class search and the bin-by-bin search, both exact, agree."""
+    rng = random.Random(10_000 + seed)
+    n = rng.randint(8, 12)
+    loads = sorted((rng.uniform(1.0, 10.0) for _ in range(n)), reverse=True)
+    rates = [rng.uniform(0.5, 2.0) for _ in range(2)]
+    rates[1] = rates[0] * rng.uniform(0.99, 1.01)  # a clone
+    bins: list[tuple[str, int, int, float, float]] = []
+    for p in range(2):
+        cap = rng.uniform(10.0, 20.0)
+        bins.extend((NEW, 100 + p, b, 0.0, cap) for b in range(rng.randint(1, 4)))
+    cp = rng.uniform(5.0, 15.0)
+    bins.append((REUSE, 0, 0, rng.uniform(0.0, cp), cp))
+    so = [sorted([(loads[j] * rates[p] * rng.uniform(0.98, 1.02), NEW, 100 + p) for p in range(2)]
+                 + [(loads[j] * 2.5, REUSE, 0)]) for j in range(n)]
+    room: dict[tuple[str, int], float] = {}
+    for k, ref, _, base, c in bins:
+        room[(k, ref)] = room.get((k, ref), 0.0) + c - base
+    mu = _prices(so, loads, room)
+    want, a_bins, done_bins, _ = least_l_bins(so, loads, bins, mu, 0.0, INF, 10**8)
+    got, a, done, _ = least_l_classes(so, loads, bins, mu, 0.0, INF, 10**8)
+    assert done and done_bins
+    assert (a is None) == (a_bins is None)
+    if a is not None:
+        assert got == pytest.approx(want, rel=1e-9)
+        fill: dict[tuple[str, int, int], float] = {}
+        for j, (k, ref, b) in enumerate(a):
+            fill[(k, ref, b)] = fill.get((k, ref, b), 0.0) + loads[j]
+        for (k, ref, b), f in fill.items():
+            base, c = next((bb[3], bb[4]) for bb in bins if bb[:3] == (k, ref, b))
+            assert leq(base + f, c)

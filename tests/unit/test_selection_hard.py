@@ -173,7 +173,7 @@ def test_room_rows_count_what_any_placement_can_hold() -> None:
 @pytest.mark.parametrize("bin_nodes,quick", [(3, 0), (40_000, 0), (0, 50)])
 def test_small_chains_with_clones_equal_the_brute_force_when_packings_go_bin_by_bin(
         bin_nodes: int, quick: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """chain_clones at small sizes with the stage-by-stage packing search cut to 2 nodes, so that every packing goes
+    """chain_clones at small sizes with the class search of the packings cut to 2 nodes, so that every packing goes
     to the bin-by-bin search (`binpack`; cut to 3 nodes, or enough to settle) and the MILP: still the brute force's
     answer, proven, and the bin-by-bin search ran. With `quick`, a packing whose cut search saw no assignment goes
     to a short MILP at once (and nothing goes bin by bin): the same answers, and the short MILPs ran."""
@@ -195,7 +195,8 @@ def test_small_chains_with_clones_equal_the_brute_force_when_packings_go_bin_by_
             calls.append(got[2])
         return got
 
-    monkeypatch.setattr(chain, "NODE_LIMIT", 2)
+    monkeypatch.setattr(chain, "CLASS_NODES", 2)
+    monkeypatch.setattr(chain, "CLASS_NODES_MORE", 2)
     monkeypatch.setattr(chain, "BIN_NODES", bin_nodes)
     monkeypatch.setattr(chain, "MILP_QUICK_NODES", quick)
     monkeypatch.setattr(chain, "least_l_bins", counted)

@@ -879,7 +879,7 @@ def test_the_chain_walk_bounds_every_variant_and_proves_the_optimum(req: Selecti
 def test_the_chain_walk_stays_exact_when_its_packing_searches_give_up(req: SelectionRequest, inc: float | None,
                                                                       nodes: int, milp_settles: bool,
                                                                       bin_nodes: int) -> None:
-    """With the depth-first packing search cut to a few nodes, multisets go back to the heap under the bound
+    """With the class search of the packings cut to a few nodes, multisets go back to the heap under the bound
     their search proved, then to the bin-by-bin search (`bin_nodes` nodes: none, too few to settle anything, or
     enough) and the MILP (or, `milp_settles` False, to a MILP that settles nothing): the walk's lower bound stays
     at most the optimum, its candidates are feasible, and when it says complete its best candidate is the brute
@@ -895,8 +895,8 @@ def test_the_chain_walk_stays_exact_when_its_packing_searches_give_up(req: Selec
     pb = Problem(req)
     usable = usable_profiles(pb)
     best = None if want is None or inc is None else (want[0] * inc, want[1], 0)
-    saved, saved_milp, saved_bins = chain.NODE_LIMIT, chain._least_l_milp, chain.BIN_NODES
-    chain.NODE_LIMIT = nodes
+    saved, saved_milp, saved_bins = (chain.CLASS_NODES, chain.CLASS_NODES_MORE), chain._least_l_milp, chain.BIN_NODES
+    chain.CLASS_NODES = chain.CLASS_NODES_MORE = nodes
     chain.BIN_NODES = bin_nodes
     if not milp_settles:
         chain._least_l_milp = lambda *a: None  # type: ignore[assignment]
@@ -911,6 +911,6 @@ def test_the_chain_walk_stays_exact_when_its_packing_searches_give_up(req: Selec
                 if better(sc[0], sc[1], sc[2], found):
                     found = sc
     finally:
-        chain.NODE_LIMIT, chain._least_l_milp = saved, saved_milp  # type: ignore[assignment]
+        (chain.CLASS_NODES, chain.CLASS_NODES_MORE), chain._least_l_milp = saved, saved_milp  # type: ignore[assignment]
         chain.BIN_NODES = saved_bins
     _assert_walks_agree(want, found, lbs, complete, inc)
