@@ -49,6 +49,11 @@ class LoadPolicy:
     burst_cap: float = 3.0
     min_samples: int = 10  # latency quantiles need this many requests in the window
     latency_quantile: float = 0.95
+    # A prediction past the SLO is acted on once: again only when it is re-derived after that re-selection (the
+    # placement moved), or after this many hold-downs (the rest of the cluster may have made room meanwhile).
+    # The selector's feasibility model is more conservative than the prediction's, so a re-selection that keeps
+    # the variant would otherwise repeat every hold-down with the same answer.
+    prediction_retry_factor: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,8 +193,13 @@ def drifted(tasks: dict[str, TaskRecord], loads: dict[str, TaskLoad], since: dic
     out = []
     for tid, t in sorted(tasks.items()):
         ld = loads.get(tid)
+        last = t.last_reselection.at if t.last_reselection else 0.0
+        # The prediction counts when it is newer than the last re-selection, or that one is long past.
+        mispredicted = t.predicted_latency_s > t.slo.max_latency_s * (1 + 1e-9) and (
+            t.last_reselection is None or t.predicted_at > last
+            or now - last >= p.hold_down_s * p.prediction_retry_factor)
         if t.state is not TaskState.ACTIVE or t.healing is not None or t.next_variant is not None or (
-                ld is None and not t.predicted_latency_s > t.slo.max_latency_s):
+                ld is None and not mispredicted):
             since.pop(tid, None)
             peaks.pop(tid, None)
             continue
@@ -213,7 +223,7 @@ def drifted(tasks: dict[str, TaskRecord], loads: dict[str, TaskLoad], since: dic
             target = max(need, planned) * p.band
             why = (f"p{round(p.latency_quantile * 100)} latency {ld.latency_q_s:.3g}s breaks the SLO "
                    f"{t.slo.max_latency_s:g}s at {ld.rate_rps:.3g} req/s")
-        elif t.predicted_latency_s > t.slo.max_latency_s * (1 + 1e-9):
+        elif mispredicted:
             # Co-residents deployed since its selection slow it past its SLO on paper: a variant that fits the
             # placement as it is now, at the rate it needs.
             target = max(need, planned)
@@ -224,7 +234,6 @@ def drifted(tasks: dict[str, TaskRecord], loads: dict[str, TaskLoad], since: dic
             peaks.pop(tid, None)
             continue
         first = since.setdefault(tid, now)
-        last = t.last_reselection.at if t.last_reselection else 0.0
         if now - first >= hold and now - last >= p.hold_down_s:
             out.append((tid, target, f"{why} for {now - first:.0f}s"))
             since.pop(tid, None)

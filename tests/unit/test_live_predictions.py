@@ -32,7 +32,7 @@ from flowmaker.domain import (
 from flowmaker.engine.loaded import Arrivals, Call, InstanceLoad, placement_latencies
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad, demand, drifted, peak_window_count
 from flowmaker.orchestration.predict import placement_key, predict_on_placement
-from flowmaker.orchestration.task import TaskRecord, TaskState, selected_prediction
+from flowmaker.orchestration.task import Reselection, TaskRecord, TaskState, selected_prediction
 from flowmaker.selection.registry import select
 from flowmaker.sharing import occupancy
 
@@ -234,3 +234,16 @@ def test_drift_rule_plans_for_bursts_keeps_hysteresis_and_acts_on_the_prediction
     # Within the SLO (to 1e-9): nothing.
     assert drifted({"t": replace(crowded, predicted_latency_s=3.0 * (1 + 1e-12))}, {}, {}, 0.0,
                    replace(p, hold_down_s=0.0)) == []
+    # Acted on once: after a re-selection that left the placement as it was (the prediction was not re-derived
+    # since), the same prediction is not a drift again until `prediction_retry_factor` hold-downs have passed.
+    since.clear()
+    done = replace(crowded, predicted_at=290.0, last_reselection=Reselection(306.0, "predicted", 1.2, "DONE"))
+    assert drifted({"t": done}, {}, since, 320.0, p) == [] and not since
+    assert drifted({"t": done}, {}, since, 355.0, p) == []
+    assert drifted({"t": done}, {}, since, 356.0, p) == [] and since  # 50 s = 10 hold-downs: seen again
+    assert drifted({"t": done}, {}, since, 361.0, p)[0][0] == "t"
+    # Re-derived after it (the placement moved since): a drift again at once, held down as usual.
+    since.clear()
+    moved = replace(done, predicted_at=310.0)
+    assert drifted({"t": moved}, {}, since, 320.0, p) == []
+    assert drifted({"t": moved}, {}, since, 325.0, p)[0][0] == "t"
