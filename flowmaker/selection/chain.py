@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowmaker.selection.binpack import Bin, least_l_bins
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
+from flowmaker.selection.sharing_chain import multiset_bound, placed_value
 
 if TYPE_CHECKING:
     from flowmaker.selection.milp import Front, RelaxedModel
@@ -466,6 +467,9 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 tick += 1
                 heapq.heappush(heap, (max(key, m * L), tick, y, 2, False))
             else:
+                if pb.sharing:  # the multiset once placed
+                    L = max(L, multiset_bound(pb, pw, opts, [pi for pi, c in zip(profs, y, strict=True)
+                                                             for _ in range(c)], tool, cap_l, deadline))
                 lb = min(lb, m * L)  # the search gave up: the multiset keeps the bound it proved
                 unsettled = min(unsettled, m * L)
             if a is not None:  # an assignment that fits y, though maybe not the least L: a candidate still
@@ -480,11 +484,13 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         if a is None:
             continue  # nothing fits y within cap_l: every variant with these instances costs more than inc
         val = m * L
-        key_y = tuple(pi for pi, c in zip(profs, y, strict=True) for _ in range(c))
-        fr.settled[key_y] = min(val, fr.settled.get(key_y, INF))
         assign = {llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)}
         inst = {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW}
         cand = model.realize(assign, inst)
+        key_y = tuple(pi for pi, c in zip(profs, y, strict=True) for _ in range(c))
+        if pb.sharing and (cand is None or cand[0][0] > val * (1 + 1e-9)):  # GPU sharing: the multiset once placed
+            val, cand = placed_value(model, key_y, tool, val, cand, inc, cap_l, deadline)
+        fr.settled[key_y] = min(val, fr.settled.get(key_y, INF))
         if cand is None:
             if never_places(pb, [pi for pi, c in zip(profs, y, strict=True) for _ in range(c)]):
                 continue  # no variant has exactly these new instances: the point bounds nothing

@@ -1,0 +1,470 @@
+"""GPU sharing on a chain's multiset walk (`chain.walk_chain`): the bound of one multiset of new instances once it
+is placed (docs/selection-spec.md, "Extension: GPU sharing", "What is exact").
+
+The walk prices each option at `Problem.bound_view`'s latency, which lets every new instance land on the least busy
+GPUs that fit it and carry its full capacity u x C. A multiset of several new instances cannot all do that: the
+spec places them one after another, each where the others have not gone, and on a crowded cluster the second or
+third lands beside busy co-residents. There it is slower, and Feasibility 5 lets it carry only what keeps its GPUs
+within the compute budget and itself within u once slowed (measured on the adversarial `chain15` and `reuse`
+instances: the walk's best multisets were of this kind, every one failed Feasibility 5, and their relaxed bounds
+kept the gap at 13-55%).
+
+`multiset_bound` takes every order in which the multiset's instances can be opened (placement is a function of
+that order alone: a new instance occupies u of each of its GPUs whatever it carries) and, for each, places them by
+the spec's rule and solves the least L of the chain with what that placement leaves each instance:
+
+* an instance's co-residents are busy at least as much as the running instances on its GPUs plus the least busy
+  share of the other new instances there (each carries a stage at least, the one of least latency alone);
+* its compute share is at most what keeps each of its GPUs within u (the running instances' shares and the other
+  new instances' least shares there counted) and at most u / f (Feasibility 5.1, 5.2);
+* a reused instance: the same, with the new instances beside it counted;
+* each stage's latency on an instance is at least its latency alone times `f (1 - rho) / (1 - rho f)` with its own
+  load's share, and at least the walk's;
+* every new instance of the multiset serves a stage.
+
+Each of these holds in every variant whose new instances are exactly the multiset and open in that order, so the
+least over the orders bounds the L of every such variant. The least L is a small MILP (HiGHS, work-limited; its dual
+bound when it does not settle). Floats with margins that only lower the bound.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flowmaker.selection.problem import EPS, INF, NEW, REUSE, Problem, PWorkflow
+from flowmaker.sharing import busy_share, occupancy
+
+MAX_ORDERS = 24  # distinct opening orders of a multiset tried; past it the multiset keeps the walk's bound
+MILP_NODES = 200  # HiGHS nodes per order (work, not time); an unsettled order gives its dual bound
+_MARGIN = 1e-7
+
+Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedModel.opts`
+
+
+def _orders(insts: Sequence[int]) -> list[tuple[int, ...]] | None:
+    """The distinct orders of a multiset of profile indices; None when there are more than MAX_ORDERS."""
+    out: list[tuple[int, ...]] = []
+    counts: dict[int, int] = {}
+    for pi in insts:
+        counts[pi] = counts.get(pi, 0) + 1
+    keys = sorted(counts)
+    cur: list[int] = []
+
+    def go() -> bool:
+        if len(cur) == len(insts):
+            out.append(tuple(cur))
+            return len(out) <= MAX_ORDERS
+        for pi in keys:
+            if counts[pi]:
+                counts[pi] -= 1
+                cur.append(pi)
+                ok = go()
+                cur.pop()
+                counts[pi] += 1
+                if not ok:
+                    return False
+        return True
+
+    return out if go() else None
+
+
+class _Bin:
+    """One instance a stage may run on, as a placement leaves it: a new instance (position `i` in the opening order,
+    profile `ref`) or a reused one (`ref` its index in `Problem.reusable`)."""
+
+    __slots__ = ("alone", "cap", "f", "i", "kind", "lb", "load0", "ref", "unit")
+
+    def __init__(self, kind: str, ref: int, i: int, cap: float, f: float, unit: float, load0: float) -> None:
+        self.kind, self.ref, self.i = kind, ref, i
+        self.cap = cap  # the most load it may carry in all (Feasibility 3, 5.1, 5.2), its running load included
+        self.f = f  # its speed factor at least
+        self.unit = unit  # the load at which its compute share is 1 (a group: all its replicas)
+        self.load0 = load0
+        self.lb: dict[int, float] = {}  # per LLM stage that may use it, a bound of its latency there
+        self.alone: dict[int, float] = {}  # per such stage, its latency alone
+
+
+def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], insts: Sequence[int],
+                   tool: float, cap_l: float, deadline: float) -> float:
+    """A lower bound of the slowed L_s of every variant of chain `pw` whose new instances are exactly `insts`
+    (profile indices), with `opts` the walk's options per LLM stage (module docstring); INF when no such variant
+    fits within `cap_l`, 0.0 when nothing is proven. `tool`: the TOOL stages' latency."""
+    orders = _orders(insts)
+    if orders is None:
+        return 0.0
+    best = INF
+    llm = [s for s in pw.llm if opts.get(s)]
+    for order in orders:
+        bins = placed_bins(pb, pw, opts, order)
+        if bins is None:
+            continue
+        got = _least_l(pw, llm, bins, len(order), tool, cap_l, deadline)
+        if got is None:
+            return 0.0  # out of time: nothing proven
+        best = min(best, got)
+    return best
+
+
+def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], order: Sequence[int]
+                ) -> list[_Bin] | None:
+    """What one opening order of new instances leaves each instance a stage may use (module docstring): the new
+    instances in that order, then the reusable running ones; None when it does not place or some instance cannot
+    carry even its lightest stage."""
+    from flowmaker.selection.milp import _tol
+
+    free = dict(pb.free0)
+    occ = dict(pb.occ_units)
+    places: list[list[tuple[str, ...]]] = []  # per instance, its replicas' GPUs
+    for pi in order:
+        reps = []
+        for _ in range(pb.p_reps[pi]):
+            pl = pb.place_new(free, occ, pi)
+            if pl is None:
+                return None
+            reps.append(pl[1])
+        places.append(reps)
+    comp0, busy0 = pb._fast_totals()
+    kappa = float(pb.kappa)
+    budget = pb.u * (1 + EPS) * (1 + _MARGIN)
+    llm = [s for s in pw.llm if opts.get(s)]
+    # The least each new instance puts on its GPUs: its lightest stage's compute share, its quickest one's busy share.
+    c_lb: list[float] = []
+    b_lb: list[float] = []
+    for pi in order:
+        reps, unit = pb.p_reps[pi], pb.profiles[pi].max_output_tokens_per_s
+        mine = [s for s in llm if any(k == NEW and ref == pi for k, ref, _ in opts[s])]
+        if not mine:
+            return None  # no stage can use it: no variant has exactly these instances
+        c_lb.append(busy_share(min(pw.load[s] for s in mine) / reps, unit) * (1 - _MARGIN))
+        b_lb.append(occupancy(min(pb.rho * pw.lat_new[s][pi] for s in mine) / reps) * (1 - _MARGIN))
+    new_c: dict[str, float] = {}
+    new_b: dict[str, float] = {}
+    for i, reps in enumerate(places):
+        for gids in reps:
+            for g in gids:
+                new_c[g] = new_c.get(g, 0.0) + c_lb[i]
+                new_b[g] = new_b.get(g, 0.0) + b_lb[i]
+
+    def squeeze(gids: Sequence[str], own_c: float, own_b: float) -> tuple[float, float]:
+        """(the co-residents' busy total on the most crowded of these GPUs, the most compute share the instance
+        may add to them within the budget), with the new instances' least shares counted less its own."""
+        worst = 0.0
+        room = INF
+        for g in gids:
+            worst = max(worst, busy0.get(g, 0.0) + new_b.get(g, 0.0) - own_b)
+            room = min(room, budget - comp0.get(g, 0.0) - (new_c.get(g, 0.0) - own_c))
+        return worst, room
+
+    state = pb.share_state(pb.free0, comp0, busy0)
+    bins: list[_Bin] = []
+    for i, pi in enumerate(order):
+        reps, unit = pb.p_reps[pi], pb.profiles[pi].max_output_tokens_per_s
+        f, top = 1.0, INF
+        for gids in places[i]:  # each replica: its f and its compute share within u once slowed
+            worst, room = squeeze(gids, c_lb[i], b_lb[i])
+            f_r = 1.0 + kappa * worst
+            f, top = max(f, f_r), min(top, room, budget / f_r, 1.0 / f_r)
+        if top < c_lb[i]:
+            return None  # it cannot carry even its lightest stage
+        b = _Bin(NEW, pi, i, min(top * unit * reps * (1 + _MARGIN), _tol(pb.p_cap[pi])), f, unit * reps, 0.0)
+        for s in llm:
+            for k, ref, lb in opts[s]:
+                if k == NEW and ref == pi:
+                    b.alone[s] = pw.lat_new[s][pi]
+                    b.lb[s] = max(lb, b.alone[s] * state.multiplier_lb(f, busy_share(pw.load[s] / reps, unit)))
+        bins.append(b)
+    for r in sorted({ref for s in llm for k, ref, _ in opts[s] if k == REUSE}):
+        inst = pb.reusable[r]
+        rho0, unit = pb.run_rho0[inst.id], pb.r_unit[r]
+        worst, room = squeeze(inst.gpu_ids, 0.0, pb.run_busy0[inst.id])  # its own busy share is no co-resident's
+        f = 1.0 + kappa * max(0.0, worst)
+        top = min(room + rho0, budget / f, 1.0 / f)  # the GPUs' totals hold its running share already
+        cap = min(top * unit * (1 + _MARGIN), _tol(pb.p_cap[pb.r_prof[r]]))
+        b = _Bin(REUSE, r, -1, max(cap, pb.r_load0[r]), f, unit, pb.r_load0[r])
+        for s in llm:
+            for k, ref, lb in opts[s]:
+                if k == REUSE and ref == r:
+                    b.alone[s] = pw.lat_reuse[s][r]
+                    b.lb[s] = max(lb, b.alone[s] * state.multiplier_lb(f, busy_share(b.load0 + pw.load[s], unit)))
+        bins.append(b)
+    return bins
+
+
+def _assignment_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, lat_cap: float, integer: bool
+                   ) -> tuple[Any, int]:
+    """The least sum of stage latencies, each stage on one bin with a finite latency, every bin within its
+    capacity, each of the first `n_new` bins used, the sum at most `lat_cap`: HiGHS' model of it (a MILP when
+    `integer`), and the index of the bins' first capacity row."""
+    from flowmaker.selection.exact import _core_lp
+    from flowmaker.selection.milp import _CORE, MIP_TOL
+
+    core = _CORE
+    nb, ns = len(bins), len(llm)
+    cols: list[tuple[int, int, float]] = [(j, bi, b.lb[s]) for j, s in enumerate(llm) for bi, b in enumerate(bins)
+                                          if b.lb.get(s, INF) < INF]
+    n_rows = ns + 2 * nb + 1
+    rlo = [1.0] * ns + [-math.inf] * nb + [1.0] * n_new + [-math.inf] * (nb - n_new) + [-math.inf]
+    rhi = [1.0] * ns + [b.cap - b.load0 for b in bins] + [math.inf] * nb + [lat_cap]
+    entries = [[(j, 1.0), (ns + bi, pw.load[llm[j]]), (ns + nb + bi, 1.0), (n_rows - 1, v)] for j, bi, v in cols]
+    lp = _core_lp([0.0] * len(cols), [1.0] * len(cols), [c[2] for c in cols], entries, rlo, rhi)
+    if integer:
+        lp.integrality_ = [core.HighsVarType.kInteger] * len(cols)
+    h: Any = core._Highs()
+    for opt, val in (("output_flag", False), ("threads", 1), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
+                     ("mip_feasibility_tolerance", MIP_TOL), ("primal_feasibility_tolerance", MIP_TOL),
+                     ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", MILP_NODES)):
+        h.setOptionValue(opt, val)
+    h.passModel(lp)
+    return h, ns
+
+
+def _least_l(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, tool: float, cap_l: float,
+             deadline: float) -> float | None:
+    """Least L (tool + the stages' latency bounds) of an assignment to these bins (`_assignment_lp`, as a MILP): INF
+    when none is within cap_l; HiGHS' dual bound when unsettled; None when the deadline passed."""
+    from flowmaker.selection.milp import _CORE
+
+    least = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
+    if least > cap_l * (1 + 1e-9):
+        return INF
+    if _CORE is None:
+        return least
+    left = deadline - time.perf_counter()
+    if left <= 0:
+        return None
+    h, _ = _assignment_lp(pw, llm, bins, n_new, (cap_l - tool) * (1 + 1e-9) + 1e-12, integer=True)
+    h.setOptionValue("time_limit", left)
+    h.run()
+    name = h.modelStatusToString(h.getModelStatus())
+    if name == "Infeasible":
+        return INF
+    info = h.getInfo()
+    db = getattr(info, "mip_dual_bound", None)
+    if name == "Optimal":
+        v = min(info.objective_function_value, db if db is not None and math.isfinite(db) else INF)
+    elif db is not None and math.isfinite(db):
+        v = db
+    else:
+        return least if name != "Time limit reached" else None
+    return max(least, tool + v - 1e-9 * max(1.0, abs(v)))
+
+
+def _prices(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int) -> list[float]:
+    """Prices of the bins' capacities for a Lagrangian bound (any prices >= 0 give one): those of the LP
+    relaxation's optimum, 0 when HiGHS is missing or the LP has none."""
+    from flowmaker.selection.milp import _CORE
+
+    if _CORE is None:
+        return [0.0] * len(bins)
+    h, row0 = _assignment_lp(pw, llm, bins, n_new, math.inf, integer=False)
+    h.run()
+    if h.modelStatusToString(h.getModelStatus()) != "Optimal":
+        return [0.0] * len(bins)
+    dual = h.getSolution().row_dual
+    return [abs(dual[row0 + bi]) for bi in range(len(bins))]
+
+
+# ---------------------------------------------------------------- every variant of a multiset, by enumeration
+
+SETTLE_NODES = 20_000  # depth-first nodes to settle one multiset exactly (`settle_multiset`)
+TIE_NODES = 200_000  # depth-first nodes of `chain_ties`, all multisets together (work, not time)
+
+Candidate = tuple[tuple[float, float, int], list[Any], list[int], list[tuple[str, tuple[str, ...]]]]
+
+
+def _enumerate(model: Any, insts: Sequence[int], cap_cost: float, deadline: float, budget: list[int],
+               keep_all: bool) -> tuple[list[Candidate], bool]:
+    """The feasible variants of chain `model.pw` (`model`: its `milp.RelaxedModel`) whose new instances are exactly
+    `insts` and whose cost is at most `cap_cost`, scored from scratch (`RelaxedModel.realize`): all of them
+    (`keep_all`), or a least-cost one (the cap falls to each one found). Per opening order, the stages are decided
+    heaviest first (capacity cuts early) within `placed_bins`' capacities; a complete assignment counts for the
+    order in which its instances' first stages come (so each variant counts once), and a partial one is cut when
+    the load left exceeds the room left, or when its latency bound (each instance's stages at its bound so far:
+    their latencies alone times its multiplier at its load so far, which only grows, or their own bounds; each
+    later stage at its least bound) passes the cap. (found, complete): not complete when `budget[0]` depth-first
+    nodes (decremented) or the deadline ran out first."""
+    pb, pw = model.pb, model.pw
+    opts = model.opts
+    topo = {s: j for j, s in enumerate(pw.llm)}
+    llm = sorted((s for s in pw.llm if opts.get(s)), key=lambda s: (-pw.load[s], topo[s]))
+    tool = sum(pw.tool_lat[v] for v in range(len(pw.wf.stages)) if not pw.wf.stages[v].is_llm)
+    m = sum(pb.p_mem[pi] for pi in insts)
+    state = pb.share_state(pb.free0, *pb._fast_totals())
+    out: list[Candidate] = []
+    orders = _orders(insts)
+    if orders is None:
+        return out, False
+    n = len(llm)
+    cap = [min(pb.lam * (1 + 1e-9) + 1e-12, cap_cost / m if m > 0 else INF)]
+    for order in orders:
+        bins = placed_bins(pb, pw, opts, order)
+        if bins is None:
+            continue
+        k_new = len(order)
+        rem = [0.0] * (n + 1)
+        for j in range(n - 1, -1, -1):
+            rem[j] = rem[j + 1] + min((b.lb.get(llm[j], INF) for b in bins), default=INF)
+        if tool + rem[0] > cap[0]:
+            continue
+        by_stage = [sorted(((b.lb[s], bi) for bi, b in enumerate(bins) if s in b.lb)) for s in llm]
+        # A Lagrangian bound of the stages left: with prices mu >= 0 of the bins' room, their latency is at least
+        # sum of min over bins (bound + mu x load) - sum of mu x room left (the LP's prices).
+        mu = _prices(pw, llm, bins, k_new)
+        rem_mu = [0.0] * (n + 1)
+        for j in range(n - 1, -1, -1):
+            ld = pw.load[llm[j]]
+            rem_mu[j] = rem_mu[j + 1] + min(lb + mu[bi] * ld for lb, bi in by_stage[j])
+        pen = [sum(p_ * (b.cap - b.load0) for p_, b in zip(mu, bins, strict=True))]
+        if tool + rem_mu[0] - pen[0] > cap[0] * (1 + 1e-9):
+            continue
+        ld_suf = [0.0] * (n + 1)  # the load of stages j..
+        for j in range(n - 1, -1, -1):
+            ld_suf[j] = ld_suf[j + 1] + pw.load[llm[j]]
+        # per bin, the least load of a stage j.. that may use it: room below it is wasted
+        min_ld = [[INF] * len(bins) for _ in range(n + 1)]
+        for j in range(n - 1, -1, -1):
+            min_ld[j] = list(min_ld[j + 1])
+            for _, bi in by_stage[j]:
+                min_ld[j][bi] = min(min_ld[j][bi], pw.load[llm[j]])
+        fill = [b.load0 for b in bins]
+        used = [0] * len(bins)
+        alone = [0.0] * len(bins)
+        lbs = [0.0] * len(bins)
+        contrib = [0.0] * len(bins)
+        assign: dict[int, tuple[str, int]] = {}
+        inst: dict[int, int] = {}
+        opened = [0]
+
+        def go(j: int, part: float) -> bool:
+            budget[0] -= 1
+            if budget[0] < 0 or (budget[0] & 255 == 0 and time.perf_counter() > deadline):
+                return False
+            if k_new - opened[0] > n - j:
+                return True  # too few stages left to open every instance
+            if j == n:
+                first = sorted(range(k_new), key=lambda i: min(topo[s] for s, b in inst.items() if b == i))
+                if first != list(range(k_new)):
+                    return True  # its instances open in another order: that order's search counts it
+                got = model.realize(assign, inst)
+                if got is not None and got[0][0] <= cap_cost:
+                    out.append(got)
+                    if not keep_all:
+                        cap[0] = min(cap[0], got[0][1])
+                return True
+            room = 0.0
+            for bi, b in enumerate(bins):
+                r = b.cap - fill[bi]
+                if r >= min_ld[j][bi]:
+                    room += r
+            if ld_suf[j] > room * (1 + 1e-9) + 1e-9:
+                return True  # the load left cannot fit
+            if part + rem_mu[j] - pen[0] > cap[0] * (1 + 1e-9):
+                return True
+            s, ld = llm[j], pw.load[llm[j]]
+            for lb, bi in by_stage[j]:
+                if part + lb + rem[j + 1] > cap[0]:
+                    break  # fastest first
+                b = bins[bi]
+                if fill[bi] + ld > b.cap:
+                    continue
+                f0, a0, l0, c0 = fill[bi], alone[bi], lbs[bi], contrib[bi]
+                fill[bi], alone[bi], lbs[bi] = f0 + ld, a0 + b.alone[s], l0 + lb
+                mlt = state.multiplier_lb(b.f, fill[bi] / b.unit)
+                contrib[bi] = max(lbs[bi], alone[bi] * mlt)
+                p2 = part - c0 + contrib[bi]
+                if p2 + rem[j + 1] <= cap[0]:
+                    used[bi] += 1
+                    pen[0] -= mu[bi] * ld
+                    opened[0] += b.kind == NEW and used[bi] == 1
+                    assign[s] = (b.kind, b.ref)
+                    if b.kind == NEW:
+                        inst[s] = b.i
+                    else:
+                        inst.pop(s, None)
+                    ok = go(j + 1, p2)
+                    opened[0] -= b.kind == NEW and used[bi] == 1
+                    pen[0] += mu[bi] * ld
+                    used[bi] -= 1
+                else:
+                    ok = True
+                fill[bi], alone[bi], lbs[bi], contrib[bi] = f0, a0, l0, c0
+                if not ok:
+                    return False
+            return True
+
+        if not go(0, tool):
+            return out, False
+    return out, True
+
+
+def settle_multiset(model: Any, insts: Sequence[int], cap_cost: float, deadline: float
+                    ) -> tuple[Candidate | None, bool]:
+    """A least-cost feasible variant of chain `model.pw` with exactly the new instances `insts` among those of cost
+    at most `cap_cost` (None: there is none), and whether that is settled (SETTLE_NODES)."""
+    got, done = _enumerate(model, insts, cap_cost, deadline, [SETTLE_NODES], keep_all=False)
+    return (min(got, key=lambda c: c[0]) if got else None), done
+
+
+def chain_ties(model: Any, multisets: Sequence[tuple[int, ...]], hi: float, deadline: float
+               ) -> list[Candidate] | None:
+    """Every feasible variant of chain `model.pw` whose new instances form one of `multisets` and whose cost is at
+    most `hi`, scored from scratch: the variants that may tie a proven optimum of cost about `hi`. None when
+    TIE_NODES nodes or the deadline pass first."""
+    budget = [TIE_NODES]
+    out: list[Candidate] = []
+    for insts in multisets:
+        got, done = _enumerate(model, insts, hi, deadline, budget, keep_all=True)
+        if not done:
+            return None
+        out.extend(got)
+    return out
+
+
+def settle_ties(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Sequence[tuple[int, ...]]],
+                best: tuple[tuple[float, float, int], tuple[PWorkflow, list[Any], list[int], list[Any]]],
+                deadline: float) -> tuple[tuple[float, float, int], tuple[PWorkflow, list[Any], list[int], list[Any]]] | None:
+    """The spec's answer once the chain walks proved the cost of `best` (every workflow a chain, `multisets` the
+    ones each walk settled within that cost): every variant that may tie it (`chain_ties`), then the spec's order,
+    exactly as "Ties, exactly" states it (least cost, then least L_s, fewest new GPUs, canonical order). None when
+    the enumeration runs out of work first."""
+    from flowmaker.selection.exact import _encoding
+
+    hi = best[0][0] * (1 + 1e-9)
+    entries = [(best[0], best[1])]
+    for idx, ys in multisets.items():
+        got = chain_ties(models[idx], ys, hi, deadline)
+        if got is None:
+            return None
+        pw = models[idx].pw
+        entries.extend((sc, (pw, choice, slots, places)) for sc, choice, slots, places in got)
+    c = min(sc[0] for sc, _ in entries)
+    left = [e for e in entries if e[0][0] <= c * (1 + 1e-12)]
+    lat = min(sc[1] for sc, _ in left)
+    left = [e for e in left if e[0][1] <= lat * (1 + 1e-12)]
+    gpus = min(sc[2] for sc, _ in left)
+    left = [e for e in left if e[0][2] == gpus]
+    return min(left, key=lambda e: (e[1][0].index, _encoding(e[1][1], e[1][2])))
+
+
+def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand: Candidate | None, inc: float,
+                 cap_l: float, deadline: float) -> tuple[float, Candidate | None]:
+    """For the chain walk (`chain.walk_chain`), a multiset `insts` whose least relaxed cost `val` its variant `cand`
+    (None: it did not place) does not reach: (a lower bound of the cost of every variant with exactly these new
+    instances, the best candidate known for them). First `multiset_bound`; when that leaves the multiset at or below
+    the incumbent `inc`, `settle_multiset` finds its least cost exactly (INF: none at or below `inc`)."""
+    from flowmaker.selection.problem import better
+
+    pb = model.pb
+    m = sum(pb.p_mem[pi] for pi in insts)
+    val = max(val, m * multiset_bound(pb, model.pw, model.opts, insts, tool, cap_l, deadline))
+    if val > inc * (1 + 1e-9):
+        return val, cand
+    got, done = settle_multiset(model, insts, inc * (1 + 1e-9), deadline)
+    if got is not None and (cand is None or better(*got[0], cand[0])):
+        cand = got
+    if done:
+        val = got[0][0] if got is not None else INF
+    return val, cand
