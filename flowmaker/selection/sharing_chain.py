@@ -270,35 +270,36 @@ def _prices(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int) -> list
 # ---------------------------------------------------------------- every variant of a multiset, by enumeration
 
 SETTLE_NODES = 20_000  # depth-first nodes to settle one multiset exactly (`settle_multiset`)
-TIE_NODES = 200_000  # depth-first nodes of `chain_ties`, all multisets together (work, not time)
+TIE_NODES = 200_000  # depth-first nodes of `better_than`, all multisets together (work, not time)
 
 Candidate = tuple[tuple[float, float, int], list[Any], list[int], list[tuple[str, tuple[str, ...]]]]
 
 
-def _enumerate(model: Any, insts: Sequence[int], cap_cost: float, deadline: float, budget: list[int],
-               keep_all: bool) -> tuple[list[Candidate], bool]:
-    """The feasible variants of chain `model.pw` (`model`: its `milp.RelaxedModel`) whose new instances are exactly
-    `insts` and whose cost is at most `cap_cost`, scored from scratch (`RelaxedModel.realize`): all of them
-    (`keep_all`), or a least-cost one (the cap falls to each one found). Per opening order, the stages are decided
+def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, budget: list[int], strict: bool
+               ) -> tuple[list[Candidate], bool]:
+    """Feasible variants of chain `model.pw` (`model`: its `milp.RelaxedModel`) whose new instances are exactly
+    `insts` and whose L_s is at most `cap_l`, scored from scratch (`RelaxedModel.realize`), each below the one found
+    before it (so the last is a least one; `strict`: each shorter than the one before by more than the spec's
+    1e-12, so that no variant that ties one found is looked at). Per opening order, the stages are decided
     heaviest first (capacity cuts early) within `placed_bins`' capacities; a complete assignment counts for the
     order in which its instances' first stages come (so each variant counts once), and a partial one is cut when
     the load left exceeds the room left, or when its latency bound (each instance's stages at its bound so far:
     their latencies alone times its multiplier at its load so far, which only grows, or their own bounds; each
-    later stage at its least bound) passes the cap. (found, complete): not complete when `budget[0]` depth-first
-    nodes (decremented) or the deadline ran out first."""
+    later stage at its least bound, or a Lagrangian bound with the LP's prices of the room left) passes the cap.
+    (found, complete): not complete when `budget[0]` depth-first nodes (decremented) or the deadline ran out
+    first."""
     pb, pw = model.pb, model.pw
     opts = model.opts
     topo = {s: j for j, s in enumerate(pw.llm)}
     llm = sorted((s for s in pw.llm if opts.get(s)), key=lambda s: (-pw.load[s], topo[s]))
     tool = sum(pw.tool_lat[v] for v in range(len(pw.wf.stages)) if not pw.wf.stages[v].is_llm)
-    m = sum(pb.p_mem[pi] for pi in insts)
     state = pb.share_state(pb.free0, *pb._fast_totals())
     out: list[Candidate] = []
     orders = _orders(insts)
     if orders is None:
         return out, False
     n = len(llm)
-    cap = [min(pb.lam * (1 + 1e-9) + 1e-12, cap_cost / m if m > 0 else INF)]
+    cap = [min(pb.lam * (1 + 1e-9) + 1e-12, cap_l)]
     for order in orders:
         bins = placed_bins(pb, pw, opts, order)
         if bins is None:
@@ -349,10 +350,9 @@ def _enumerate(model: Any, insts: Sequence[int], cap_cost: float, deadline: floa
                 if first != list(range(k_new)):
                     return True  # its instances open in another order: that order's search counts it
                 got = model.realize(assign, inst)
-                if got is not None and got[0][0] <= cap_cost:
+                if got is not None and got[0][1] <= cap[0]:
                     out.append(got)
-                    if not keep_all:
-                        cap[0] = min(cap[0], got[0][1])
+                    cap[0] = got[0][1] * (1 - 1e-12) if strict else got[0][1]
                 return True
             room = 0.0
             for bi, b in enumerate(bins):
@@ -404,49 +404,45 @@ def settle_multiset(model: Any, insts: Sequence[int], cap_cost: float, deadline:
                     ) -> tuple[Candidate | None, bool]:
     """A least-cost feasible variant of chain `model.pw` with exactly the new instances `insts` among those of cost
     at most `cap_cost` (None: there is none), and whether that is settled (SETTLE_NODES)."""
-    got, done = _enumerate(model, insts, cap_cost, deadline, [SETTLE_NODES], keep_all=False)
-    return (min(got, key=lambda c: c[0]) if got else None), done
+    m = sum(model.pb.p_mem[pi] for pi in insts)
+    got, done = _enumerate(model, insts, cap_cost / m if m > 0 else INF, deadline, [SETTLE_NODES], strict=False)
+    return (got[-1] if got else None), done
 
 
-def chain_ties(model: Any, multisets: Sequence[tuple[int, ...]], hi: float, deadline: float
-               ) -> list[Candidate] | None:
-    """Every feasible variant of chain `model.pw` whose new instances form one of `multisets` and whose cost is at
-    most `hi`, scored from scratch: the variants that may tie a proven optimum of cost about `hi`. None when
-    TIE_NODES nodes or the deadline pass first."""
+Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Any], list[int], list[Any]]]
+
+
+def better_than(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Sequence[tuple[int, ...]]],
+                best: Best, deadline: float) -> Best | None:
+    """Once the chain walks proved the cost of `best` (every workflow a chain, `multisets` the multisets of new
+    instances each walk settled within that cost): the best variant by the spec's (cost, L_s, new GPUs), `best`
+    unless one of those multisets has a better one, found by `_enumerate` with its latency cap at what a better
+    variant needs (a shorter L_s at this cost, fewer new GPUs at this cost and L_s, or a lower cost), so that the
+    variants that tie `best` (often many: instances alone on their GPUs run unslowed, whatever they carry) are
+    not looked at. None when TIE_NODES nodes or the deadline pass first. The canonical order among the ties of
+    the answer is `exact.canonical`'s."""
+    from flowmaker.selection.problem import better
+
     budget = [TIE_NODES]
-    out: list[Candidate] = []
-    for insts in multisets:
-        got, done = _enumerate(model, insts, hi, deadline, budget, keep_all=True)
-        if not done:
-            return None
-        out.extend(got)
-    return out
-
-
-def settle_ties(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Sequence[tuple[int, ...]]],
-                best: tuple[tuple[float, float, int], tuple[PWorkflow, list[Any], list[int], list[Any]]],
-                deadline: float) -> tuple[tuple[float, float, int], tuple[PWorkflow, list[Any], list[int], list[Any]]] | None:
-    """The spec's answer once the chain walks proved the cost of `best` (every workflow a chain, `multisets` the
-    ones each walk settled within that cost): every variant that may tie it (`chain_ties`), then the spec's order,
-    exactly as "Ties, exactly" states it (least cost, then least L_s, fewest new GPUs, canonical order). None when
-    the enumeration runs out of work first."""
-    from flowmaker.selection.exact import _encoding
-
-    hi = best[0][0] * (1 + 1e-9)
-    entries = [(best[0], best[1])]
     for idx, ys in multisets.items():
-        got = chain_ties(models[idx], ys, hi, deadline)
-        if got is None:
-            return None
-        pw = models[idx].pw
-        entries.extend((sc, (pw, choice, slots, places)) for sc, choice, slots, places in got)
-    c = min(sc[0] for sc, _ in entries)
-    left = [e for e in entries if e[0][0] <= c * (1 + 1e-12)]
-    lat = min(sc[1] for sc, _ in left)
-    left = [e for e in left if e[0][1] <= lat * (1 + 1e-12)]
-    gpus = min(sc[2] for sc, _ in left)
-    left = [e for e in left if e[0][2] == gpus]
-    return min(left, key=lambda e: (e[1][0].index, _encoding(e[1][1], e[1][2])))
+        model = models[idx]
+        for insts in ys:
+            c, lat, gpus = best[0]
+            m = sum(pb.p_mem[pi] for pi in insts)
+            g = sum(pb.p_gpus[pi] for pi in insts)
+            if m <= 0:
+                continue  # all reuse: cost 0, the walk's own candidate
+            if m * lat > c * (1 + 1e-12) or g < gpus:  # a tie of cost may be better: shorter, or fewer GPUs
+                cap = c * (1 + 1e-12) / m
+            else:  # only a lower cost, or this cost with a shorter L_s
+                cap = max(c * (1 - 1e-12) / m, lat * (1 - 1e-12))
+            got, done = _enumerate(model, insts, cap, deadline, budget, strict=True)
+            if not done:
+                return None
+            for sc, choice, slots, places in got:
+                if better(*sc, best[0]):
+                    best = (sc, (model.pw, choice, slots, places))
+    return best
 
 
 def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand: Candidate | None, inc: float,
@@ -460,7 +456,7 @@ def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand
     pb = model.pb
     m = sum(pb.p_mem[pi] for pi in insts)
     val = max(val, m * multiset_bound(pb, model.pw, model.opts, insts, tool, cap_l, deadline))
-    if val > inc * (1 + 1e-9):
+    if val > inc * (1 + 1e-9) or inc == INF:  # (no incumbent: nothing would cut the search)
         return val, cand
     got, done = settle_multiset(model, insts, inc * (1 + 1e-9), deadline)
     if got is not None and (cand is None or better(*got[0], cand[0])):
