@@ -552,7 +552,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
     from flowmaker.selection import exact as ex
     from flowmaker.selection.chain import is_chain, walk_chain
     from flowmaker.selection.local import improve
-    from flowmaker.selection.sharing_chain import better_than
+    from flowmaker.selection.sharing_chain import tie_break
 
     started = time.perf_counter()
     budget = req.options.time_budget_s or ex.DEFAULT_BUDGET_S
@@ -640,11 +640,13 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         hi = best[0][0] * (1 + REL_TOL) + 1e-300
         multisets = {i: [y for y, v in fr_set.items() if v <= hi] for i, fr_set in settled.items()}
         if len(settled) == len(pb.workflows):
-            # Every workflow a chain whose walk settled it: a better variant by (cost, L_s, new GPUs) is looked for
-            # among those multisets only (`sharing_chain.better_than`), then the canonical pass.
-            won = better_than(pb, models, multisets, best, grace)
+            # Every workflow a chain whose walk settled it: the variants that may tie are looked for among those
+            # multisets only (`sharing_chain.tie_break`); the canonical pass when they are many.
+            won = tie_break(pb, models, multisets, best, grace)
+            if won is not None and won[1]:
+                return pb.result(strategy, won[0][1], started, evaluated, optimal=True)
             if won is not None:
-                return _canonical_result(pb, strategy, won, started, evaluated, grace)
+                return _canonical_result(pb, strategy, won[0], started, evaluated, grace)
         s4 = ex.make_search(pb, deadline=deadline, grace=grace, lat_cap=best[0][1], multisets=multisets)
         s4.best, s4.best_at = best
         s4.run()

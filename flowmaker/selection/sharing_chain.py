@@ -37,8 +37,11 @@ from typing import Any
 from flowmaker.selection.problem import EPS, INF, NEW, REUSE, Problem, PWorkflow
 from flowmaker.sharing import busy_share, occupancy
 
-MAX_ORDERS = 24  # distinct opening orders of a multiset tried; past it the multiset keeps the walk's bound
-MILP_NODES = 200  # HiGHS nodes per order (work, not time); an unsettled order gives its dual bound
+MAX_ORDERS = 720  # distinct opening orders of a multiset tried; past it the multiset keeps the walk's bound
+MILP_ORDERS = 40  # up to this many orders, each one's least L is a MILP (`_least_l`)
+LEVEL_MILP = False
+LEVELS = 6  # load bands of a slowed instance in that MILP
+MILP_NODES = 10  # HiGHS nodes per order (work, not time); an unsettled order gives its dual bound
 _MARGIN = 1e-7
 
 Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedModel.opts`
@@ -97,14 +100,21 @@ def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Optio
         return 0.0
     best = INF
     llm = [s for s in pw.llm if opts.get(s)]
+    total = sum(pw.load[s] for s in llm)
+    state = pb.share_state(pb.free0, *pb._fast_totals())
     for order in orders:
         bins = placed_bins(pb, pw, opts, order)
-        if bins is None:
-            continue
-        got = _least_l(pw, llm, bins, len(order), tool, cap_l, deadline)
+        if bins is None or sum(b.cap - b.load0 for b in bins) < total * (1 - 1e-9):
+            continue  # it does not place, or its instances cannot hold the load even together
+        if len(orders) > MILP_ORDERS:  # many orders: each at its stages' least bounds, capacity left out
+            got: float | None = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
+        else:
+            got = _least_l(pw, llm, bins, len(order), tool, cap_l, deadline, state)
         if got is None:
             return 0.0  # out of time: nothing proven
         best = min(best, got)
+        if best <= 0.0:
+            break
     return best
 
 
@@ -193,38 +203,83 @@ def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     return bins
 
 
-def _assignment_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, lat_cap: float, integer: bool
-                   ) -> tuple[Any, int]:
+def _assignment_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, lat_cap: float, integer: bool,
+                   state: Any = None) -> tuple[Any, list[int]]:
     """The least sum of stage latencies, each stage on one bin with a finite latency, every bin within its
     capacity, each of the first `n_new` bins used, the sum at most `lat_cap`: HiGHS' model of it (a MILP when
-    `integer`), and the index of the bins' first capacity row."""
+    `integer`), and each bin's capacity row. With `state` (a MILP), a slowed bin (f > 1) carries its final load in
+    one of LEVELS equal bands (a binary each), and a stage there costs its latency alone times the multiplier at the
+    band's lower edge (or its own bound, when higher): the multiplier grows steeply with the load once slowed, which
+    the stages' own bounds do not see."""
     from flowmaker.selection.exact import _core_lp
     from flowmaker.selection.milp import _CORE, MIP_TOL
 
     core = _CORE
-    nb, ns = len(bins), len(llm)
-    cols: list[tuple[int, int, float]] = [(j, bi, b.lb[s]) for j, s in enumerate(llm) for bi, b in enumerate(bins)
-                                          if b.lb.get(s, INF) < INF]
-    n_rows = ns + 2 * nb + 1
-    rlo = [1.0] * ns + [-math.inf] * nb + [1.0] * n_new + [-math.inf] * (nb - n_new) + [-math.inf]
-    rhi = [1.0] * ns + [b.cap - b.load0 for b in bins] + [math.inf] * nb + [lat_cap]
-    entries = [[(j, 1.0), (ns + bi, pw.load[llm[j]]), (ns + nb + bi, 1.0), (n_rows - 1, v)] for j, bi, v in cols]
-    lp = _core_lp([0.0] * len(cols), [1.0] * len(cols), [c[2] for c in cols], entries, rlo, rhi)
+    ns = len(llm)
+    rlo: list[float] = [1.0] * ns
+    rhi: list[float] = [1.0] * ns
+
+    def row(lo: float, hi: float) -> int:
+        rlo.append(lo)
+        rhi.append(hi)
+        return len(rlo) - 1
+
+    cols_cost: list[float] = []
+    integ: list[Any] = []
+    entries: list[list[tuple[int, float]]] = []
+
+    def col(cost: float, e: list[tuple[int, float]]) -> int:
+        cols_cost.append(cost)
+        integ.append(core.HighsVarType.kInteger)
+        entries.append(e)
+        return len(cols_cost) - 1
+
+    lat_row = row(-math.inf, lat_cap)
+    cap_rows: list[int] = []
+    for bi, b in enumerate(bins):
+        room = b.cap - b.load0
+        must = row(1.0, math.inf) if bi < n_new else None
+        bands = LEVELS if state is not None and b.f > 1 + 1e-9 and room > 0 else 1
+        one = row(-math.inf, 1.0) if bands > 1 else None
+        for k in range(bands):
+            lo_ld, hi_ld = room * k / bands, room * (k + 1) / bands
+            cap_r = row(-math.inf, 0.0 if bands > 1 else room)
+            if k == 0:
+                cap_rows.append(cap_r)
+            if one is not None:
+                col(0.0, [(one, 1.0), (cap_r, -hi_ld)])
+            for j, s in enumerate(llm):
+                lb = b.lb.get(s, INF)
+                if lb == INF:
+                    continue
+                ld = pw.load[s]
+                if bands > 1:
+                    if ld > hi_ld:
+                        continue
+                    lb = max(lb, b.alone[s] * state.multiplier_lb(b.f, (b.load0 + max(lo_ld, ld)) / b.unit))
+                    if lb == INF:
+                        continue
+                e = [(j, 1.0), (cap_r, ld), (lat_row, lb)]
+                if must is not None:
+                    e.append((must, 1.0))
+                col(lb, e)
+    lp = _core_lp([0.0] * len(cols_cost), [1.0] * len(cols_cost), cols_cost, entries, rlo, rhi)
     if integer:
-        lp.integrality_ = [core.HighsVarType.kInteger] * len(cols)
+        lp.integrality_ = integ
     h: Any = core._Highs()
     for opt, val in (("output_flag", False), ("threads", 1), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
                      ("mip_feasibility_tolerance", MIP_TOL), ("primal_feasibility_tolerance", MIP_TOL),
                      ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", MILP_NODES)):
         h.setOptionValue(opt, val)
     h.passModel(lp)
-    return h, ns
+    return h, cap_rows
 
 
 def _least_l(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, tool: float, cap_l: float,
-             deadline: float) -> float | None:
-    """Least L (tool + the stages' latency bounds) of an assignment to these bins (`_assignment_lp`, as a MILP): INF
-    when none is within cap_l; HiGHS' dual bound when unsettled; None when the deadline passed."""
+             deadline: float, state: Any) -> float | None:
+    """Least L (tool + the stages' latency bounds) of an assignment to these bins (`_assignment_lp`, as a MILP;
+    again with the slowed instances' load bands when that leaves it within cap_l): INF when none is within cap_l;
+    HiGHS' dual bound when unsettled; None when the deadline passed."""
     from flowmaker.selection.milp import _CORE
 
     least = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
@@ -232,24 +287,29 @@ def _least_l(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, tool: 
         return INF
     if _CORE is None:
         return least
-    left = deadline - time.perf_counter()
-    if left <= 0:
-        return None
-    h, _ = _assignment_lp(pw, llm, bins, n_new, (cap_l - tool) * (1 + 1e-9) + 1e-12, integer=True)
-    h.setOptionValue("time_limit", left)
-    h.run()
-    name = h.modelStatusToString(h.getModelStatus())
-    if name == "Infeasible":
-        return INF
-    info = h.getInfo()
-    db = getattr(info, "mip_dual_bound", None)
-    if name == "Optimal":
-        v = min(info.objective_function_value, db if db is not None and math.isfinite(db) else INF)
-    elif db is not None and math.isfinite(db):
-        v = db
-    else:
-        return least if name != "Time limit reached" else None
-    return max(least, tool + v - 1e-9 * max(1.0, abs(v)))
+    for bands in (state, None) if any(b.f > 1 + 1e-9 for b in bins) else (None,):
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return None
+        integer = bands is None or LEVEL_MILP
+        h, _ = _assignment_lp(pw, llm, bins, n_new, (cap_l - tool) * (1 + 1e-9) + 1e-12, integer, state=bands)
+        h.setOptionValue("time_limit", left)
+        h.run()
+        name = h.modelStatusToString(h.getModelStatus())
+        if name == "Infeasible":
+            return INF
+        info = h.getInfo()
+        db = getattr(info, "mip_dual_bound", None) if integer else None
+        if name == "Optimal":
+            v = min(info.objective_function_value, db if db is not None and math.isfinite(db) else INF)
+        elif db is not None and math.isfinite(db):
+            v = db
+        elif name == "Time limit reached":
+            return None
+        else:
+            continue
+        least = max(least, tool + v - 1e-9 * max(1.0, abs(v)))
+    return least
 
 
 def _prices(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int) -> list[float]:
@@ -259,28 +319,30 @@ def _prices(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int) -> list
 
     if _CORE is None:
         return [0.0] * len(bins)
-    h, row0 = _assignment_lp(pw, llm, bins, n_new, math.inf, integer=False)
+    h, rows = _assignment_lp(pw, llm, bins, n_new, math.inf, integer=False)
     h.run()
     if h.modelStatusToString(h.getModelStatus()) != "Optimal":
         return [0.0] * len(bins)
     dual = h.getSolution().row_dual
-    return [abs(dual[row0 + bi]) for bi in range(len(bins))]
+    return [abs(dual[r]) for r in rows]
 
 
 # ---------------------------------------------------------------- every variant of a multiset, by enumeration
 
 SETTLE_NODES = 20_000  # depth-first nodes to settle one multiset exactly (`settle_multiset`)
-TIE_NODES = 200_000  # depth-first nodes of `better_than`, all multisets together (work, not time)
+TIE_NODES = 200_000  # depth-first nodes of `tie_break`, all multisets together (work, not time)
+TIE_FOUND = 64  # variants that may tie that `tie_break` scores before it looks for better ones only
 
 Candidate = tuple[tuple[float, float, int], list[Any], list[int], list[tuple[str, tuple[str, ...]]]]
 
 
-def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, budget: list[int], strict: bool
-               ) -> tuple[list[Candidate], bool]:
+def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, budget: list[int],
+               strict: bool | None, most: int = 0) -> tuple[list[Candidate], bool]:
     """Feasible variants of chain `model.pw` (`model`: its `milp.RelaxedModel`) whose new instances are exactly
-    `insts` and whose L_s is at most `cap_l`, scored from scratch (`RelaxedModel.realize`), each below the one found
-    before it (so the last is a least one; `strict`: each shorter than the one before by more than the spec's
-    1e-12, so that no variant that ties one found is looked at). Per opening order, the stages are decided
+    `insts` and whose L_s is at most `cap_l`, scored from scratch (`RelaxedModel.realize`): all of them (`strict`
+    None; not complete once more than `most` are found), or each below the one found before it (so the last is a
+    least one; `strict`: each shorter than the one before by more than the spec's 1e-12, so that no variant that
+    ties one found is looked at). Per opening order, the stages are decided
     heaviest first (capacity cuts early) within `placed_bins`' capacities; a complete assignment counts for the
     order in which its instances' first stages come (so each variant counts once), and a partial one is cut when
     the load left exceeds the room left, or when its latency bound (each instance's stages at its bound so far:
@@ -352,6 +414,8 @@ def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, 
                 got = model.realize(assign, inst)
                 if got is not None and got[0][1] <= cap[0]:
                     out.append(got)
+                    if strict is None:
+                        return len(out) <= most
                     cap[0] = got[0][1] * (1 - 1e-12) if strict else got[0][1]
                 return True
             room = 0.0
@@ -412,18 +476,43 @@ def settle_multiset(model: Any, insts: Sequence[int], cap_cost: float, deadline:
 Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Any], list[int], list[Any]]]
 
 
-def better_than(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Sequence[tuple[int, ...]]],
-                best: Best, deadline: float) -> Best | None:
+def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Sequence[tuple[int, ...]]],
+              best: Best, deadline: float) -> tuple[Best, bool] | None:
     """Once the chain walks proved the cost of `best` (every workflow a chain, `multisets` the multisets of new
-    instances each walk settled within that cost): the best variant by the spec's (cost, L_s, new GPUs), `best`
-    unless one of those multisets has a better one, found by `_enumerate` with its latency cap at what a better
-    variant needs (a shorter L_s at this cost, fewer new GPUs at this cost and L_s, or a lower cost), so that the
-    variants that tie `best` (often many: instances alone on their GPUs run unslowed, whatever they carry) are
-    not looked at. None when TIE_NODES nodes or the deadline pass first. The canonical order among the ties of
-    the answer is `exact.canonical`'s."""
+    instances each walk settled within that cost): the spec's answer. First every variant that may tie it
+    (`_enumerate` up to that cost), when they are at most TIE_FOUND: then the spec's order picks among them,
+    exactly as "Ties, exactly" states it, canonical order included, and the second value is True. Otherwise (ties
+    abound when instances alone on their GPUs run unslowed, whatever they carry) only a variant better by (cost,
+    L_s, new GPUs) is looked for, with each multiset's latency cap at what a better one needs (a shorter L_s at this
+    cost, fewer new GPUs at this cost and L_s, or a lower cost), so that no tie is visited, and the second value is
+    False: the canonical order among the ties is then `exact.canonical`'s. None when TIE_NODES depth-first nodes or
+    the deadline pass first."""
+    from flowmaker.selection.exact import _encoding
     from flowmaker.selection.problem import better
 
     budget = [TIE_NODES]
+    entries: list[Best] = [best]
+    complete = True
+    for idx, ys in multisets.items():
+        model = models[idx]
+        for insts in ys:
+            m = sum(pb.p_mem[pi] for pi in insts)
+            if m > 0:
+                got, done = _enumerate(model, insts, best[0][0] * (1 + 1e-9) / m, deadline, budget, None, TIE_FOUND)
+                entries.extend((sc, (model.pw, choice, slots, places)) for sc, choice, slots, places in got)
+                complete = complete and done
+                if not done:
+                    break
+    if complete:
+        c = min(sc[0] for sc, _ in entries)
+        left = [e for e in entries if e[0][0] <= c * (1 + 1e-12)]
+        lat = min(sc[1] for sc, _ in left)
+        left = [e for e in left if e[0][1] <= lat * (1 + 1e-12)]
+        gpus = min(sc[2] for sc, _ in left)
+        left = [e for e in left if e[0][2] == gpus]
+        return min(left, key=lambda e: (e[1][0].index, _encoding(e[1][1], e[1][2]))), True
+    if budget[0] < 0 or time.perf_counter() > deadline:
+        return None
     for idx, ys in multisets.items():
         model = models[idx]
         for insts in ys:
@@ -442,7 +531,7 @@ def better_than(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, 
             for sc, choice, slots, places in got:
                 if better(*sc, best[0]):
                     best = (sc, (model.pw, choice, slots, places))
-    return best
+    return best, False
 
 
 def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand: Candidate | None, inc: float,
