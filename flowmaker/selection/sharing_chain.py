@@ -129,13 +129,13 @@ def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     occ = dict(pb.occ_units)
     places: list[list[tuple[str, ...]]] = []  # per instance, its replicas' GPUs
     for pi in order:
-        reps = []
+        placed: list[tuple[str, ...]] = []
         for _ in range(pb.p_reps[pi]):
             pl = pb.place_new(free, occ, pi)
             if pl is None:
                 return None
-            reps.append(pl[1])
-        places.append(reps)
+            placed.append(pl[1])
+        places.append(placed)
     comp0, busy0 = pb._fast_totals()
     kappa = float(pb.kappa)
     budget = pb.u * (1 + EPS) * (1 + _MARGIN)
@@ -152,8 +152,8 @@ def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
         b_lb.append(occupancy(min(pb.rho * pw.lat_new[s][pi] for s in mine) / reps) * (1 - _MARGIN))
     new_c: dict[str, float] = {}
     new_b: dict[str, float] = {}
-    for i, reps in enumerate(places):
-        for gids in reps:
+    for i, placed in enumerate(places):
+        for gids in placed:
             for g in gids:
                 new_c[g] = new_c.get(g, 0.0) + c_lb[i]
                 new_b[g] = new_b.get(g, 0.0) + b_lb[i]
@@ -360,108 +360,115 @@ def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, 
     orders = _orders(insts)
     if orders is None:
         return out, False
-    n = len(llm)
     cap = [min(pb.lam * (1 + 1e-9) + 1e-12, cap_l)]
     for order in orders:
         bins = placed_bins(pb, pw, opts, order)
-        if bins is None:
-            continue
-        k_new = len(order)
-        rem = [0.0] * (n + 1)
-        for j in range(n - 1, -1, -1):
-            rem[j] = rem[j + 1] + min((b.lb.get(llm[j], INF) for b in bins), default=INF)
-        if tool + rem[0] > cap[0]:
-            continue
-        by_stage = [sorted(((b.lb[s], bi) for bi, b in enumerate(bins) if s in b.lb)) for s in llm]
-        # A Lagrangian bound of the stages left: with prices mu >= 0 of the bins' room, their latency is at least
-        # sum of min over bins (bound + mu x load) - sum of mu x room left (the LP's prices).
-        mu = _prices(pw, llm, bins, k_new)
-        rem_mu = [0.0] * (n + 1)
-        for j in range(n - 1, -1, -1):
-            ld = pw.load[llm[j]]
-            rem_mu[j] = rem_mu[j + 1] + min(lb + mu[bi] * ld for lb, bi in by_stage[j])
-        pen = [sum(p_ * (b.cap - b.load0) for p_, b in zip(mu, bins, strict=True))]
-        if tool + rem_mu[0] - pen[0] > cap[0] * (1 + 1e-9):
-            continue
-        ld_suf = [0.0] * (n + 1)  # the load of stages j..
-        for j in range(n - 1, -1, -1):
-            ld_suf[j] = ld_suf[j + 1] + pw.load[llm[j]]
-        # per bin, the least load of a stage j.. that may use it: room below it is wasted
-        min_ld = [[INF] * len(bins) for _ in range(n + 1)]
-        for j in range(n - 1, -1, -1):
-            min_ld[j] = list(min_ld[j + 1])
-            for _, bi in by_stage[j]:
-                min_ld[j][bi] = min(min_ld[j][bi], pw.load[llm[j]])
-        fill = [b.load0 for b in bins]
-        used = [0] * len(bins)
-        alone = [0.0] * len(bins)
-        lbs = [0.0] * len(bins)
-        contrib = [0.0] * len(bins)
-        assign: dict[int, tuple[str, int]] = {}
-        inst: dict[int, int] = {}
-        opened = [0]
-
-        def go(j: int, part: float) -> bool:
-            budget[0] -= 1
-            if budget[0] < 0 or (budget[0] & 255 == 0 and time.perf_counter() > deadline):
-                return False
-            if k_new - opened[0] > n - j:
-                return True  # too few stages left to open every instance
-            if j == n:
-                first = sorted(range(k_new), key=lambda i: min(topo[s] for s, b in inst.items() if b == i))
-                if first != list(range(k_new)):
-                    return True  # its instances open in another order: that order's search counts it
-                got = model.realize(assign, inst)
-                if got is not None and got[0][1] <= cap[0]:
-                    out.append(got)
-                    if strict is None:
-                        return len(out) <= most
-                    cap[0] = got[0][1] * (1 - 1e-12) if strict else got[0][1]
-                return True
-            room = 0.0
-            for bi, b in enumerate(bins):
-                r = b.cap - fill[bi]
-                if r >= min_ld[j][bi]:
-                    room += r
-            if ld_suf[j] > room * (1 + 1e-9) + 1e-9:
-                return True  # the load left cannot fit
-            if part + rem_mu[j] - pen[0] > cap[0] * (1 + 1e-9):
-                return True
-            s, ld = llm[j], pw.load[llm[j]]
-            for lb, bi in by_stage[j]:
-                if part + lb + rem[j + 1] > cap[0]:
-                    break  # fastest first
-                b = bins[bi]
-                if fill[bi] + ld > b.cap:
-                    continue
-                f0, a0, l0, c0 = fill[bi], alone[bi], lbs[bi], contrib[bi]
-                fill[bi], alone[bi], lbs[bi] = f0 + ld, a0 + b.alone[s], l0 + lb
-                mlt = state.multiplier_lb(b.f, fill[bi] / b.unit)
-                contrib[bi] = max(lbs[bi], alone[bi] * mlt)
-                p2 = part - c0 + contrib[bi]
-                if p2 + rem[j + 1] <= cap[0]:
-                    used[bi] += 1
-                    pen[0] -= mu[bi] * ld
-                    opened[0] += b.kind == NEW and used[bi] == 1
-                    assign[s] = (b.kind, b.ref)
-                    if b.kind == NEW:
-                        inst[s] = b.i
-                    else:
-                        inst.pop(s, None)
-                    ok = go(j + 1, p2)
-                    opened[0] -= b.kind == NEW and used[bi] == 1
-                    pen[0] += mu[bi] * ld
-                    used[bi] -= 1
-                else:
-                    ok = True
-                fill[bi], alone[bi], lbs[bi], contrib[bi] = f0, a0, l0, c0
-                if not ok:
-                    return False
-            return True
-
-        if not go(0, tool):
+        if bins is not None and not _search_order(model, llm, topo, tool, state, bins, len(order), cap, out, strict,
+                                                  most, budget, deadline):
             return out, False
     return out, True
+
+
+def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: float, state: Any, bins: list[_Bin],
+                  k_new: int, cap: list[float], out: list[Candidate], strict: bool | None, most: int,
+                  budget: list[int], deadline: float) -> bool:
+    """`_enumerate`'s search for one opening order (`bins` its `placed_bins`, the first `k_new` of them new): the
+    variants it finds go to `out`; False when it ran out of work or time."""
+    pw = model.pw
+    n = len(llm)
+    rem = [0.0] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        rem[j] = rem[j + 1] + min((b.lb.get(llm[j], INF) for b in bins), default=INF)
+    if tool + rem[0] > cap[0]:
+        return True
+    by_stage = [sorted(((b.lb[s], bi) for bi, b in enumerate(bins) if s in b.lb)) for s in llm]
+    # A Lagrangian bound of the stages left: with prices mu >= 0 of the bins' room, their latency is at least
+    # sum of min over bins (bound + mu x load) - sum of mu x room left (the LP's prices).
+    mu = _prices(pw, llm, bins, k_new)
+    rem_mu = [0.0] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        ld = pw.load[llm[j]]
+        rem_mu[j] = rem_mu[j + 1] + min(lb + mu[bi] * ld for lb, bi in by_stage[j])
+    pen = [sum(p_ * (b.cap - b.load0) for p_, b in zip(mu, bins, strict=True))]
+    if tool + rem_mu[0] - pen[0] > cap[0] * (1 + 1e-9):
+        return True
+    ld_suf = [0.0] * (n + 1)  # the load of stages j..
+    for j in range(n - 1, -1, -1):
+        ld_suf[j] = ld_suf[j + 1] + pw.load[llm[j]]
+    # per bin, the least load of a stage j.. that may use it: room below it is wasted
+    min_ld = [[INF] * len(bins) for _ in range(n + 1)]
+    for j in range(n - 1, -1, -1):
+        min_ld[j] = list(min_ld[j + 1])
+        for _, bi in by_stage[j]:
+            min_ld[j][bi] = min(min_ld[j][bi], pw.load[llm[j]])
+    fill = [b.load0 for b in bins]
+    used = [0] * len(bins)
+    alone = [0.0] * len(bins)
+    lbs = [0.0] * len(bins)
+    contrib = [0.0] * len(bins)
+    assign: dict[int, tuple[str, int]] = {}
+    inst: dict[int, int] = {}
+    opened = [0]
+
+    def go(j: int, part: float) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0 or (budget[0] & 255 == 0 and time.perf_counter() > deadline):
+            return False
+        if k_new - opened[0] > n - j:
+            return True  # too few stages left to open every instance
+        if j == n:
+            first = sorted(range(k_new), key=lambda i: min(topo[s] for s, b in inst.items() if b == i))
+            if first != list(range(k_new)):
+                return True  # its instances open in another order: that order's search counts it
+            got = model.realize(assign, inst)
+            if got is not None and got[0][1] <= cap[0]:
+                out.append(got)
+                if strict is None:
+                    return len(out) <= most
+                cap[0] = got[0][1] * (1 - 1e-12) if strict else got[0][1]
+            return True
+        room = 0.0
+        for bi, b in enumerate(bins):
+            r = b.cap - fill[bi]
+            if r >= min_ld[j][bi]:
+                room += r
+        if ld_suf[j] > room * (1 + 1e-9) + 1e-9:
+            return True  # the load left cannot fit
+        if part + rem_mu[j] - pen[0] > cap[0] * (1 + 1e-9):
+            return True
+        s, ld = llm[j], pw.load[llm[j]]
+        for lb, bi in by_stage[j]:
+            if part + lb + rem[j + 1] > cap[0]:
+                break  # fastest first
+            b = bins[bi]
+            if fill[bi] + ld > b.cap:
+                continue
+            f0, a0, l0, c0 = fill[bi], alone[bi], lbs[bi], contrib[bi]
+            fill[bi], alone[bi], lbs[bi] = f0 + ld, a0 + b.alone[s], l0 + lb
+            mlt = state.multiplier_lb(b.f, fill[bi] / b.unit)
+            contrib[bi] = max(lbs[bi], alone[bi] * mlt)
+            p2 = part - c0 + contrib[bi]
+            if p2 + rem[j + 1] <= cap[0]:
+                used[bi] += 1
+                pen[0] -= mu[bi] * ld
+                opened[0] += b.kind == NEW and used[bi] == 1
+                assign[s] = (b.kind, b.ref)
+                if b.kind == NEW:
+                    inst[s] = b.i
+                else:
+                    inst.pop(s, None)
+                ok = go(j + 1, p2)
+                opened[0] -= b.kind == NEW and used[bi] == 1
+                pen[0] += mu[bi] * ld
+                used[bi] -= 1
+            else:
+                ok = True
+            fill[bi], alone[bi], lbs[bi], contrib[bi] = f0, a0, l0, c0
+            if not ok:
+                return False
+        return True
+
+    return go(0, tool)
 
 
 def settle_multiset(model: Any, insts: Sequence[int], cap_cost: float, deadline: float
