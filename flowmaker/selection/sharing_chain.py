@@ -29,18 +29,21 @@ bound when it does not settle). Floats with margins that only lower the bound.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flowmaker.selection.problem import EPS, INF, NEW, REUSE, Problem, PWorkflow
-from flowmaker.sharing import busy_share, occupancy
+from flowmaker.sharing import add_offered, busy_share, occupancy
 
-MAX_ORDERS = 720  # distinct opening orders of a multiset tried; past it the multiset keeps the walk's bound
+MAX_ORDERS = 120  # distinct opening orders of a multiset tried; past it the multiset keeps the walk's bound
 MILP_ORDERS = 40  # up to this many orders, each one's least L is a MILP (`_least_l`)
-LEVEL_MILP = False
-LEVELS = 6  # load bands of a slowed instance in that MILP
+LEVEL_MILP = False  # the load bands as a MILP too (measured: 80-160 ms an order, for a few % more bound)
+LEVELS = 6
+PLACED_WORK = 800  # work of the placed bounds per chain walk: orders placed, HiGHS solves SOLVE_WORK each (not time)
+SOLVE_WORK = 8  # measured: an order's placement and cheap bounds 0.1-0.5 ms, a HiGHS solve 2-20 ms  # load bands of a slowed instance in that MILP
 MILP_NODES = 10  # HiGHS nodes per order (work, not time); an unsettled order gives its dual bound
 _MARGIN = 1e-7
 
@@ -49,52 +52,46 @@ Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedM
 
 def _orders(insts: Sequence[int]) -> list[tuple[int, ...]] | None:
     """The distinct orders of a multiset of profile indices; None when there are more than MAX_ORDERS."""
-    out: list[tuple[int, ...]] = []
     counts: dict[int, int] = {}
     for pi in insts:
         counts[pi] = counts.get(pi, 0) + 1
-    keys = sorted(counts)
-    cur: list[int] = []
-
-    def go() -> bool:
-        if len(cur) == len(insts):
-            out.append(tuple(cur))
-            return len(out) <= MAX_ORDERS
-        for pi in keys:
-            if counts[pi]:
-                counts[pi] -= 1
-                cur.append(pi)
-                ok = go()
-                cur.pop()
-                counts[pi] += 1
-                if not ok:
-                    return False
-        return True
-
-    return out if go() else None
+    n = math.factorial(len(insts))
+    for c in counts.values():
+        n //= math.factorial(c)
+    if n > MAX_ORDERS:
+        return None
+    return sorted(set(itertools.permutations(insts))) if n > 1 else [tuple(insts)]
 
 
 class _Bin:
     """One instance a stage may run on, as a placement leaves it: a new instance (position `i` in the opening order,
     profile `ref`) or a reused one (`ref` its index in `Problem.reusable`)."""
 
-    __slots__ = ("alone", "cap", "f", "i", "kind", "lb", "load0", "ref", "unit")
+    __slots__ = ("alone", "busy0", "cap", "f", "gpus", "i", "kind", "lb", "load0", "ref", "reps", "unit")
 
-    def __init__(self, kind: str, ref: int, i: int, cap: float, f: float, unit: float, load0: float) -> None:
+    def __init__(self, kind: str, ref: int, i: int, cap: float, f: float, unit: float, load0: float,
+                 gpus: list[tuple[str, ...]], busy0: float, reps: int) -> None:
         self.kind, self.ref, self.i = kind, ref, i
         self.cap = cap  # the most load it may carry in all (Feasibility 3, 5.1, 5.2), its running load included
         self.f = f  # its speed factor at least
         self.unit = unit  # the load at which its compute share is 1 (a group: all its replicas)
         self.load0 = load0
+        self.gpus = gpus  # per replica, its GPUs
+        self.busy0 = busy0  # its busy share before the stages (new: at least; reused: its running one)
+        self.reps = reps
         self.lb: dict[int, float] = {}  # per LLM stage that may use it, a bound of its latency there
         self.alone: dict[int, float] = {}  # per such stage, its latency alone
 
 
 def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], insts: Sequence[int],
-                   tool: float, cap_l: float, deadline: float) -> float:
+                   tool: float, cap_l: float, deadline: float, work: list[int] | None = None) -> float:
     """A lower bound of the slowed L_s of every variant of chain `pw` whose new instances are exactly `insts`
     (profile indices), with `opts` the walk's options per LLM stage (module docstring); INF when no such variant
-    fits within `cap_l`, 0.0 when nothing is proven. `tool`: the TOOL stages' latency."""
+    fits within `cap_l`, 0.0 when nothing is proven. `tool`: the TOOL stages' latency. `work`: HiGHS solves left
+    to this caller's placed bounds, counted in orders placed and HiGHS solves (SOLVE_WORK each; decremented): none
+    left, nothing is proven."""
+    if work is not None and work[0] <= 0:
+        return 0.0
     orders = _orders(insts)
     if orders is None:
         return 0.0
@@ -103,6 +100,10 @@ def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Optio
     total = sum(pw.load[s] for s in llm)
     state = pb.share_state(pb.free0, *pb._fast_totals())
     for order in orders:
+        if work is not None:
+            if work[0] <= 0:
+                return 0.0
+            work[0] -= 1
         bins = placed_bins(pb, pw, opts, order)
         if bins is None or sum(b.cap - b.load0 for b in bins) < total * (1 - 1e-9):
             continue  # it does not place, or its instances cannot hold the load even together
@@ -110,6 +111,8 @@ def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Optio
             got: float | None = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
         else:
             got = _least_l(pw, llm, bins, len(order), tool, cap_l, deadline, state)
+            if work is not None:
+                work[0] -= SOLVE_WORK
         if got is None:
             return 0.0  # out of time: nothing proven
         best = min(best, got)
@@ -179,7 +182,8 @@ def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
             f, top = max(f, f_r), min(top, room, budget / f_r, 1.0 / f_r)
         if top < c_lb[i]:
             return None  # it cannot carry even its lightest stage
-        b = _Bin(NEW, pi, i, min(top * unit * reps * (1 + _MARGIN), _tol(pb.p_cap[pi])), f, unit * reps, 0.0)
+        b = _Bin(NEW, pi, i, min(top * unit * reps * (1 + _MARGIN), _tol(pb.p_cap[pi])), f, unit * reps, 0.0,
+                 places[i], b_lb[i], reps)
         for s in llm:
             for k, ref, lb in opts[s]:
                 if k == NEW and ref == pi:
@@ -193,7 +197,8 @@ def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
         f = 1.0 + kappa * max(0.0, worst)
         top = min(room + rho0, budget / f, 1.0 / f)  # the GPUs' totals hold its running share already
         cap = min(top * unit * (1 + _MARGIN), _tol(pb.p_cap[pb.r_prof[r]]))
-        b = _Bin(REUSE, r, -1, max(cap, pb.r_load0[r]), f, unit, pb.r_load0[r])
+        b = _Bin(REUSE, r, -1, max(cap, pb.r_load0[r]), f, unit, pb.r_load0[r], [tuple(inst.gpu_ids)],
+                 pb.run_busy0[inst.id], 1)
         for s in llm:
             for k, ref, lb in opts[s]:
                 if k == REUSE and ref == r:
@@ -409,6 +414,34 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
     assign: dict[int, tuple[str, int]] = {}
     inst: dict[int, int] = {}
     opened = [0]
+    # Busy shares as the stages come (they only grow): each bin's own now and each GPU's total now. A bin's f is
+    # 1 + kappa x its co-residents' total on its most crowded GPU, so a stage that makes an instance busier raises
+    # the bound of the instances beside it too (a reused instance's new stages slow a new instance next to it).
+    pb = model.pb
+    kappa, rate = float(pb.kappa), pb.rho
+    tot = dict(pb._fast_totals()[1])
+    for b in bins:
+        if b.kind == NEW:
+            for gids in b.gpus:
+                for g in gids:
+                    tot[g] = tot.get(g, 0.0) + b.busy0
+    own = [b.busy0 for b in bins]
+    gpus_of = [sorted({g for gids in b.gpus for g in gids}) for b in bins]
+    near = [[bj for bj in range(len(bins)) if set(gpus_of[bi]) & set(gpus_of[bj])] for bi in range(len(bins))]
+
+    def contrib_of(bi: int) -> float:
+        if not alone[bi]:
+            return 0.0
+        b = bins[bi]
+        worst = max((tot[g] - own[bi] for gids in b.gpus for g in gids), default=0.0)
+        f = max(b.f, 1.0 + kappa * worst)
+        return max(lbs[bi], alone[bi] * state.multiplier_lb(f, fill[bi] / b.unit))
+
+    def busy_of(bi: int) -> float:
+        b = bins[bi]
+        n = rate * alone[bi]
+        got = occupancy(n / b.reps) if b.kind == NEW else add_offered(b.busy0, n)
+        return max(b.busy0, got * (1 - _MARGIN))
 
     def go(j: int, part: float) -> bool:
         budget[0] -= 1
@@ -443,11 +476,21 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
             b = bins[bi]
             if fill[bi] + ld > b.cap:
                 continue
-            f0, a0, l0, c0 = fill[bi], alone[bi], lbs[bi], contrib[bi]
+            f0, a0, l0, o0 = fill[bi], alone[bi], lbs[bi], own[bi]
+            saved_c = [contrib[bk] for bk in near[bi]]
+            saved_t = [tot[g] for g in gpus_of[bi]]
             fill[bi], alone[bi], lbs[bi] = f0 + ld, a0 + b.alone[s], l0 + lb
-            mlt = state.multiplier_lb(b.f, fill[bi] / b.unit)
-            contrib[bi] = max(lbs[bi], alone[bi] * mlt)
-            p2 = part - c0 + contrib[bi]
+            own[bi] = busy_of(bi)
+            d = own[bi] - o0
+            if d:
+                for gids in b.gpus:
+                    for g in gids:
+                        tot[g] += d
+            p2 = part
+            for bk in near[bi]:
+                c = contrib_of(bk)
+                p2 += c - contrib[bk]
+                contrib[bk] = c
             if p2 + rem[j + 1] <= cap[0]:
                 used[bi] += 1
                 pen[0] -= mu[bi] * ld
@@ -463,7 +506,11 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
                 used[bi] -= 1
             else:
                 ok = True
-            fill[bi], alone[bi], lbs[bi], contrib[bi] = f0, a0, l0, c0
+            fill[bi], alone[bi], lbs[bi], own[bi] = f0, a0, l0, o0
+            for bk, c in zip(near[bi], saved_c, strict=True):
+                contrib[bk] = c
+            for g, t in zip(gpus_of[bi], saved_t, strict=True):
+                tot[g] = t
             if not ok:
                 return False
         return True
@@ -542,7 +589,7 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
 
 
 def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand: Candidate | None, inc: float,
-                 cap_l: float, deadline: float) -> tuple[float, Candidate | None]:
+                 cap_l: float, deadline: float, work: list[int] | None = None) -> tuple[float, Candidate | None]:
     """For the chain walk (`chain.walk_chain`), a multiset `insts` whose least relaxed cost `val` its variant `cand`
     (None: it did not place) does not reach: (a lower bound of the cost of every variant with exactly these new
     instances, the best candidate known for them). First `multiset_bound`; when that leaves the multiset at or below
@@ -550,9 +597,11 @@ def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand
     from flowmaker.selection.problem import better
 
     pb = model.pb
+    if inc == INF:  # no incumbent: the walk cannot finish before it has one, so the work would be lost
+        return val, cand
     m = sum(pb.p_mem[pi] for pi in insts)
-    val = max(val, m * multiset_bound(pb, model.pw, model.opts, insts, tool, cap_l, deadline))
-    if val > inc * (1 + 1e-9) or inc == INF:  # (no incumbent: nothing would cut the search)
+    val = max(val, m * multiset_bound(pb, model.pw, model.opts, insts, tool, cap_l, deadline, work))
+    if val > inc * (1 + 1e-9):
         return val, cand
     got, done = settle_multiset(model, insts, inc * (1 + 1e-9), deadline)
     if got is not None and (cand is None or better(*got[0], cand[0])):
