@@ -1,5 +1,5 @@
-"""GPU sharing on a chain's multiset walk (`chain.walk_chain`): the bound of one multiset of new instances once it
-is placed (docs/selection-spec.md, "Extension: GPU sharing", "What is exact").
+"""GPU sharing on a chain's multiset walk (`chain.walk_chain`): multisets of new instances once placed, and the
+tie-break (docs/selection-spec.md, "Extension: GPU sharing", "A chain's multisets, placed").
 
 The walk prices each option at `Problem.bound_view`'s latency, which lets every new instance land on the least busy
 GPUs that fit it and carry its full capacity u x C. A multiset of several new instances cannot all do that: the
@@ -9,22 +9,30 @@ within the compute budget and itself within u once slowed (measured on the adver
 instances: the walk's best multisets were of this kind, every one failed Feasibility 5, and their relaxed bounds
 kept the gap at 13-55%).
 
-`multiset_bound` takes every order in which the multiset's instances can be opened (placement is a function of
-that order alone: a new instance occupies u of each of its GPUs whatever it carries) and, for each, places them by
-the spec's rule and solves the least L of the chain with what that placement leaves each instance:
+Placement is a function of the order in which the instances open alone (a new instance occupies u of each of its
+GPUs whatever it carries), so `placed_bins` places each order by the spec's rule and states what it leaves each
+instance a stage may use:
 
 * an instance's co-residents are busy at least as much as the running instances on its GPUs plus the least busy
   share of the other new instances there (each carries a stage at least, the one of least latency alone);
 * its compute share is at most what keeps each of its GPUs within u (the running instances' shares and the other
   new instances' least shares there counted) and at most u / f (Feasibility 5.1, 5.2);
 * a reused instance: the same, with the new instances beside it counted;
-* each stage's latency on an instance is at least its latency alone times `f (1 - rho) / (1 - rho f)` with its own
-  load's share, and at least the walk's;
+* each stage's latency on an instance is at least its latency alone times `f (1 - rho) / (1 - rho f)` at the load
+  the instance carries (at least the stage's own), and at least the walk's;
 * every new instance of the multiset serves a stage.
 
-Each of these holds in every variant whose new instances are exactly the multiset and open in that order, so the
-least over the orders bounds the L of every such variant. The least L is a small MILP (HiGHS, work-limited; its dual
-bound when it does not settle). Floats with margins that only lower the bound.
+Each of these holds in every variant whose new instances are exactly the multiset and open in that order. Then:
+
+* `multiset_bound`: the least L over the orders of an assignment within these (a small MILP, and an LP in which a
+  slowed instance's final load lies in one of LEVELS bands, its stages priced at the band's lower edge, since the
+  multiplier grows steeply with the load) bounds the L_s of every such variant;
+* `settle_multiset`: a depth-first search of those assignments, each complete one checked from scratch, finds the
+  least cost of the multiset when it finishes (its bound follows the busy shares as stages arrive);
+* `tie_break`: once the walk proved the cost, the same search over the multisets that may tie settles the answer.
+
+Floats with margins that only lower the bounds. Work is counted (orders placed, HiGHS solves, search nodes), never
+time, except the caller's deadline.
 """
 
 from __future__ import annotations
@@ -39,12 +47,12 @@ from flowmaker.selection.problem import EPS, INF, NEW, REUSE, Problem, PWorkflow
 from flowmaker.sharing import add_offered, busy_share, occupancy
 
 MAX_ORDERS = 120  # distinct opening orders of a multiset tried; past it the multiset keeps the walk's bound
-MILP_ORDERS = 40  # up to this many orders, each one's least L is a MILP (`_least_l`)
-LEVEL_MILP = False  # the load bands as a MILP too (measured: 80-160 ms an order, for a few % more bound)
-LEVELS = 6
-PLACED_WORK = 800  # work of the placed bounds per chain walk: orders placed, HiGHS solves SOLVE_WORK each (not time)
-SOLVE_WORK = 8  # measured: an order's placement and cheap bounds 0.1-0.5 ms, a HiGHS solve 2-20 ms  # load bands of a slowed instance in that MILP
-MILP_NODES = 10  # HiGHS nodes per order (work, not time); an unsettled order gives its dual bound
+MILP_ORDERS = 40  # up to this many orders, each one's least L is solved (`_least_l`), else bounded per stage
+MILP_NODES = 10  # HiGHS nodes of such a MILP (work, not time); an unsettled one gives its dual bound
+LEVELS = 6  # load bands of a slowed instance (`_assignment_lp`)
+LEVEL_MILP = False  # the bands as a MILP too (measured: 80-160 ms an order, for 1% more bound), else their LP
+PLACED_WORK = 800  # work of the placed bounds per chain walk: orders placed, HiGHS solves SOLVE_WORK each
+SOLVE_WORK = 8  # measured: an order's placement and cheap bounds 0.1-0.5 ms, a HiGHS solve 2-20 ms
 _MARGIN = 1e-7
 
 Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedModel.opts`
@@ -335,6 +343,7 @@ def _prices(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int) -> list
 # ---------------------------------------------------------------- every variant of a multiset, by enumeration
 
 SETTLE_NODES = 20_000  # depth-first nodes to settle one multiset exactly (`settle_multiset`)
+NODE_WORK = 100  # of those nodes, a unit of the walk's PLACED_WORK
 TIE_NODES = 200_000  # depth-first nodes of `tie_break`, all multisets together (work, not time)
 TIE_FOUND = 64  # variants that may tie that `tie_break` scores before it looks for better ones only
 
@@ -518,12 +527,17 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
     return go(0, tool)
 
 
-def settle_multiset(model: Any, insts: Sequence[int], cap_cost: float, deadline: float
-                    ) -> tuple[Candidate | None, bool]:
+def settle_multiset(model: Any, insts: Sequence[int], cap_cost: float, deadline: float,
+                    work: list[int] | None = None) -> tuple[Candidate | None, bool]:
     """A least-cost feasible variant of chain `model.pw` with exactly the new instances `insts` among those of cost
-    at most `cap_cost` (None: there is none), and whether that is settled (SETTLE_NODES)."""
+    at most `cap_cost` (None: there is none), and whether that is settled: within SETTLE_NODES depth-first nodes,
+    and within the caller's `work` (NODE_WORK nodes a unit; decremented)."""
     m = sum(model.pb.p_mem[pi] for pi in insts)
-    got, done = _enumerate(model, insts, cap_cost / m if m > 0 else INF, deadline, [SETTLE_NODES], strict=False)
+    nodes = SETTLE_NODES if work is None else min(SETTLE_NODES, max(0, work[0]) * NODE_WORK)
+    budget = [nodes]
+    got, done = _enumerate(model, insts, cap_cost / m if m > 0 else INF, deadline, budget, strict=False)
+    if work is not None:
+        work[0] -= (nodes - max(0, budget[0])) // NODE_WORK
     return (got[-1] if got else None), done
 
 
@@ -603,7 +617,7 @@ def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand
     val = max(val, m * multiset_bound(pb, model.pw, model.opts, insts, tool, cap_l, deadline, work))
     if val > inc * (1 + 1e-9):
         return val, cand
-    got, done = settle_multiset(model, insts, inc * (1 + 1e-9), deadline)
+    got, done = settle_multiset(model, insts, inc * (1 + 1e-9), deadline, work)
     if got is not None and (cand is None or better(*got[0], cand[0])):
         cand = got
     if done:
