@@ -415,6 +415,15 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
         min_ld[j] = list(min_ld[j + 1])
         for _, bi in by_stage[j]:
             min_ld[j][bi] = min(min_ld[j][bi], pw.load[llm[j]])
+    # per new bin, the earliest (topological) stage j.. that may use it: its first stage can be no earlier, which
+    # cuts assignments whose instances cannot open in this order
+    first_left = [[INF] * k_new for _ in range(n + 1)]
+    for j in range(n - 1, -1, -1):
+        first_left[j] = list(first_left[j + 1])
+        for _, bi in by_stage[j]:
+            if bi < k_new:
+                first_left[j][bi] = min(first_left[j][bi], topo[llm[j]])
+    first = [INF] * k_new  # per new bin, its earliest stage so far
     fill = [b.load0 for b in bins]
     used = [0] * len(bins)
     alone = [0.0] * len(bins)
@@ -458,10 +467,11 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
             return False
         if k_new - opened[0] > n - j:
             return True  # too few stages left to open every instance
+        fl = first_left[j]
+        for i in range(1, k_new):
+            if min(first[i - 1], fl[i - 1]) > first[i]:
+                return True  # instance i - 1 can no longer open before instance i: another order's search
         if j == n:
-            first = sorted(range(k_new), key=lambda i: min(topo[s] for s, b in inst.items() if b == i))
-            if first != list(range(k_new)):
-                return True  # its instances open in another order: that order's search counts it
             got = model.realize(assign, inst)
             if got is not None and got[0][1] <= cap[0]:
                 out.append(got)
@@ -505,11 +515,16 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
                 pen[0] -= mu[bi] * ld
                 opened[0] += b.kind == NEW and used[bi] == 1
                 assign[s] = (b.kind, b.ref)
+                first_b = INF
                 if b.kind == NEW:
                     inst[s] = b.i
+                    first_b = first[bi]
+                    first[bi] = min(first_b, topo[s])
                 else:
                     inst.pop(s, None)
                 ok = go(j + 1, p2)
+                if b.kind == NEW:
+                    first[bi] = first_b
                 opened[0] -= b.kind == NEW and used[bi] == 1
                 pen[0] += mu[bi] * ld
                 used[bi] -= 1
@@ -565,12 +580,13 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
         model = models[idx]
         for insts in ys:
             m = sum(pb.p_mem[pi] for pi in insts)
-            if m > 0:
-                got, done = _enumerate(model, insts, best[0][0] * (1 + 1e-9) / m, deadline, budget, None, TIE_FOUND)
-                entries.extend((sc, (model.pw, choice, slots, places)) for sc, choice, slots, places in got)
-                complete = complete and done
-                if not done:
-                    break
+            # all reuse costs 0: only its L_s can tie or beat the best's
+            cap = best[0][0] * (1 + 1e-9) / m if m > 0 else best[0][1] * (1 + 1e-9)
+            got, done = _enumerate(model, insts, cap, deadline, budget, None, TIE_FOUND)
+            entries.extend((sc, (model.pw, choice, slots, places)) for sc, choice, slots, places in got)
+            complete = complete and done
+            if not done:
+                break
     if complete:
         c = min(sc[0] for sc, _ in entries)
         left = [e for e in entries if e[0][0] <= c * (1 + 1e-12)]
@@ -587,9 +603,9 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
             c, lat, gpus = best[0]
             m = sum(pb.p_mem[pi] for pi in insts)
             g = sum(pb.p_gpus[pi] for pi in insts)
-            if m <= 0:
-                continue  # all reuse: cost 0, the walk's own candidate
-            if m * lat > c * (1 + 1e-12) or g < gpus:  # a tie of cost may be better: shorter, or fewer GPUs
+            if m <= 0:  # all reuse, cost 0: better when the best costs more, or when shorter
+                cap = INF if c > 0 else lat * (1 - 1e-12)
+            elif m * lat > c * (1 + 1e-12) or g < gpus:  # a tie of cost may be better: shorter, or fewer GPUs
                 cap = c * (1 + 1e-12) / m
             else:  # only a lower cost, or this cost with a shorter L_s
                 cap = max(c * (1 - 1e-12) / m, lat * (1 - 1e-12))
