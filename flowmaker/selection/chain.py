@@ -425,7 +425,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 tick += 1
                 heapq.heappush(heap, (kx, tick, z, q, True))
 
-    placed_work = [PLACED_WORK]  # GPU sharing: HiGHS solves of the placed bounds (`sharing_chain`)
+    placed_work = [PLACED_WORK]  # GPU sharing: work left to the placed bounds and settling (`sharing_chain`)
     push_eval(y0)
     push_expand(y0, 0)
     stopped = False

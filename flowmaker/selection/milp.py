@@ -99,7 +99,8 @@ class Front:
     solves: int = 0
     exact_ties: bool = False  # complete also settles the new-GPU tie-break (`chain.walk_chain`)
     # `chain.walk_chain`: each multiset of new instances (profile indices, sorted) whose packing it settled, with
-    # the least relaxed cost of a variant with exactly those new instances. When complete, every other multiset's
+    # the least relaxed cost of a variant with exactly those new instances (under GPU sharing, at least: once placed,
+    # or its least cost when `sharing_chain` settled it). When complete, every other multiset's
     # variants cost more (relaxed) than the incumbent: GPU sharing's tie-break search looks only among these.
     settled: dict[tuple[int, ...], float] | None = None
 
