@@ -344,8 +344,9 @@ def _prices(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int) -> list
 
 SETTLE_NODES = 20_000  # depth-first nodes to settle one multiset exactly (`settle_multiset`)
 NODE_WORK = 100  # of those nodes, a unit of the walk's PLACED_WORK
-TIE_NODES = 200_000  # depth-first nodes of `tie_break`, all multisets together (work, not time)
-TIE_FOUND = 64  # variants that may tie that `tie_break` scores before it looks for better ones only
+TIE_KEEP_NODES = 50_000  # depth-first nodes of `tie_break` looking for every variant that may tie, all multisets
+TIE_FOUND = 64  # variants that may tie that it scores before it looks for better ones only
+TIE_NODES = 200_000  # depth-first nodes of `tie_break` looking for better ones only
 
 Candidate = tuple[tuple[float, float, int], list[Any], list[int], list[tuple[str, tuple[str, ...]]]]
 
@@ -568,12 +569,12 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
     abound when instances alone on their GPUs run unslowed, whatever they carry) only a variant better by (cost,
     L_s, new GPUs) is looked for, with each multiset's latency cap at what a better one needs (a shorter L_s at this
     cost, fewer new GPUs at this cost and L_s, or a lower cost), so that no tie is visited, and the second value is
-    False: the canonical order among the ties is then `exact.canonical`'s. None when TIE_NODES depth-first nodes or
-    the deadline pass first."""
+    False: the canonical order among the ties is then `exact.canonical`'s. None when that search runs out of its
+    TIE_NODES depth-first nodes or the deadline passes."""
     from flowmaker.selection.exact import _encoding
     from flowmaker.selection.problem import better
 
-    budget = [TIE_NODES]
+    budget = [TIE_KEEP_NODES]
     entries: list[Best] = [best]
     complete = True
     for idx, ys in multisets.items():
@@ -595,8 +596,9 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
         gpus = min(sc[2] for sc, _ in left)
         left = [e for e in left if e[0][2] == gpus]
         return min(left, key=lambda e: (e[1][0].index, _encoding(e[1][1], e[1][2]))), True
-    if budget[0] < 0 or time.perf_counter() > deadline:
+    if time.perf_counter() > deadline:
         return None
+    budget = [TIE_NODES]
     for idx, ys in multisets.items():
         model = models[idx]
         for insts in ys:
