@@ -498,12 +498,22 @@ def room_rows(pb: Problem, profs: list[int], most: int) -> list[tuple[list[int],
 def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
     """Profiles that another one dominates in this workflow with placement relaxed: no more memory, at least
     the capacity, no more GPUs, no slower on any LLM stage (ties: the lower index stays). Any instance of a dominated
-    profile can be swapped for one of the other without raising M or L or breaking capacity."""
+    profile can be swapped for one of the other without raising M or L or breaking capacity. Under GPU sharing only
+    a profile placed alike (GPUs, memory per GPU, replicas) and no slower alone dominates: the swap then leaves the
+    placement as it was and no instance busier or slower."""
     out: set[int] = set()
     lat = {pi: [pw.lat_new[s][pi] for s in pw.llm] for pi in profs}
+    alone_pw = pb.workflows[pw.index]  # GPU sharing: `pw` is the bound view; latencies alone here
+    alone = {pi: [alone_pw.lat_new[s][pi] for s in pw.llm] for pi in profs}
     for p in profs:
         for q in profs:
             if q == p or q in out:
+                continue
+            if pb.sharing and ((pb.p_k[q], pb.p_need[q], pb.p_reps[q]) != (pb.p_k[p], pb.p_need[p], pb.p_reps[p])
+                               or any(a > b for a, b in zip(alone[q], alone[p], strict=True))):
+                # GPU sharing: placed elsewhere, or slower alone somewhere (so less busy), p's variants may be the
+                # cheaper ones, and the chain walk's placed bounds (`sharing_chain`) of q's multisets would not hold
+                # for them
                 continue
             if pb.p_mem[q] <= pb.p_mem[p] and pb.p_cap[q] >= pb.p_cap[p] and pb.p_gpus[q] <= pb.p_gpus[p] and all(
                     a <= b for a, b in zip(lat[q], lat[p], strict=True)):
@@ -536,6 +546,9 @@ CHAIN_POINTS = 5_000
 CHAIN_FIRST_NODES = 800  # the first branch and bound's nodes when every workflow is a chain
 CHAIN_NODES = 3_000_000  # depth-first nodes of a chain walk's packings, all multisets together
 SHARING_FIRST_NODES = 150  # the first branch and bound's nodes under GPU sharing
+# GPU sharing, a chain walk with no incumbent yet: the multisets it visits (measured: on the adversarial `reuse` 2002
+# the walk keeps finding multisets that do not place, and the branch and bound after it proves that none does)
+SHARING_POINTS_BLIND = 600
 LOCAL = True  # local moves around the first incumbent before the walks (`flowmaker.selection.local`)
 
 Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]]
@@ -598,7 +611,8 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         if chain:
             # Chains: the multiset walk for a bounded amount of work, then (unless it settled the workflow) the
             # MILP walk from the best variant known. Both bounds hold for every variant: the larger one is kept.
-            fr = walk_chain(m, d2, best[0] if best else None, CHAIN_POINTS_FIRST, CHAIN_MILPS_FIRST)
+            points = CHAIN_POINTS_FIRST if best is not None or not pb.sharing else SHARING_POINTS_BLIND
+            fr = walk_chain(m, d2, best[0] if best else None, points, CHAIN_MILPS_FIRST)
         else:
             fr = m.walk(d2, best[0] if best else None)
         for sc, choice, slots, places in fr.candidates:

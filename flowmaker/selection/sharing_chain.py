@@ -595,7 +595,10 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
         left = [e for e in left if e[0][1] <= lat * (1 + 1e-12)]
         gpus = min(sc[2] for sc, _ in left)
         left = [e for e in left if e[0][2] == gpus]
-        return min(left, key=lambda e: (e[1][0].index, _encoding(e[1][1], e[1][2]))), True
+        won = min(left, key=lambda e: (e[1][0].index, _encoding(e[1][1], e[1][2])))
+        # The walks leave out profiles that another dominates; a tie on one that comes earlier in the request would
+        # come first in the canonical order: then the canonical pass (which keeps those) decides.
+        return won, not any(_left_out(pb, m) for m in models.values())
     if time.perf_counter() > deadline:
         return None
     budget = [TIE_NODES]
@@ -618,6 +621,30 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
                 if better(*sc, best[0]):
                     best = (sc, (model.pw, choice, slots, places))
     return best, False
+
+
+def _left_out(pb: Problem, model: Any) -> bool:
+    """Whether the walk of `model` left out a profile q that the canonical pass keeps (not dominated by an earlier
+    one; accuracy met; placeable; some stage could run on it within lambda and its capacity) and that may tie: not
+    when a walked profile p places the same (GPUs, memory per GPU, replicas), has no more memory, at least its
+    capacity and is faster alone on every stage by more than 1e-9 relative, since then every variant on q has a
+    variant on p placed alike, no busier, no more loaded, strictly shorter and no costlier."""
+    from flowmaker.selection.exact import _dominated, _placeable
+    from flowmaker.selection.problem import leq
+
+    pw = model.pw
+    walked = sorted({ref for o in model.opts.values() for k, ref, _ in o if k == NEW})
+    bv = pb.bound_view(pw)
+    dom, place = _dominated(pb, by_earlier=True), _placeable(pb)
+
+    def beaten(q: int) -> bool:
+        return any(pb.p_k[p] == pb.p_k[q] and pb.p_need[p] == pb.p_need[q] and pb.p_reps[p] == pb.p_reps[q]
+                   and pb.p_mem[p] <= pb.p_mem[q] and pb.p_cap[p] >= pb.p_cap[q]
+                   and all(pw.lat_new[s][q] > pw.lat_new[s][p] * (1 + 1e-9) for s in pw.llm) for p in walked)
+
+    return any(pb.p_ok[q] and not dom[q] and place[q] and q not in walked
+               and any(leq(bv.lat_new[s][q], pb.lam) and leq(pw.load[s], pb.p_cap[q]) for s in pw.llm)
+               and not beaten(q) for q in range(len(pb.profiles)))
 
 
 def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand: Candidate | None, inc: float,
