@@ -183,3 +183,22 @@ def test_a_slowed_multiset_is_bounded_above_its_relaxed_latency() -> None:
     assert sharing_chain.multiset_bound(pb, pw, model.opts, (0, 0), 0.0, INF, time.perf_counter() + 60) > relaxed
     got, done = sharing_chain.settle_multiset(model, (0, 0), INF, time.perf_counter() + 60)
     assert done and got is None  # and no variant with exactly these two instances is feasible
+
+
+def test_under_sharing_the_walk_drops_only_profiles_dominated_by_one_placed_alike() -> None:
+    """`milp._dominated_here`: a profile with less memory, more capacity and faster everywhere dominates another in
+    the base contract; under GPU sharing only when both are placed alike (GPUs, memory per GPU), since the placed
+    bounds of the dominator's multisets say nothing of variants placed elsewhere."""
+    models = (Model("a", 0.5, 7.0, 7.0), Model("b", 0.5, 7.0, 7.0))
+    small = Profile("a", 1, 1, 10.0, 0.1, 1e-4, 0.01, 1000.0)
+    big = Profile("b", 1, 1, 30.0, 0.2, 2e-4, 0.02, 500.0)  # more memory, slower, less capacity
+    same = Profile("b", 2, 1, 10.0, 0.2, 2e-4, 0.02, 500.0)  # placed as "a" tp2 would be
+    twin = Profile("a", 2, 1, 10.0, 0.1, 1e-4, 0.01, 1000.0)  # "a" on two GPUs: dominated by "a" on one, unless shared
+    stages = (Stage("s0", input_tokens=500, output_tokens=100),)
+    gpus = (Gpu("g0", "n0", 80.0, 0.0), Gpu("g1", "n0", 80.0, 0.0))
+    for mode, dropped in ((GpuSharing.IGNORE, {1, 2, 3}), (GpuSharing.INTERFERENCE, {2})):
+        req = SelectionRequest(Slo(0.3, 100.0, 1.0), (Workflow("w", stages),), models, (small, big, same, twin),
+                               Cluster(gpus, ()), SelectionOptions(gpu_sharing=mode))
+        pb = Problem(req)
+        pw = pb.workflows[0]
+        assert milp._dominated_here(pb, pb.bound_view(pw), [0, 1, 2, 3]) == dropped, mode
