@@ -498,22 +498,24 @@ def room_rows(pb: Problem, profs: list[int], most: int) -> list[tuple[list[int],
 def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
     """Profiles that another one dominates in this workflow with placement relaxed: no more memory, at least
     the capacity, no more GPUs, no slower on any LLM stage (ties: the lower index stays). Any instance of a dominated
-    profile can be swapped for one of the other without raising M or L or breaking capacity. Under GPU sharing only
-    a profile placed alike (GPUs, memory per GPU, replicas) and no slower alone dominates: the swap then leaves the
-    placement as it was and no instance busier or slower."""
+    profile can be swapped for one of the other without raising M or L or breaking capacity. Under GPU sharing, on a
+    chain (whose walk bounds its multisets once placed), only a profile placed alike (GPUs, memory per GPU, replicas)
+    and no slower alone dominates: the swap then leaves the placement as it was and no instance busier or slower."""
+    from flowmaker.selection.chain import is_chain
+
     out: set[int] = set()
     lat = {pi: [pw.lat_new[s][pi] for s in pw.llm] for pi in profs}
-    alone_pw = pb.workflows[pw.index]  # GPU sharing: `pw` is the bound view; latencies alone here
+    placed = pb.sharing and is_chain(pw)  # GPU sharing: the chain walk's placed bounds must cover the dropped
+    alone_pw = pb.workflows[pw.index]  # (`pw` is the bound view; latencies alone here)
     alone = {pi: [alone_pw.lat_new[s][pi] for s in pw.llm] for pi in profs}
     for p in profs:
         for q in profs:
             if q == p or q in out:
                 continue
-            if pb.sharing and ((pb.p_k[q], pb.p_need[q], pb.p_reps[q]) != (pb.p_k[p], pb.p_need[p], pb.p_reps[p])
-                               or any(a > b for a, b in zip(alone[q], alone[p], strict=True))):
-                # GPU sharing: placed elsewhere, or slower alone somewhere (so less busy), p's variants may be the
-                # cheaper ones, and the chain walk's placed bounds (`sharing_chain`) of q's multisets would not hold
-                # for them
+            if placed and ((pb.p_k[q], pb.p_need[q], pb.p_reps[q]) != (pb.p_k[p], pb.p_need[p], pb.p_reps[p])
+                           or any(a > b for a, b in zip(alone[q], alone[p], strict=True))):
+                # placed elsewhere, or slower alone somewhere (so less busy), p's variants may be the cheaper ones:
+                # the placed bounds (`sharing_chain`) of q's multisets would not hold for them
                 continue
             if pb.p_mem[q] <= pb.p_mem[p] and pb.p_cap[q] >= pb.p_cap[p] and pb.p_gpus[q] <= pb.p_gpus[p] and all(
                     a <= b for a, b in zip(lat[q], lat[p], strict=True)):

@@ -196,7 +196,7 @@ def test_under_sharing_the_walk_drops_only_profiles_dominated_by_one_placed_alik
     twin = Profile("a", 2, 1, 10.0, 0.1, 1e-4, 0.01, 1000.0)  # "a" on two GPUs: dominated by "a" on one, unless shared
     stages = (Stage("s0", input_tokens=500, output_tokens=100),)
     gpus = (Gpu("g0", "n0", 80.0, 0.0), Gpu("g1", "n0", 80.0, 0.0))
-    for mode, dropped in ((GpuSharing.IGNORE, {1, 2, 3}), (GpuSharing.INTERFERENCE, {2})):
+    for mode, dropped in ((GpuSharing.IGNORE, {1, 2, 3}), (GpuSharing.INTERFERENCE, {2})):  # a chain of one stage
         req = SelectionRequest(Slo(0.3, 100.0, 1.0), (Workflow("w", stages),), models, (small, big, same, twin),
                                Cluster(gpus, ()), SelectionOptions(gpu_sharing=mode))
         pb = Problem(req)
