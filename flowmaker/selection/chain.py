@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowmaker.selection.binpack import Bin, least_l_bins, least_l_classes
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
+from flowmaker.selection.sharing_chain import PLACED_WORK, multiset_bound, placed_value
 
 if TYPE_CHECKING:
     from flowmaker.selection.milp import Front, RelaxedModel
@@ -344,6 +345,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 tick += 1
                 heapq.heappush(heap, (kx, tick, z, q, True))
 
+    placed_work = [PLACED_WORK]  # GPU sharing: work left to the placed bounds and settling (`sharing_chain`)
     push_eval(y0)
     push_expand(y0, 0)
     stopped = False
@@ -386,6 +388,9 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 tick += 1
                 heapq.heappush(heap, (max(key, m * L), tick, y, 2, False))
             else:
+                if pb.sharing and inc < INF:  # the multiset once placed
+                    L = max(L, multiset_bound(pb, pw, opts, [pi for pi, c in zip(profs, y, strict=True)
+                                                             for _ in range(c)], tool, cap_l, deadline, placed_work))
                 lb = min(lb, m * L)  # the search gave up: the multiset keeps the bound it proved
                 unsettled = min(unsettled, m * L)
             if a is not None:  # an assignment that fits y, though maybe not the least L: a candidate still
@@ -400,11 +405,13 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         if a is None:
             continue  # nothing fits y within cap_l: every variant with these instances costs more than inc
         val = m * L
-        key_y = tuple(pi for pi, c in zip(profs, y, strict=True) for _ in range(c))
-        fr.settled[key_y] = min(val, fr.settled.get(key_y, INF))
         assign = {llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)}
         inst = {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW}
         cand = model.realize(assign, inst)
+        key_y = tuple(pi for pi, c in zip(profs, y, strict=True) for _ in range(c))
+        if pb.sharing and (cand is None or cand[0][0] > val * (1 + 1e-9)):  # GPU sharing: the multiset once placed
+            val, cand = placed_value(model, key_y, tool, val, cand, inc, cap_l, deadline, placed_work)
+        fr.settled[key_y] = min(val, fr.settled.get(key_y, INF))
         if cand is None:
             if never_places(pb, [pi for pi, c in zip(profs, y, strict=True) for _ in range(c)]):
                 continue  # no variant has exactly these new instances: the point bounds nothing

@@ -99,7 +99,8 @@ class Front:
     solves: int = 0
     exact_ties: bool = False  # complete also settles the new-GPU tie-break (`chain.walk_chain`)
     # `chain.walk_chain`: each multiset of new instances (profile indices, sorted) whose packing it settled, with
-    # the least relaxed cost of a variant with exactly those new instances. When complete, every other multiset's
+    # the least relaxed cost of a variant with exactly those new instances (under GPU sharing, at least: once placed,
+    # or its least cost when `sharing_chain` settled it). When complete, every other multiset's
     # variants cost more (relaxed) than the incumbent: GPU sharing's tie-break search looks only among these.
     settled: dict[tuple[int, ...], float] | None = None
 
@@ -497,12 +498,24 @@ def room_rows(pb: Problem, profs: list[int], most: int) -> list[tuple[list[int],
 def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
     """Profiles that another one dominates in this workflow with placement relaxed: no more memory, at least
     the capacity, no more GPUs, no slower on any LLM stage (ties: the lower index stays). Any instance of a dominated
-    profile can be swapped for one of the other without raising M or L or breaking capacity."""
+    profile can be swapped for one of the other without raising M or L or breaking capacity. Under GPU sharing, on a
+    chain (whose walk bounds its multisets once placed), only a profile placed alike (GPUs, memory per GPU, replicas)
+    and no slower alone dominates: the swap then leaves the placement as it was and no instance busier or slower."""
+    from flowmaker.selection.chain import is_chain
+
     out: set[int] = set()
     lat = {pi: [pw.lat_new[s][pi] for s in pw.llm] for pi in profs}
+    placed = pb.sharing and is_chain(pw)  # GPU sharing: the chain walk's placed bounds must cover the dropped
+    alone_pw = pb.workflows[pw.index]  # (`pw` is the bound view; latencies alone here)
+    alone = {pi: [alone_pw.lat_new[s][pi] for s in pw.llm] for pi in profs}
     for p in profs:
         for q in profs:
             if q == p or q in out:
+                continue
+            if placed and ((pb.p_k[q], pb.p_need[q], pb.p_reps[q]) != (pb.p_k[p], pb.p_need[p], pb.p_reps[p])
+                           or any(a > b for a, b in zip(alone[q], alone[p], strict=True))):
+                # placed elsewhere, or slower alone somewhere (so less busy), p's variants may be the cheaper ones:
+                # the placed bounds (`sharing_chain`) of q's multisets would not hold for them
                 continue
             if pb.p_mem[q] <= pb.p_mem[p] and pb.p_cap[q] >= pb.p_cap[p] and pb.p_gpus[q] <= pb.p_gpus[p] and all(
                     a <= b for a, b in zip(lat[q], lat[p], strict=True)):
@@ -535,6 +548,9 @@ CHAIN_POINTS = 5_000
 CHAIN_FIRST_NODES = 800  # the first branch and bound's nodes when every workflow is a chain
 CHAIN_NODES = 3_000_000  # depth-first nodes of a chain walk's packings, all multisets together
 SHARING_FIRST_NODES = 150  # the first branch and bound's nodes under GPU sharing
+# GPU sharing, a chain walk with no incumbent yet: the multisets it visits (measured: on the adversarial `reuse` 2002
+# the walk keeps finding multisets that do not place, and the branch and bound after it proves that none does)
+SHARING_POINTS_BLIND = 600
 LOCAL = True  # local moves around the first incumbent before the walks (`flowmaker.selection.local`)
 
 Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]]
@@ -552,6 +568,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
     from flowmaker.selection import exact as ex
     from flowmaker.selection.chain import is_chain, walk_chain
     from flowmaker.selection.local import improve
+    from flowmaker.selection.sharing_chain import tie_break
 
     started = time.perf_counter()
     budget = req.options.time_budget_s or ex.DEFAULT_BUDGET_S
@@ -596,7 +613,8 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         if chain:
             # Chains: the multiset walk for a bounded amount of work, then (unless it settled the workflow) the
             # MILP walk from the best variant known. Both bounds hold for every variant: the larger one is kept.
-            fr = walk_chain(m, d2, best[0] if best else None, CHAIN_POINTS_FIRST, CHAIN_MILPS_FIRST)
+            points = CHAIN_POINTS_FIRST if best is not None or not pb.sharing else SHARING_POINTS_BLIND
+            fr = walk_chain(m, d2, best[0] if best else None, points, CHAIN_MILPS_FIRST)
         else:
             fr = m.walk(d2, best[0] if best else None)
         for sc, choice, slots, places in fr.candidates:
@@ -638,6 +656,14 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         # multiset of new instances up to the best's cost, only the multisets settled that cheap are left.
         hi = best[0][0] * (1 + REL_TOL) + 1e-300
         multisets = {i: [y for y, v in fr_set.items() if v <= hi] for i, fr_set in settled.items()}
+        if len(settled) == len(pb.workflows):
+            # Every workflow a chain whose walk settled it: the variants that may tie are looked for among those
+            # multisets only (`sharing_chain.tie_break`); the canonical pass when they are many.
+            won = tie_break(pb, models, multisets, best, grace)
+            if won is not None and won[1]:
+                return pb.result(strategy, won[0][1], started, evaluated, optimal=True)
+            if won is not None:
+                return _canonical_result(pb, strategy, won[0], started, evaluated, grace)
         s4 = ex.make_search(pb, deadline=deadline, grace=grace, lat_cap=best[0][1], multisets=multisets)
         s4.best, s4.best_at = best
         s4.run()

@@ -1,0 +1,670 @@
+"""GPU sharing on a chain's multiset walk (`chain.walk_chain`): multisets of new instances once placed, and the
+tie-break (docs/selection-spec.md, "Extension: GPU sharing", "A chain's multisets, placed").
+
+The walk prices each option at `Problem.bound_view`'s latency, which lets every new instance land on the least busy
+GPUs that fit it and carry its full capacity u x C. A multiset of several new instances cannot all do that: the
+spec places them one after another, each where the others have not gone, and on a crowded cluster the second or
+third lands beside busy co-residents. There it is slower, and Feasibility 5 lets it carry only what keeps its GPUs
+within the compute budget and itself within u once slowed (measured on the adversarial `chain15` and `reuse`
+instances: the walk's best multisets were of this kind, every one failed Feasibility 5, and their relaxed bounds
+kept the gap at 13-55%).
+
+Placement is a function of the order in which the instances open alone (a new instance occupies u of each of its
+GPUs whatever it carries), so `placed_bins` places each order by the spec's rule and states what it leaves each
+instance a stage may use:
+
+* an instance's co-residents are busy at least as much as the running instances on its GPUs plus the least busy
+  share of the other new instances there (each carries a stage at least, the one of least latency alone);
+* its compute share is at most what keeps each of its GPUs within u (the running instances' shares and the other
+  new instances' least shares there counted) and at most u / f (Feasibility 5.1, 5.2);
+* a reused instance: the same, with the new instances beside it counted;
+* each stage's latency on an instance is at least its latency alone times `f (1 - rho) / (1 - rho f)` at the load
+  the instance carries (at least the stage's own), and at least the walk's;
+* every new instance of the multiset serves a stage.
+
+Each of these holds in every variant whose new instances are exactly the multiset and open in that order. Then:
+
+* `multiset_bound`: the least L over the orders of an assignment within these (a small MILP, and an LP in which a
+  slowed instance's final load lies in one of LEVELS bands, its stages priced at the band's lower edge, since the
+  multiplier grows steeply with the load) bounds the L_s of every such variant;
+* `settle_multiset`: a depth-first search of those assignments, each complete one checked from scratch, finds the
+  least cost of the multiset when it finishes (its bound follows the busy shares as stages arrive);
+* `tie_break`: once the walk proved the cost, the same search over the multisets that may tie settles the answer.
+
+Floats with margins that only lower the bounds. Work is counted (orders placed, HiGHS solves, search nodes), never
+time, except the caller's deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flowmaker.selection.problem import EPS, INF, NEW, REUSE, Problem, PWorkflow
+from flowmaker.sharing import add_offered, busy_share, occupancy
+
+MAX_ORDERS = 120  # distinct opening orders of a multiset tried; past it the multiset keeps the walk's bound
+MILP_ORDERS = 40  # up to this many orders, each one's least L is solved (`_least_l`), else bounded per stage
+MILP_NODES = 10  # HiGHS nodes of such a MILP (work, not time); an unsettled one gives its dual bound
+LEVELS = 6  # load bands of a slowed instance (`_assignment_lp`)
+LEVEL_MILP = False  # the bands as a MILP too (measured: 80-160 ms an order, for 1% more bound), else their LP
+PLACED_WORK = 800  # work of the placed bounds per chain walk: orders placed, HiGHS solves SOLVE_WORK each
+SOLVE_WORK = 8  # measured: an order's placement and cheap bounds 0.1-0.5 ms, a HiGHS solve 2-20 ms
+_MARGIN = 1e-7
+
+Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedModel.opts`
+
+
+def _orders(insts: Sequence[int]) -> list[tuple[int, ...]] | None:
+    """The distinct orders of a multiset of profile indices; None when there are more than MAX_ORDERS."""
+    counts: dict[int, int] = {}
+    for pi in insts:
+        counts[pi] = counts.get(pi, 0) + 1
+    n = math.factorial(len(insts))
+    for c in counts.values():
+        n //= math.factorial(c)
+    if n > MAX_ORDERS:
+        return None
+    return sorted(set(itertools.permutations(insts))) if n > 1 else [tuple(insts)]
+
+
+class _Bin:
+    """One instance a stage may run on, as a placement leaves it: a new instance (position `i` in the opening order,
+    profile `ref`) or a reused one (`ref` its index in `Problem.reusable`)."""
+
+    __slots__ = ("alone", "busy0", "cap", "f", "gpus", "i", "kind", "lb", "load0", "ref", "reps", "unit")
+
+    def __init__(self, kind: str, ref: int, i: int, cap: float, f: float, unit: float, load0: float,
+                 gpus: list[tuple[str, ...]], busy0: float, reps: int) -> None:
+        self.kind, self.ref, self.i = kind, ref, i
+        self.cap = cap  # the most load it may carry in all (Feasibility 3, 5.1, 5.2), its running load included
+        self.f = f  # its speed factor at least
+        self.unit = unit  # the load at which its compute share is 1 (a group: all its replicas)
+        self.load0 = load0
+        self.gpus = gpus  # per replica, its GPUs
+        self.busy0 = busy0  # its busy share before the stages (new: at least; reused: its running one)
+        self.reps = reps
+        self.lb: dict[int, float] = {}  # per LLM stage that may use it, a bound of its latency there
+        self.alone: dict[int, float] = {}  # per such stage, its latency alone
+
+
+def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], insts: Sequence[int],
+                   tool: float, cap_l: float, deadline: float, work: list[int] | None = None) -> float:
+    """A lower bound of the slowed L_s of every variant of chain `pw` whose new instances are exactly `insts`
+    (profile indices), with `opts` the walk's options per LLM stage (module docstring); INF when no such variant
+    fits within `cap_l`, 0.0 when nothing is proven. `tool`: the TOOL stages' latency. `work`: HiGHS solves left
+    to this caller's placed bounds, counted in orders placed and HiGHS solves (SOLVE_WORK each; decremented): none
+    left, nothing is proven."""
+    if work is not None and work[0] <= 0:
+        return 0.0
+    orders = _orders(insts)
+    if orders is None:
+        return 0.0
+    best = INF
+    llm = [s for s in pw.llm if opts.get(s)]
+    total = sum(pw.load[s] for s in llm)
+    state = pb.share_state(pb.free0, *pb._fast_totals())
+    for order in orders:
+        if work is not None:
+            if work[0] <= 0:
+                return 0.0
+            work[0] -= 1
+        bins = placed_bins(pb, pw, opts, order)
+        if bins is None or sum(b.cap - b.load0 for b in bins) < total * (1 - 1e-9):
+            continue  # it does not place, or its instances cannot hold the load even together
+        if len(orders) > MILP_ORDERS:  # many orders: each at its stages' least bounds, capacity left out
+            got: float | None = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
+        else:
+            got = _least_l(pw, llm, bins, len(order), tool, cap_l, deadline, state)
+            if work is not None:
+                work[0] -= SOLVE_WORK
+        if got is None:
+            return 0.0  # out of time: nothing proven
+        best = min(best, got)
+        if best <= 0.0:
+            break
+    return best
+
+
+def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], order: Sequence[int]
+                ) -> list[_Bin] | None:
+    """What one opening order of new instances leaves each instance a stage may use (module docstring): the new
+    instances in that order, then the reusable running ones; None when it does not place or some instance cannot
+    carry even its lightest stage."""
+    from flowmaker.selection.milp import _tol
+
+    free = dict(pb.free0)
+    occ = dict(pb.occ_units)
+    places: list[list[tuple[str, ...]]] = []  # per instance, its replicas' GPUs
+    for pi in order:
+        placed: list[tuple[str, ...]] = []
+        for _ in range(pb.p_reps[pi]):
+            pl = pb.place_new(free, occ, pi)
+            if pl is None:
+                return None
+            placed.append(pl[1])
+        places.append(placed)
+    comp0, busy0 = pb._fast_totals()
+    kappa = float(pb.kappa)
+    budget = pb.u * (1 + EPS) * (1 + _MARGIN)
+    llm = [s for s in pw.llm if opts.get(s)]
+    # The least each new instance puts on its GPUs: its lightest stage's compute share, its quickest one's busy share.
+    c_lb: list[float] = []
+    b_lb: list[float] = []
+    for pi in order:
+        reps, unit = pb.p_reps[pi], pb.profiles[pi].max_output_tokens_per_s
+        mine = [s for s in llm if any(k == NEW and ref == pi for k, ref, _ in opts[s])]
+        if not mine:
+            return None  # no stage can use it: no variant has exactly these instances
+        c_lb.append(busy_share(min(pw.load[s] for s in mine) / reps, unit) * (1 - _MARGIN))
+        b_lb.append(occupancy(min(pb.rho * pw.lat_new[s][pi] for s in mine) / reps) * (1 - _MARGIN))
+    new_c: dict[str, float] = {}
+    new_b: dict[str, float] = {}
+    for i, placed in enumerate(places):
+        for gids in placed:
+            for g in gids:
+                new_c[g] = new_c.get(g, 0.0) + c_lb[i]
+                new_b[g] = new_b.get(g, 0.0) + b_lb[i]
+
+    def squeeze(gids: Sequence[str], own_c: float, own_b: float) -> tuple[float, float]:
+        """(the co-residents' busy total on the most crowded of these GPUs, the most compute share the instance
+        may add to them within the budget), with the new instances' least shares counted less its own."""
+        worst = 0.0
+        room = INF
+        for g in gids:
+            worst = max(worst, busy0.get(g, 0.0) + new_b.get(g, 0.0) - own_b)
+            room = min(room, budget - comp0.get(g, 0.0) - (new_c.get(g, 0.0) - own_c))
+        return worst, room
+
+    state = pb.share_state(pb.free0, comp0, busy0)
+    bins: list[_Bin] = []
+    for i, pi in enumerate(order):
+        reps, unit = pb.p_reps[pi], pb.profiles[pi].max_output_tokens_per_s
+        f, top = 1.0, INF
+        for gids in places[i]:  # each replica: its f and its compute share within u once slowed
+            worst, room = squeeze(gids, c_lb[i], b_lb[i])
+            f_r = 1.0 + kappa * worst
+            f, top = max(f, f_r), min(top, room, budget / f_r, 1.0 / f_r)
+        if top < c_lb[i]:
+            return None  # it cannot carry even its lightest stage
+        b = _Bin(NEW, pi, i, min(top * unit * reps * (1 + _MARGIN), _tol(pb.p_cap[pi])), f, unit * reps, 0.0,
+                 places[i], b_lb[i], reps)
+        for s in llm:
+            for k, ref, lb in opts[s]:
+                if k == NEW and ref == pi:
+                    b.alone[s] = pw.lat_new[s][pi]
+                    b.lb[s] = max(lb, b.alone[s] * state.multiplier_lb(f, busy_share(pw.load[s] / reps, unit)))
+        bins.append(b)
+    for r in sorted({ref for s in llm for k, ref, _ in opts[s] if k == REUSE}):
+        inst = pb.reusable[r]
+        rho0, unit = pb.run_rho0[inst.id], pb.r_unit[r]
+        worst, room = squeeze(inst.gpu_ids, 0.0, pb.run_busy0[inst.id])  # its own busy share is no co-resident's
+        f = 1.0 + kappa * max(0.0, worst)
+        top = min(room + rho0, budget / f, 1.0 / f)  # the GPUs' totals hold its running share already
+        cap = min(top * unit * (1 + _MARGIN), _tol(pb.p_cap[pb.r_prof[r]]))
+        b = _Bin(REUSE, r, -1, max(cap, pb.r_load0[r]), f, unit, pb.r_load0[r], [tuple(inst.gpu_ids)],
+                 pb.run_busy0[inst.id], 1)
+        for s in llm:
+            for k, ref, lb in opts[s]:
+                if k == REUSE and ref == r:
+                    b.alone[s] = pw.lat_reuse[s][r]
+                    b.lb[s] = max(lb, b.alone[s] * state.multiplier_lb(f, busy_share(b.load0 + pw.load[s], unit)))
+        bins.append(b)
+    return bins
+
+
+def _assignment_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, lat_cap: float, integer: bool,
+                   state: Any = None) -> tuple[Any, list[int]]:
+    """The least sum of stage latencies, each stage on one bin with a finite latency, every bin within its
+    capacity, each of the first `n_new` bins used, the sum at most `lat_cap`: HiGHS' model of it (a MILP when
+    `integer`), and each bin's capacity row. With `state` (a MILP), a slowed bin (f > 1) carries its final load in
+    one of LEVELS equal bands (a binary each), and a stage there costs its latency alone times the multiplier at the
+    band's lower edge (or its own bound, when higher): the multiplier grows steeply with the load once slowed, which
+    the stages' own bounds do not see."""
+    from flowmaker.selection.exact import _core_lp
+    from flowmaker.selection.milp import _CORE, MIP_TOL
+
+    core = _CORE
+    ns = len(llm)
+    rlo: list[float] = [1.0] * ns
+    rhi: list[float] = [1.0] * ns
+
+    def row(lo: float, hi: float) -> int:
+        rlo.append(lo)
+        rhi.append(hi)
+        return len(rlo) - 1
+
+    cols_cost: list[float] = []
+    integ: list[Any] = []
+    entries: list[list[tuple[int, float]]] = []
+
+    def col(cost: float, e: list[tuple[int, float]]) -> int:
+        cols_cost.append(cost)
+        integ.append(core.HighsVarType.kInteger)
+        entries.append(e)
+        return len(cols_cost) - 1
+
+    lat_row = row(-math.inf, lat_cap)
+    cap_rows: list[int] = []
+    for bi, b in enumerate(bins):
+        room = b.cap - b.load0
+        must = row(1.0, math.inf) if bi < n_new else None
+        bands = LEVELS if state is not None and b.f > 1 + 1e-9 and room > 0 else 1
+        one = row(-math.inf, 1.0) if bands > 1 else None
+        for k in range(bands):
+            lo_ld, hi_ld = room * k / bands, room * (k + 1) / bands
+            cap_r = row(-math.inf, 0.0 if bands > 1 else room)
+            if k == 0:
+                cap_rows.append(cap_r)
+            if one is not None:
+                col(0.0, [(one, 1.0), (cap_r, -hi_ld)])
+            for j, s in enumerate(llm):
+                lb = b.lb.get(s, INF)
+                if lb == INF:
+                    continue
+                ld = pw.load[s]
+                if bands > 1:
+                    if ld > hi_ld:
+                        continue
+                    lb = max(lb, b.alone[s] * state.multiplier_lb(b.f, (b.load0 + max(lo_ld, ld)) / b.unit))
+                    if lb == INF:
+                        continue
+                e = [(j, 1.0), (cap_r, ld), (lat_row, lb)]
+                if must is not None:
+                    e.append((must, 1.0))
+                col(lb, e)
+    lp = _core_lp([0.0] * len(cols_cost), [1.0] * len(cols_cost), cols_cost, entries, rlo, rhi)
+    if integer:
+        lp.integrality_ = integ
+    h: Any = core._Highs()
+    for opt, val in (("output_flag", False), ("threads", 1), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
+                     ("mip_feasibility_tolerance", MIP_TOL), ("primal_feasibility_tolerance", MIP_TOL),
+                     ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", MILP_NODES)):
+        h.setOptionValue(opt, val)
+    h.passModel(lp)
+    return h, cap_rows
+
+
+def _least_l(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, tool: float, cap_l: float,
+             deadline: float, state: Any) -> float | None:
+    """Least L (tool + the stages' latency bounds) of an assignment to these bins (`_assignment_lp`, as a MILP;
+    again with the slowed instances' load bands when that leaves it within cap_l): INF when none is within cap_l;
+    HiGHS' dual bound when unsettled; None when the deadline passed."""
+    from flowmaker.selection.milp import _CORE
+
+    least = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
+    if least > cap_l * (1 + 1e-9):
+        return INF
+    if _CORE is None:
+        return least
+    for bands in (state, None) if any(b.f > 1 + 1e-9 for b in bins) else (None,):
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return None
+        integer = bands is None or LEVEL_MILP
+        h, _ = _assignment_lp(pw, llm, bins, n_new, (cap_l - tool) * (1 + 1e-9) + 1e-12, integer, state=bands)
+        h.setOptionValue("time_limit", left)
+        h.run()
+        name = h.modelStatusToString(h.getModelStatus())
+        if name == "Infeasible":
+            return INF
+        info = h.getInfo()
+        db = getattr(info, "mip_dual_bound", None) if integer else None
+        if name == "Optimal":
+            v = min(info.objective_function_value, db if db is not None and math.isfinite(db) else INF)
+        elif db is not None and math.isfinite(db):
+            v = db
+        elif name == "Time limit reached":
+            return None
+        else:
+            continue
+        least = max(least, tool + v - 1e-9 * max(1.0, abs(v)))
+    return least
+
+
+def _prices(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int) -> list[float]:
+    """Prices of the bins' capacities for a Lagrangian bound (any prices >= 0 give one): those of the LP
+    relaxation's optimum, 0 when HiGHS is missing or the LP has none."""
+    from flowmaker.selection.milp import _CORE
+
+    if _CORE is None:
+        return [0.0] * len(bins)
+    h, rows = _assignment_lp(pw, llm, bins, n_new, math.inf, integer=False)
+    h.run()
+    if h.modelStatusToString(h.getModelStatus()) != "Optimal":
+        return [0.0] * len(bins)
+    dual = h.getSolution().row_dual
+    return [abs(dual[r]) for r in rows]
+
+
+# ---------------------------------------------------------------- every variant of a multiset, by enumeration
+
+SETTLE_NODES = 20_000  # depth-first nodes to settle one multiset exactly (`settle_multiset`)
+NODE_WORK = 100  # of those nodes, a unit of the walk's PLACED_WORK
+TIE_KEEP_NODES = 50_000  # depth-first nodes of `tie_break` looking for every variant that may tie, all multisets
+TIE_FOUND = 64  # variants that may tie that it scores before it looks for better ones only
+TIE_NODES = 200_000  # depth-first nodes of `tie_break` looking for better ones only
+
+Candidate = tuple[tuple[float, float, int], list[Any], list[int], list[tuple[str, tuple[str, ...]]]]
+
+
+def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, budget: list[int],
+               strict: bool | None, most: int = 0) -> tuple[list[Candidate], bool]:
+    """Feasible variants of chain `model.pw` (`model`: its `milp.RelaxedModel`) whose new instances are exactly
+    `insts` and whose L_s is at most `cap_l`, scored from scratch (`RelaxedModel.realize`): all of them (`strict`
+    None; not complete once more than `most` are found), or each below the one found before it (so the last is a
+    least one; `strict`: each shorter than the one before by more than the spec's 1e-12, so that no variant that
+    ties one found is looked at). Per opening order, the stages are decided
+    heaviest first (capacity cuts early) within `placed_bins`' capacities; a complete assignment counts for the
+    order in which its instances' first stages come (so each variant counts once), and a partial one is cut when
+    the load left exceeds the room left, or when its latency bound (each instance's stages at its bound so far:
+    their latencies alone times its multiplier at its load so far, which only grows, or their own bounds; each
+    later stage at its least bound, or a Lagrangian bound with the LP's prices of the room left) passes the cap.
+    (found, complete): not complete when `budget[0]` depth-first nodes (decremented) or the deadline ran out
+    first."""
+    pb, pw = model.pb, model.pw
+    opts = model.opts
+    topo = {s: j for j, s in enumerate(pw.llm)}
+    llm = sorted((s for s in pw.llm if opts.get(s)), key=lambda s: (-pw.load[s], topo[s]))
+    tool = sum(pw.tool_lat[v] for v in range(len(pw.wf.stages)) if not pw.wf.stages[v].is_llm)
+    state = pb.share_state(pb.free0, *pb._fast_totals())
+    out: list[Candidate] = []
+    orders = _orders(insts)
+    if orders is None:
+        return out, False
+    cap = [min(pb.lam * (1 + 1e-9) + 1e-12, cap_l)]
+    for order in orders:
+        bins = placed_bins(pb, pw, opts, order)
+        if bins is not None and not _search_order(model, llm, topo, tool, state, bins, len(order), cap, out, strict,
+                                                  most, budget, deadline):
+            return out, False
+    return out, True
+
+
+def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: float, state: Any, bins: list[_Bin],
+                  k_new: int, cap: list[float], out: list[Candidate], strict: bool | None, most: int,
+                  budget: list[int], deadline: float) -> bool:
+    """`_enumerate`'s search for one opening order (`bins` its `placed_bins`, the first `k_new` of them new): the
+    variants it finds go to `out`; False when it ran out of work or time."""
+    pw = model.pw
+    n = len(llm)
+    rem = [0.0] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        rem[j] = rem[j + 1] + min((b.lb.get(llm[j], INF) for b in bins), default=INF)
+    if tool + rem[0] > cap[0]:
+        return True
+    by_stage = [sorted(((b.lb[s], bi) for bi, b in enumerate(bins) if s in b.lb)) for s in llm]
+    # A Lagrangian bound of the stages left: with prices mu >= 0 of the bins' room, their latency is at least
+    # sum of min over bins (bound + mu x load) - sum of mu x room left (the LP's prices).
+    mu = _prices(pw, llm, bins, k_new)
+    rem_mu = [0.0] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        ld = pw.load[llm[j]]
+        rem_mu[j] = rem_mu[j + 1] + min(lb + mu[bi] * ld for lb, bi in by_stage[j])
+    pen = [sum(p_ * (b.cap - b.load0) for p_, b in zip(mu, bins, strict=True))]
+    if tool + rem_mu[0] - pen[0] > cap[0] * (1 + 1e-9):
+        return True
+    ld_suf = [0.0] * (n + 1)  # the load of stages j..
+    for j in range(n - 1, -1, -1):
+        ld_suf[j] = ld_suf[j + 1] + pw.load[llm[j]]
+    # per bin, the least load of a stage j.. that may use it: room below it is wasted
+    min_ld = [[INF] * len(bins) for _ in range(n + 1)]
+    for j in range(n - 1, -1, -1):
+        min_ld[j] = list(min_ld[j + 1])
+        for _, bi in by_stage[j]:
+            min_ld[j][bi] = min(min_ld[j][bi], pw.load[llm[j]])
+    # per new bin, the earliest (topological) stage j.. that may use it: its first stage can be no earlier, which
+    # cuts assignments whose instances cannot open in this order
+    first_left = [[INF] * k_new for _ in range(n + 1)]
+    for j in range(n - 1, -1, -1):
+        first_left[j] = list(first_left[j + 1])
+        for _, bi in by_stage[j]:
+            if bi < k_new:
+                first_left[j][bi] = min(first_left[j][bi], topo[llm[j]])
+    first = [INF] * k_new  # per new bin, its earliest stage so far
+    fill = [b.load0 for b in bins]
+    used = [0] * len(bins)
+    alone = [0.0] * len(bins)
+    lbs = [0.0] * len(bins)
+    contrib = [0.0] * len(bins)
+    assign: dict[int, tuple[str, int]] = {}
+    inst: dict[int, int] = {}
+    opened = [0]
+    # Busy shares as the stages come (they only grow): each bin's own now and each GPU's total now. A bin's f is
+    # 1 + kappa x its co-residents' total on its most crowded GPU, so a stage that makes an instance busier raises
+    # the bound of the instances beside it too (a reused instance's new stages slow a new instance next to it).
+    pb = model.pb
+    kappa, rate = float(pb.kappa), pb.rho
+    tot = dict(pb._fast_totals()[1])
+    for b in bins:
+        if b.kind == NEW:
+            for gids in b.gpus:
+                for g in gids:
+                    tot[g] = tot.get(g, 0.0) + b.busy0
+    own = [b.busy0 for b in bins]
+    gpus_of = [sorted({g for gids in b.gpus for g in gids}) for b in bins]
+    near = [[bj for bj in range(len(bins)) if set(gpus_of[bi]) & set(gpus_of[bj])] for bi in range(len(bins))]
+
+    def contrib_of(bi: int) -> float:
+        if not alone[bi]:
+            return 0.0
+        b = bins[bi]
+        worst = max((tot[g] - own[bi] for gids in b.gpus for g in gids), default=0.0)
+        f = max(b.f, 1.0 + kappa * worst)
+        return max(lbs[bi], alone[bi] * state.multiplier_lb(f, fill[bi] / b.unit))
+
+    def busy_of(bi: int) -> float:
+        b = bins[bi]
+        n = rate * alone[bi]
+        got = occupancy(n / b.reps) if b.kind == NEW else add_offered(b.busy0, n)
+        return max(b.busy0, got * (1 - _MARGIN))
+
+    def go(j: int, part: float) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0 or (budget[0] & 255 == 0 and time.perf_counter() > deadline):
+            return False
+        if k_new - opened[0] > n - j:
+            return True  # too few stages left to open every instance
+        fl = first_left[j]
+        for i in range(1, k_new):
+            if min(first[i - 1], fl[i - 1]) > first[i]:
+                return True  # instance i - 1 can no longer open before instance i: another order's search
+        if j == n:
+            got = model.realize(assign, inst)
+            if got is not None and got[0][1] <= cap[0]:
+                out.append(got)
+                if strict is None:
+                    return len(out) <= most
+                cap[0] = got[0][1] * (1 - 1e-12) if strict else got[0][1]
+            return True
+        room = 0.0
+        for bi, b in enumerate(bins):
+            r = b.cap - fill[bi]
+            if r >= min_ld[j][bi]:
+                room += r
+        if ld_suf[j] > room * (1 + 1e-9) + 1e-9:
+            return True  # the load left cannot fit
+        if part + rem_mu[j] - pen[0] > cap[0] * (1 + 1e-9):
+            return True
+        s, ld = llm[j], pw.load[llm[j]]
+        for lb, bi in by_stage[j]:
+            if part + lb + rem[j + 1] > cap[0]:
+                break  # fastest first
+            b = bins[bi]
+            if fill[bi] + ld > b.cap:
+                continue
+            f0, a0, l0, o0 = fill[bi], alone[bi], lbs[bi], own[bi]
+            saved_c = [contrib[bk] for bk in near[bi]]
+            saved_t = [tot[g] for g in gpus_of[bi]]
+            fill[bi], alone[bi], lbs[bi] = f0 + ld, a0 + b.alone[s], l0 + lb
+            own[bi] = busy_of(bi)
+            d = own[bi] - o0
+            if d:
+                for gids in b.gpus:
+                    for g in gids:
+                        tot[g] += d
+            p2 = part
+            for bk in near[bi]:
+                c = contrib_of(bk)
+                p2 += c - contrib[bk]
+                contrib[bk] = c
+            if p2 + rem[j + 1] <= cap[0]:
+                used[bi] += 1
+                pen[0] -= mu[bi] * ld
+                opened[0] += b.kind == NEW and used[bi] == 1
+                assign[s] = (b.kind, b.ref)
+                first_b = INF
+                if b.kind == NEW:
+                    inst[s] = b.i
+                    first_b = first[bi]
+                    first[bi] = min(first_b, topo[s])
+                else:
+                    inst.pop(s, None)
+                ok = go(j + 1, p2)
+                if b.kind == NEW:
+                    first[bi] = first_b
+                opened[0] -= b.kind == NEW and used[bi] == 1
+                pen[0] += mu[bi] * ld
+                used[bi] -= 1
+            else:
+                ok = True
+            fill[bi], alone[bi], lbs[bi], own[bi] = f0, a0, l0, o0
+            for bk, c in zip(near[bi], saved_c, strict=True):
+                contrib[bk] = c
+            for g, t in zip(gpus_of[bi], saved_t, strict=True):
+                tot[g] = t
+            if not ok:
+                return False
+        return True
+
+    return go(0, tool)
+
+
+def settle_multiset(model: Any, insts: Sequence[int], cap_cost: float, deadline: float,
+                    work: list[int] | None = None) -> tuple[Candidate | None, bool]:
+    """A least-cost feasible variant of chain `model.pw` with exactly the new instances `insts` among those of cost
+    at most `cap_cost` (None: there is none), and whether that is settled: within SETTLE_NODES depth-first nodes,
+    and within the caller's `work` (NODE_WORK nodes a unit; decremented)."""
+    m = sum(model.pb.p_mem[pi] for pi in insts)
+    nodes = SETTLE_NODES if work is None else min(SETTLE_NODES, max(0, work[0]) * NODE_WORK)
+    budget = [nodes]
+    got, done = _enumerate(model, insts, cap_cost / m if m > 0 else INF, deadline, budget, strict=False)
+    if work is not None:
+        work[0] -= (nodes - max(0, budget[0])) // NODE_WORK
+    return (got[-1] if got else None), done
+
+
+Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Any], list[int], list[Any]]]
+
+
+def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Sequence[tuple[int, ...]]],
+              best: Best, deadline: float) -> tuple[Best, bool] | None:
+    """Once the chain walks proved the cost of `best` (every workflow a chain, `multisets` the multisets of new
+    instances each walk settled within that cost): the spec's answer. First every variant that may tie it
+    (`_enumerate` up to that cost), when they are at most TIE_FOUND: then the spec's order picks among them,
+    exactly as "Ties, exactly" states it, canonical order included, and the second value is True. Otherwise (ties
+    abound when instances alone on their GPUs run unslowed, whatever they carry) only a variant better by (cost,
+    L_s, new GPUs) is looked for, with each multiset's latency cap at what a better one needs (a shorter L_s at this
+    cost, fewer new GPUs at this cost and L_s, or a lower cost), so that no tie is visited, and the second value is
+    False: the canonical order among the ties is then `exact.canonical`'s. None when that search runs out of its
+    TIE_NODES depth-first nodes or the deadline passes."""
+    from flowmaker.selection.exact import _encoding
+    from flowmaker.selection.problem import better
+
+    budget = [TIE_KEEP_NODES]
+    entries: list[Best] = [best]
+    complete = True
+    for idx, ys in multisets.items():
+        model = models[idx]
+        for insts in ys:
+            m = sum(pb.p_mem[pi] for pi in insts)
+            # all reuse costs 0: only its L_s can tie or beat the best's
+            cap = best[0][0] * (1 + 1e-9) / m if m > 0 else best[0][1] * (1 + 1e-9)
+            got, done = _enumerate(model, insts, cap, deadline, budget, None, TIE_FOUND)
+            entries.extend((sc, (model.pw, choice, slots, places)) for sc, choice, slots, places in got)
+            complete = complete and done
+            if not done:
+                break
+    if complete:
+        c = min(sc[0] for sc, _ in entries)
+        left = [e for e in entries if e[0][0] <= c * (1 + 1e-12)]
+        lat = min(sc[1] for sc, _ in left)
+        left = [e for e in left if e[0][1] <= lat * (1 + 1e-12)]
+        gpus = min(sc[2] for sc, _ in left)
+        left = [e for e in left if e[0][2] == gpus]
+        won = min(left, key=lambda e: (e[1][0].index, _encoding(e[1][1], e[1][2])))
+        # The walks leave out profiles that another dominates; a tie on one that comes earlier in the request would
+        # come first in the canonical order: then the canonical pass (which keeps those) decides.
+        return won, not any(_left_out(pb, m) for m in models.values())
+    if time.perf_counter() > deadline:
+        return None
+    budget = [TIE_NODES]
+    for idx, ys in multisets.items():
+        model = models[idx]
+        for insts in ys:
+            c, lat, gpus = best[0]
+            m = sum(pb.p_mem[pi] for pi in insts)
+            g = sum(pb.p_gpus[pi] for pi in insts)
+            if m <= 0:  # all reuse, cost 0: better when the best costs more, or when shorter
+                cap = INF if c > 0 else lat * (1 - 1e-12)
+            elif m * lat > c * (1 + 1e-12) or g < gpus:  # a tie of cost may be better: shorter, or fewer GPUs
+                cap = c * (1 + 1e-12) / m
+            else:  # only a lower cost, or this cost with a shorter L_s
+                cap = max(c * (1 - 1e-12) / m, lat * (1 - 1e-12))
+            got, done = _enumerate(model, insts, cap, deadline, budget, strict=True)
+            if not done:
+                return None
+            for sc, choice, slots, places in got:
+                if better(*sc, best[0]):
+                    best = (sc, (model.pw, choice, slots, places))
+    return best, False
+
+
+def _left_out(pb: Problem, model: Any) -> bool:
+    """Whether the walk of `model` left out a profile q that the canonical pass keeps (not dominated by an earlier
+    one; accuracy met; placeable; some stage could run on it within lambda and its capacity) and that may tie: not
+    when a walked profile p places the same (GPUs, memory per GPU, replicas), has no more memory, at least its
+    capacity and is faster alone on every stage by more than 1e-9 relative, since then every variant on q has a
+    variant on p placed alike, no busier, no more loaded, strictly shorter and no costlier."""
+    from flowmaker.selection.exact import _dominated, _placeable
+    from flowmaker.selection.problem import leq
+
+    pw = model.pw
+    walked = sorted({ref for o in model.opts.values() for k, ref, _ in o if k == NEW})
+    bv = pb.bound_view(pw)
+    dom, place = _dominated(pb, by_earlier=True), _placeable(pb)
+
+    def beaten(q: int) -> bool:
+        return any(pb.p_k[p] == pb.p_k[q] and pb.p_need[p] == pb.p_need[q] and pb.p_reps[p] == pb.p_reps[q]
+                   and pb.p_mem[p] <= pb.p_mem[q] and pb.p_cap[p] >= pb.p_cap[q]
+                   and all(pw.lat_new[s][q] > pw.lat_new[s][p] * (1 + 1e-9) for s in pw.llm) for p in walked)
+
+    return any(pb.p_ok[q] and not dom[q] and place[q] and q not in walked
+               and any(leq(bv.lat_new[s][q], pb.lam) and leq(pw.load[s], pb.p_cap[q]) for s in pw.llm)
+               and not beaten(q) for q in range(len(pb.profiles)))
+
+
+def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand: Candidate | None, inc: float,
+                 cap_l: float, deadline: float, work: list[int] | None = None) -> tuple[float, Candidate | None]:
+    """For the chain walk (`chain.walk_chain`), a multiset `insts` whose least relaxed cost `val` its variant `cand`
+    (None: it did not place) does not reach: (a lower bound of the cost of every variant with exactly these new
+    instances, the best candidate known for them). First `multiset_bound`; when that leaves the multiset at or below
+    the incumbent `inc`, `settle_multiset` finds its least cost exactly (INF: none at or below `inc`)."""
+    from flowmaker.selection.problem import better
+
+    pb = model.pb
+    if inc == INF:  # no incumbent: the walk cannot finish before it has one, so the work would be lost
+        return val, cand
+    m = sum(pb.p_mem[pi] for pi in insts)
+    val = max(val, m * multiset_bound(pb, model.pw, model.opts, insts, tool, cap_l, deadline, work))
+    if val > inc * (1 + 1e-9):
+        return val, cand
+    got, done = settle_multiset(model, insts, inc * (1 + 1e-9), deadline, work)
+    if got is not None and (cand is None or better(*got[0], cand[0])):
+        cand = got
+    if done:
+        val = got[0][0] if got is not None else INF
+    return val, cand

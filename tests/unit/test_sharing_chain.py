@@ -1,0 +1,204 @@
+"""GPU sharing on chain workflows (`flowmaker.selection.sharing_chain`): the multiset walk's placed bound, its exact
+settling of a multiset, and the tie-break by enumeration.
+
+Against the independent brute force of test_gpu_sharing (the spec's text): on chain-only requests, with model clones
+(exact ties) and busy co-residents, `exact` and `milp` return the brute force's (cost, L_s, new GPUs), and when the
+enumeration settles the tie-break, its canonical variant. Against the selector's own evaluation of every variant
+(`Problem.check`, `Problem.score`): `multiset_bound` never exceeds the L_s of a variant with exactly those new
+instances, and `settle_multiset`, when it finishes, finds the least cost among them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from test_gpu_sharing import agree, requests, shared_requests, under_sharing, with_clone
+
+from flowmaker.domain import (
+    Cluster,
+    Gpu,
+    GpuSharing,
+    Instance,
+    Model,
+    Profile,
+    SelectionOptions,
+    SelectionRequest,
+    Slo,
+    Stage,
+    Workflow,
+)
+from flowmaker.selection import exact as ex
+from flowmaker.selection import milp, sharing_chain
+from flowmaker.selection.problem import INF, NEW, REUSE, Problem
+
+EXAMPLES = int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300"))
+
+
+def as_chain(req: SelectionRequest) -> SelectionRequest:
+    """`req` with every workflow's stages in one path (each depends on the one before it, list order)."""
+    wfs = tuple(Workflow(w.id, tuple(dataclasses.replace(s, depends_on=(w.stages[i - 1].id,) if i else ())
+                                     for i, s in enumerate(w.stages))) for w in req.workflows)
+    return dataclasses.replace(req, workflows=wfs)
+
+
+def chains() -> st.SearchStrategy[SelectionRequest]:
+    return under_sharing(st.one_of(shared_requests(), shared_requests().map(with_clone), requests().map(with_clone),
+                                   requests())).map(as_chain)
+
+
+_CALLS = {"tie_break": 0, "settled": 0, "placed_value": 0}
+
+
+def _spy() -> tuple[object, object]:
+    real_tb, real_pv = sharing_chain.tie_break, sharing_chain.placed_value
+
+    def tb(*a: object, **kw: object) -> object:
+        got = real_tb(*a, **kw)  # type: ignore[arg-type]
+        _CALLS["tie_break"] += 1
+        if got is not None and got[1]:
+            _CALLS["settled"] += 1
+            event("the tie-break was settled by enumeration")
+        return got
+
+    def pv(*a: object, **kw: object) -> object:
+        _CALLS["placed_value"] += 1
+        event("a multiset was bounded once placed")
+        return real_pv(*a, **kw)  # type: ignore[arg-type]
+
+    return tb, pv
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains())
+def _chains_equal_the_brute_force(req: SelectionRequest) -> None:
+    agree(req, ("milp", "exact"))
+
+
+def test_chains_under_sharing_equal_the_brute_force_through_the_chain_paths() -> None:
+    """`milp` and `exact` on chains equal the brute force, and the runs reach the placed bound and the tie-break by
+    enumeration (not only the branch and bound's own proofs)."""
+    from flowmaker.selection import chain
+
+    tb, pv = _spy()
+    real_tb, real_pv = sharing_chain.tie_break, chain.placed_value
+    for k in _CALLS:
+        _CALLS[k] = 0
+    sharing_chain.tie_break = tb  # type: ignore[assignment]
+    chain.placed_value = pv  # type: ignore[assignment]
+    try:
+        _chains_equal_the_brute_force()
+    finally:
+        sharing_chain.tie_break = real_tb  # type: ignore[assignment]
+        chain.placed_value = real_pv  # type: ignore[assignment]
+    assert _CALLS["settled"] > 0 and _CALLS["placed_value"] > 0, _CALLS
+
+
+def _variants(pb: Problem, model: milp.RelaxedModel):  # type: ignore[no-untyped-def]
+    """Every choice of the chain's stages among the walk's options (a running instance, an instance opened before,
+    or a new one of an option's profile), with its slots."""
+    pw = model.pw
+    opts = [model.opts[s] for s in pw.llm]
+
+    def gen(j: int, choice: list, slots: list):  # type: ignore[no-untyped-def,type-arg]
+        if j == len(opts):
+            yield list(choice), list(slots)
+            return
+        for k, ref, _ in opts[j]:
+            if k == REUSE:
+                choice.append((REUSE, ref))
+                yield from gen(j + 1, choice, slots)
+                choice.pop()
+                continue
+            for sl, pi in enumerate(slots):
+                if pi == ref:
+                    choice.append((NEW, sl))
+                    yield from gen(j + 1, choice, slots)
+                    choice.pop()
+            choice.append((NEW, len(slots)))
+            slots.append(ref)
+            yield from gen(j + 1, choice, slots)
+            slots.pop()
+            choice.pop()
+
+    yield from gen(0, [], [])
+
+
+@settings(max_examples=EXAMPLES // 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains())
+def test_the_placed_bound_and_the_settled_value_hold_for_every_multiset(req: SelectionRequest) -> None:
+    """Per multiset of new instances: `multiset_bound` <= the least L_s of its feasible variants (INF: none within
+    the cap), and `settle_multiset` (when it finishes) finds their least cost, as every variant scored by
+    `Problem.check` / `Problem.score` says."""
+    pb = Problem(req)
+    usable = ex.usable_profiles(pb)
+    for pw in pb.workflows:
+        model = milp.RelaxedModel(pb, pw, usable)
+        if not model.ok:
+            continue
+        least: dict[tuple[int, ...], tuple[float, float]] = {}
+        for choice, slots in itertools.islice(_variants(pb, model), 4000):
+            code, places = pb.check(pw, choice, slots)
+            key = tuple(sorted(slots))
+            least.setdefault(key, (INF, INF))
+            if code != 5:
+                continue
+            cost, lat, _ = pb.score(pw, choice, slots, places)
+            least[key] = min(least[key], (cost, lat))
+        tool = sum(pw.tool_lat[v] for v in range(len(pw.wf.stages)) if not pw.wf.stages[v].is_llm)
+        for key, (cost, lat) in least.items():
+            if not key:
+                continue
+            bound = sharing_chain.multiset_bound(pb, pw, model.opts, key, tool, pb.lam * (1 + 1e-9),
+                                                 time.perf_counter() + 60)
+            assert bound <= lat * (1 + 1e-9), (key, bound, lat)
+            event(f"the placed bound is above the relaxed latencies: {bound > 0}")
+            got, done = sharing_chain.settle_multiset(model, key, INF, time.perf_counter() + 60)
+            if done:
+                assert (got is None) == (cost == INF), (key, got, cost)
+                if got is not None:
+                    assert abs(got[0][0] - cost) <= 1e-9 * max(1.0, cost), (key, got[0], cost)
+
+
+def test_a_slowed_multiset_is_bounded_above_its_relaxed_latency() -> None:
+    """Two new instances of one profile: the first takes the idle GPU, the second has to go beside a co-resident
+    busy 60% of the time (f = 1.6), where it may carry only 0.5 / 1.6 of its capacity: the four stages no longer fit
+    the pair, which the relaxed latencies (each instance on the idle GPU at its full capacity) do not see."""
+    models = (Model("a", 0.5, 7.0, 7.0),)
+    prof = Profile("a", 1, 1, 30.0, 0.1, 1e-4, 0.01, 1000.0)
+    gpus = (Gpu("g0", "n0", 40.0, 0.0), Gpu("g1", "n0", 80.0, 40.0))
+    running = (Instance("run0", "z", 1, 1, ("g1",), 10.0, busy_share=0.6),)  # no profile: a busy share only
+    stages = tuple(Stage(f"s{i}", input_tokens=500, output_tokens=100, depends_on=(f"s{i - 1}",) if i else ())
+                   for i in range(4))
+    req = SelectionRequest(Slo(0.3, 100.0, 2.0), (Workflow("w", stages),), models, (prof,), Cluster(gpus, running),
+                           SelectionOptions(utilization_cap=0.5, gpu_sharing=GpuSharing.INTERFERENCE))
+    pb = Problem(req)
+    pw = pb.workflows[0]
+    model = milp.RelaxedModel(pb, pw, ex.usable_profiles(pb))
+    relaxed = sum(min(lat for _, _, lat in model.opts[s]) for s in pw.llm)
+    assert sharing_chain.multiset_bound(pb, pw, model.opts, (0, 0), 0.0, INF, time.perf_counter() + 60) > relaxed
+    got, done = sharing_chain.settle_multiset(model, (0, 0), INF, time.perf_counter() + 60)
+    assert done and got is None  # and no variant with exactly these two instances is feasible
+
+
+def test_under_sharing_the_walk_drops_only_profiles_dominated_by_one_placed_alike() -> None:
+    """`milp._dominated_here`: a profile with less memory, more capacity and faster everywhere dominates another in
+    the base contract; under GPU sharing only when both are placed alike (GPUs, memory per GPU), since the placed
+    bounds of the dominator's multisets say nothing of variants placed elsewhere."""
+    models = (Model("a", 0.5, 7.0, 7.0), Model("b", 0.5, 7.0, 7.0))
+    small = Profile("a", 1, 1, 10.0, 0.1, 1e-4, 0.01, 1000.0)
+    big = Profile("b", 1, 1, 30.0, 0.2, 2e-4, 0.02, 500.0)  # more memory, slower, less capacity
+    same = Profile("b", 2, 1, 10.0, 0.2, 2e-4, 0.02, 500.0)  # placed as "a" tp2 would be
+    twin = Profile("a", 2, 1, 10.0, 0.1, 1e-4, 0.01, 1000.0)  # "a" on two GPUs: dominated by "a" on one, unless shared
+    stages = (Stage("s0", input_tokens=500, output_tokens=100),)
+    gpus = (Gpu("g0", "n0", 80.0, 0.0), Gpu("g1", "n0", 80.0, 0.0))
+    for mode, dropped in ((GpuSharing.IGNORE, {1, 2, 3}), (GpuSharing.INTERFERENCE, {2})):  # a chain of one stage
+        req = SelectionRequest(Slo(0.3, 100.0, 1.0), (Workflow("w", stages),), models, (small, big, same, twin),
+                               Cluster(gpus, ()), SelectionOptions(gpu_sharing=mode))
+        pb = Problem(req)
+        pw = pb.workflows[0]
+        assert milp._dominated_here(pb, pb.bound_view(pw), [0, 1, 2, 3]) == dropped, mode
