@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from hypothesis import HealthCheck, event, given, settings, target
+from hypothesis import HealthCheck, event, given, seed, settings, target
 from hypothesis import strategies as st
 from test_selection_properties import LEVEL, capacity, close, dense_requests, longest, requests, stage_latency, topo
 from test_selection_properties import brute_force as base_brute_force
@@ -649,6 +649,7 @@ def with_clone(req: SelectionRequest) -> SelectionRequest:
                                profiles=(*req.profiles, *clones))
 
 
+WALK_PROOF_SEED = 0  # a hypothesis seed whose draw reaches the walk's proof under sharing
 _SHARING_PROOFS = [0]  # how often the walk proved a sharing optimum's cost (the restricted branch and bound ran)
 
 
@@ -679,7 +680,11 @@ def _the_walks_proof_under_sharing_equals_the_brute_force(req: SelectionRequest)
 def test_the_walks_proof_under_sharing_equals_the_brute_force_ties_included() -> None:
     """The property above, and it reaches the new proof path (not only the branch and bound's own proofs)."""
     _SHARING_PROOFS[0] = 0
-    _the_walks_proof_under_sharing_equals_the_brute_force()
+    _the_walks_proof_under_sharing_equals_the_brute_force()  # a fresh draw each run: it looks for counterexamples
+    if _SHARING_PROOFS[0] == 0:
+        # This draw never reached the path (some seeds do not, since the chains' own settling often proves first):
+        # a fixed draw that does, so the coverage check does not depend on luck.
+        seed(WALK_PROOF_SEED)(_the_walks_proof_under_sharing_equals_the_brute_force)()
     assert _SHARING_PROOFS[0] > 0
 
 
