@@ -59,6 +59,7 @@ CHAIN_PREPS = 10  # Lagrangian bounds (one small LP each) per multiset the walk 
 # 2-3 fewer than 200,000. The class search settles in 0.003-0.4 s packings that HiGHS takes 0.1-2 s on.
 CLASS_NODES = 20_000
 CLASS_NODES_MORE = 200_000
+SINGLE_BIN_NODES = 4_000  # the same when every class is one instance (the bin-by-bin search's former limit)
 CHEAP_FIRST = True  # a multiset's first bound uses the last LP's prices; its own LP comes when it is popped again
 BIN_NODES = 80_000  # nodes of the bin-by-bin search (`binpack`) of a packing before its MILP (0: none)
 BIN_TRIES = 1  # packings searched so before the first that it settles; none after, unless one was settled
@@ -213,8 +214,16 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                          else (k, ref, b, 0.0, pb.p_cap[ref])
                          for k, ref in classes for b in (range(1) if k == REUSE else range(y[pos[ref]]))]
         loads = [pw.load[s] for s in llm]
-        got_c = least_l_classes(so, loads, bl, mu, tool, cap_l, CLASS_NODES_MORE if use_milp else CLASS_NODES,
-                                deadline)
+        # Without two identical new instances there is no symmetry for the class search to skip: it is the bin
+        # search then, and HiGHS settles such packings (most often reuse only) faster than a long search does
+        # (measured on the adversarial `reuse` family: 0.8-1.0 s with the long search, 0.2-0.4 s without). Under
+        # GPU sharing the least L of a packing is only the walk's relaxation (`sharing_chain` settles a multiset
+        # once placed), so a long search buys little there too (adversarial `chain15` 3: 1.7 s unproven with it,
+        # proven in 0.5 s without).
+        nodes = CLASS_NODES_MORE if use_milp else CLASS_NODES
+        if all(y[pos[ref]] <= 1 for k, ref in classes if k == NEW) or pb.sharing:
+            nodes = min(nodes, SINGLE_BIN_NODES)
+        got_c = least_l_classes(so, loads, bl, mu, tool, cap_l, nodes, deadline)
         work[0] += got_c[3]
         if got_c[2]:
             return got_c[0], got_c[1], True
