@@ -72,6 +72,11 @@ def ok_json(p: subprocess.CompletedProcess[str]) -> Any:
     return json.loads(p.stdout)
 
 
+def ids(listing: dict[str, Any]) -> list[tuple[str, str]]:
+    """(id, name) of each listed task: what two listings of the same tasks share."""
+    return [(t["id"], t.get("name", "")) for t in listing.get("tasks", [])]
+
+
 def mode(p: Path | str) -> int:
     return stat.S_IMODE(Path(p).stat().st_mode)
 
@@ -155,11 +160,12 @@ def test_the_cli_reaches_the_stack_without_its_state_file(up: tuple[Up, dict[str
     # The same as options before the command.
     flags = ["--tls-ca", tls["ca"], "--tls-cert", tls["cert"], "--tls-key", tls["key"], "--token-file",
              tls["tokens_file"]]
-    assert ok_json(u.cli(*flags, "task", "list", "--json", **nowhere)) == listed
+    # (the same tasks: a task record itself may move meanwhile, e.g. the leader re-derives its prediction)
+    assert ids(ok_json(u.cli(*flags, "task", "list", "--json", **nowhere))) == ids(listed)
     # A user with only the CA and a token reaches the orchestrator.
     admin = next(t for t, who in json.loads(Path(tls["tokens_file"]).read_text()).items() if who.get("admin"))
-    assert ok_json(u.cli("task", "list", "--json", FLOWMAKER_TLS_CA=tls["ca"], FLOWMAKER_TOKEN=admin,
-                         **nowhere)) == listed
+    assert ids(ok_json(u.cli("task", "list", "--json", FLOWMAKER_TLS_CA=tls["ca"], FLOWMAKER_TOKEN=admin,
+                             **nowhere))) == ids(listed)
 
 
 def test_every_service_serves_metrics_on_a_port_up_lists(up: tuple[Up, dict[str, Any]]) -> None:
