@@ -40,6 +40,7 @@ from flowmaker.state.store import (
     KeyValue,
     Listing,
     Op,
+    PrefixState,
     Put,
     Target,
     TxnResult,
@@ -322,6 +323,16 @@ class EtcdStore(CasOps):
     async def get_prefix(self, prefix: str) -> Listing:
         r = await self._run(f"get_prefix {prefix}", lambda c: c.get_prefix(self._k(prefix)))
         return Listing(tuple(self._kv(kv) for kv in r.kvs), r.header.revision)
+
+    async def prefix_state(self, prefix: str) -> PrefixState:
+        # One key (the newest by mod_revision, keys only) and the count of the whole range: etcd counts every key in
+        # the range whatever the limit. aetcd's get_prefix has no limit, hence the raw Range.
+        key = self._k(prefix)
+        req = arpc.RangeRequest(key=key, range_end=autils.prefix_range_end(key), limit=1, keys_only=True,
+                                sort_order=arpc.RangeRequest.DESCEND, sort_target=arpc.RangeRequest.MOD)
+        r = await self._run(f"prefix_state {prefix}",
+                            lambda c: c.kvstub.Range(req, timeout=self.timeout_s, metadata=c.metadata))
+        return PrefixState(int(r.count), int(r.kvs[0].mod_revision) if r.kvs else 0, int(r.header.revision))
 
     # -- writes -------------------------------------------------------------------------------
 

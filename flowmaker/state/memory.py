@@ -17,6 +17,7 @@ from flowmaker.state.store import (
     Json,
     KeyValue,
     Listing,
+    PrefixState,
     Put,
     TxnResult,
     WatchEvent,
@@ -98,6 +99,11 @@ class MemoryStore(CasOps):
         await self._publish(self._expire())
         items = tuple(copy.deepcopy(kv) for k, kv in sorted(self._data.items()) if k.startswith(prefix))
         return Listing(items, self.revision)
+
+    async def prefix_state(self, prefix: str) -> PrefixState:
+        await self._publish(self._expire())
+        revs = [kv.mod_revision for k, kv in self._data.items() if k.startswith(prefix)]
+        return PrefixState(len(revs), max(revs, default=0), self.revision)
 
     async def put(self, key: str, value: Json, *, lease: int = 0) -> int:
         return (await self.txn([], [Put(key, value, lease)])).revision

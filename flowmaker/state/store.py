@@ -53,6 +53,18 @@ class Listing:
         return {kv.key: kv for kv in self.items}
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixState:
+    """What a prefix holds now, in brief (one small linearizable read): how many keys, the highest mod_revision among
+    them (0 when none), and the store revision it was read at. A copy of the prefix known to reflect it exactly as of
+    revision W still does now iff `max_mod_revision <= W` and it holds `count` keys: a write since W would carry a
+    higher mod_revision, and a deletion since W alone would lower the count."""
+
+    count: int
+    max_mod_revision: int
+    revision: int
+
+
 class Target(enum.Enum):
     """What a Compare looks at (etcd's compare targets)."""
 
@@ -137,6 +149,10 @@ class StateStore(Protocol):
     async def get(self, key: str) -> KeyValue | None: ...
 
     async def get_prefix(self, prefix: str) -> Listing: ...
+
+    async def prefix_state(self, prefix: str) -> PrefixState:
+        """The prefix's key count and highest mod_revision, without its values (`PrefixState`)."""
+        ...
 
     async def put(self, key: str, value: Json, *, lease: int = 0) -> int:
         """Unconditional write; returns the new mod_revision."""

@@ -5,24 +5,38 @@ Fed by etcd watches and by full listings (its own periodic resync, and the recon
 each entry with the etcd revision it came from, so an older listing never overwrites a newer watch event. Invoke
 routes from it and authorizes from it, ListTasks reads it: a stalled etcd does not stall requests to tasks that
 already serve, and none of them costs an etcd round trip.
+
+A listing must also show what another replica wrote a moment ago (read-your-writes across replicas), so ListTasks
+first asks etcd how the task and owner prefixes stand now (`catch_up`: one small read, counts and the newest
+mod_revision, no values) and waits until the cache has caught up, as Kubernetes' API server serves consistent
+reads from its watch cache. Each watch starts from a listing, so its stream has no gap and the cache knows the
+revision through which it holds a prefix exactly (`_Cache.through`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
+from flowmaker.errors import FlowMakerError
 from flowmaker.orchestration.reconcile import Observed
 from flowmaker.orchestration.task import TaskRecord
 from flowmaker.state import keys
 from flowmaker.state.records import InstanceRecord
-from flowmaker.state.store import EventKind, StateStore
+from flowmaker.state.store import EventKind, PrefixState, StateStore
 
 log = logging.getLogger(__name__)
+
+# `catch_up`: how long etcd may take to say how a prefix stands (past it, etcd is the one behind: the cache's word
+# stands, as when etcd is down), and how long the cache may then take to catch up (past it, the caller lists etcd).
+CATCH_UP_ASK_S = 0.5
+CATCH_UP_WAIT_S = 1.0
+CATCH_UP_POLL_S = 0.005
 
 
 class _Cache:
@@ -32,6 +46,14 @@ class _Cache:
         self.decode = decode
         self.items: dict[str, tuple[int, Any]] = {}
         self.version = 0  # bumped on every change (indexes over the values rebuild when it moves)
+        # The revision through which this copy holds its prefix exactly: the latest listing merged in, or watch event
+        # applied (each watch starts right after a listing, so its events follow with no gap). 0: not yet known.
+        self.through = 0
+
+    def holds(self, now: PrefixState) -> bool:
+        """Whether this copy holds the prefix as it stands in `now` (see `PrefixState`)."""
+        return now.max_mod_revision <= self.through and \
+            sum(1 for _, v in self.items.values() if v is not None) == now.count
 
     def apply(self, key: str, rev: int, raw: Any) -> None:
         cur = self.items.get(key)
@@ -60,6 +82,7 @@ class _Cache:
                 merged[key] = cur  # created (or deleted) after the listing
         self.items = merged
         self.version += 1
+        self.through = max(self.through, listing_revision)
 
     def get(self, key: str) -> Any:
         hit = self.items.get(key)
@@ -208,9 +231,15 @@ class RoutingCache:
         cache = self._cache_of(prefix)
         while True:
             try:
-                async for ev in self.store.watch_prefix(prefix):
+                # List, then watch from the revision after the listing: the stream misses nothing in between, so
+                # `through` may follow its events (a watch "from now" after a failure would skip what happened
+                # while it was down).
+                listing = await self.store.get_prefix(prefix)
+                cache.replace(listing.revision, {kv.key: (kv.mod_revision, kv.value) for kv in listing.items})
+                async for ev in self.store.watch_prefix(prefix, start_revision=listing.revision + 1):
                     delay = 0.2
                     cache.apply(ev.key, ev.mod_revision, ev.value if ev.kind is EventKind.PUT else None)
+                    cache.through = max(cache.through, ev.mod_revision)
                     self.changed.set()
             except asyncio.CancelledError:
                 raise
@@ -238,6 +267,28 @@ class RoutingCache:
                               (keys.TOKENS, self._tokens)):
             listing = await self.store.get_prefix(prefix)
             cache.replace(listing.revision, {kv.key: (kv.mod_revision, kv.value) for kv in listing.items})
+
+    async def catch_up(self, prefixes: tuple[str, ...] = (keys.TASKS, keys.OWNERS), *,
+                       ask_s: float = CATCH_UP_ASK_S, wait_s: float = CATCH_UP_WAIT_S) -> None:
+        """Return once the cache holds `prefixes` as etcd holds them now, so that a read from it shows every write
+        made before the call, through any replica. When etcd does not say within `ask_s` (down, or stalled), the
+        cache's word stands (reads keep working while etcd is away); when the cache has not caught up `wait_s`
+        after etcd answered, it lists them from etcd (`resync`)."""
+        if not self.fresh:
+            return  # the caller reads etcd itself until the first listing
+        try:
+            now = await asyncio.wait_for(asyncio.gather(*(self.store.prefix_state(p) for p in prefixes)), ask_s)
+        except (FlowMakerError, TimeoutError) as e:
+            log.debug("catch-up: etcd did not say how %s stand (%s); reading the cache as it is", prefixes, e)
+            return
+        deadline = time.monotonic() + wait_s
+        while not all(self._cache_of(p).holds(st) for p, st in zip(prefixes, now, strict=True)):
+            if time.monotonic() >= deadline:
+                log.info("catch-up: the cache is behind etcd on %s after %gs; listing them", prefixes, wait_s)
+                with contextlib.suppress(FlowMakerError):
+                    await self.resync()
+                return
+            await asyncio.sleep(CATCH_UP_POLL_S)
 
     async def observe(self) -> Observed:
         """One snapshot of tasks, instances, live nodes and reuse references (the reconciler's), merged in."""

@@ -139,10 +139,14 @@ class Lifecycle:
         waiting = self.arrivals.overdue(t.id, now, list(t.observed_latencies_s))
         return replace(t, observed_latencies_s=(*t.observed_latencies_s, *waiting)) if waiting else t
 
-    async def list_tasks(self, state: TaskState | None = None, *, ids: set[str] | None = None) -> list[TaskView]:
+    async def list_tasks(self, state: TaskState | None = None, *, ids: set[str] | None = None,
+                         caught_up: bool = False) -> list[TaskView]:
         """The tasks (only those in `ids` when given), in `state` when given, oldest first. From the routing
-        cache once it has listed etcd (no etcd round trip, and with `ids` no scan of the others); from etcd
-        before that."""
+        cache once it has listed etcd (with `ids`, no scan of the others), after it has caught up with etcd
+        (`RoutingCache.catch_up`: every write made before the call shows, through any replica; `caught_up`: the
+        caller has just done so); from etcd before the first listing."""
+        if not caught_up:
+            await self.cache.catch_up()
         if not self.cache.fresh:
             return await self._list_from_store(state, ids)
         nodes = self.cache.live_nodes()

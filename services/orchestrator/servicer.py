@@ -176,9 +176,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     async def ListTasks(self, request: orchestrator_pb2.ListTasksRequest, context: grpc.aio.ServicerContext
                         ) -> orchestrator_pb2.ListTasksResponse:
-        # A user's own tasks are looked up by id in the cache's owner index, not filtered out of a scan.
+        # A user's own tasks are looked up by id in the cache's owner index, not filtered out of a scan; both the
+        # owners and the tasks as etcd holds them now (a task created through another replica a moment ago shows).
+        await self.lifecycle.cache.catch_up()
         views = await self.lifecycle.list_tasks(convert.task_state_from_proto(request.state),
-                                                ids=await self.owners.visible())
+                                                ids=await self.owners.visible(), caught_up=True)
         owners = await self.owners.of_all([v.task.id for v in views])
         return orchestrator_pb2.ListTasksResponse(tasks=[_task(v, owners[v.task.id]) for v in views])
 

@@ -213,3 +213,54 @@ async def test_task_names_are_unique_per_owner_and_work_as_ids(replicas: list[An
     assert again.id != t.id
     with pytest.raises(NotFound):
         await call(fstub.GetTask(pb.GetTaskRequest(task_id="no-such-name")))
+
+
+async def test_catch_up_shows_what_another_replica_wrote_a_moment_ago(etcd_store: Any, etcd: Any) -> None:
+    """Read-your-writes across replicas: `catch_up` asks etcd how the prefixes stand and waits for the watch; a cache
+    whose watch is not running lists them instead; with etcd stopped, the cache's word stands within the ask bound."""
+    import time
+
+    from services.orchestrator import cache as cache_mod
+
+    lagging = RoutingCache(etcd_store, resync_s=600)  # no watch: only catch_up can bring news
+    await lagging.resync()
+    await etcd_store.put(keys.owner("t1"), {"owner": "alice"})  # another replica's write
+    assert lagging.owner("t1") is None
+    await lagging.catch_up(wait_s=0.1)
+    assert lagging.owner("t1") == "alice"
+    await etcd_store.delete(keys.owner("t1"))  # a deletion alone (the count tells)
+    await lagging.catch_up(wait_s=0.1)
+    assert lagging.owner("t1") is None
+
+    live = RoutingCache(etcd_store, resync_s=600)
+    live.start()
+    resyncs = 0
+    real_resync = live.resync
+
+    async def counted() -> None:
+        nonlocal resyncs
+        resyncs += 1
+        await real_resync()
+
+    try:
+        await _until(lambda: live.fresh)
+        await _until(lambda: live._owners.through > 0 and live._tasks.through > 0)
+        live.resync = counted  # type: ignore[method-assign]
+        for i in range(5):
+            await etcd_store.put(keys.owner(f"w{i}"), {"owner": "bob"})
+            await live.catch_up()
+            assert live.owner(f"w{i}") == "bob"
+        await etcd_store.delete(keys.owner("w0"))
+        await live.catch_up()
+        assert live.owner("w0") is None
+        assert resyncs == 0, "the watch kept up: catch_up should not have needed a listing"
+        etcd.pause()
+        try:
+            t0 = time.monotonic()
+            await live.catch_up()
+            assert time.monotonic() - t0 < cache_mod.CATCH_UP_ASK_S + 1.0
+            assert live.owner("w1") == "bob"  # the cache's word stands while etcd is away
+        finally:
+            etcd.resume()
+    finally:
+        await live.stop()

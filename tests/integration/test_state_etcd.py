@@ -52,6 +52,24 @@ async def test_get_prefix_sorted_with_revision_and_no_sibling_leak(store: StateS
     assert listing.revision >= last
 
 
+async def test_prefix_state_counts_and_the_newest_revision_without_siblings(store: StateStore) -> None:
+    pre = keys.gpus_of_node("n1")
+    empty = await store.prefix_state(pre)
+    assert (empty.count, empty.max_mod_revision) == (0, 0) and empty.revision >= 1
+    await store.put(keys.gpu("n1", "g0"), {"v": 0})
+    newest = await store.put(keys.gpu("n1", "g1"), {"v": 1})
+    await store.put(keys.gpu("n1", "g0"), {"v": 2})  # rewritten: now the newest
+    g0 = await store.get(keys.gpu("n1", "g0"))
+    assert g0 is not None and g0.mod_revision > newest
+    await store.put(keys.gpu("n10", "g0"), {"v": 10})  # a sibling prefix: neither counted nor newest
+    st = await store.prefix_state(pre)
+    assert (st.count, st.max_mod_revision) == (2, g0.mod_revision)
+    assert st.revision == (await store.get_prefix(pre)).revision
+    await store.delete(keys.gpu("n1", "g0"))
+    st = await store.prefix_state(pre)
+    assert (st.count, st.max_mod_revision) == (1, newest)
+
+
 async def test_create_conflicts_when_present(store: StateStore) -> None:
     k = keys.task("t1")
     await store.create(k, {"state": "NEW"})
