@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from flowmaker.selection.problem import INF, NEW, leq
+from flowmaker.selection.problem import EPS, INF, NEW
 
 _CHECK = 4096  # search nodes between two looks at the clock (the caller's final deadline only)
 Bin = tuple[str, int, int, float, float]  # (kind, ref, bin index within the profile, base load, capacity)
@@ -118,6 +118,7 @@ def least_l_bins(so: Sequence[Sequence[tuple[float, str, int]]], loads: Sequence
         if load_left > room_suf[i] * (1 + 1e-9) + 1e-9:
             return True
         k, ref, bidx, base, cp = bl[i]
+        top = cp + EPS * max(1.0, abs(cp))  # `leq(x, cp)` is `x <= top` (no call per node)
         key = keys[i]
         m_c = mu.get(key, 0.0)
         und_l = sum(mcl[i][j] for j in remaining)
@@ -145,7 +146,7 @@ def least_l_bins(so: Sequence[Sequence[tuple[float, str, int]]], loads: Sequence
                 can = 0.0
                 for q in range(p, r):
                     jq = remaining[q]
-                    if jq > lim and key in lat_j[jq] and leq(base + fill + loads[jq], cp):
+                    if jq > lim and key in lat_j[jq] and base + fill + loads[jq] <= top:
                         can += loads[jq]
                         if can >= room_i:
                             break
@@ -162,7 +163,7 @@ def least_l_bins(so: Sequence[Sequence[tuple[float, str, int]]], loads: Sequence
             j = remaining[p]
             lat = lat_j[j].get(key)
             # include j (first: fuller bins first)
-            if lat is not None and j > lim and leq(base + fill + loads[j], cp):
+            if lat is not None and j > lim and base + fill + loads[j] <= top:
                 chosen.append(j)
                 ok = sub(p + 1, fill + loads[j], min(first, j), s_l + lat, s_0 + lat, u_l - cur_l[j],
                          u_0 - cur_0[j], k_l, k_0)
@@ -214,6 +215,7 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
     ci = {c: i for i, c in enumerate(keys)}
     nc = len(keys)
     room_tot = [count[c] * (cap[c] * (1 + 1e-9) + 1e-9 - base[c]) for c in range(nc)]
+    top = [cp + EPS * max(1.0, abs(cp)) for cp in cap]  # `leq(x, cap[c])` is `x <= top[c]` (no call per node)
     opts: list[list[tuple[float, int]]] = []
     for opt in so:
         best: dict[int, float] = {}
@@ -298,7 +300,7 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
             if best_a[0] is not None and part + lat + rem[j + 1] >= best_l[0] * (1 - 1e-12):
                 break
             if count[c] == 1:
-                if not leq(base[c] + load_c[c] + w, cap[c]):
+                if not base[c] + load_c[c] + w <= top[c]:
                     continue
             elif load_c[c] + w > room_tot[c]:
                 continue
@@ -307,7 +309,7 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
             old_pk = packs[c]
             if count[c] > 1:
                 # first fit into the packing kept for this class, else the exact oracle (a new packing)
-                b_ff = next((b for b in range(count[c]) if leq(base[c] + old_pk[b] + w, cap[c])), -1)
+                b_ff = next((b for b in range(count[c]) if base[c] + old_pk[b] + w <= top[c]), -1)
                 if b_ff >= 0:
                     new_pk = list(old_pk)
                     new_pk[b_ff] += w
@@ -370,6 +372,7 @@ def _pack_exact(ws: list[float], nbins: int, base: float, cap: float, step: Call
     for i in range(len(ws) - 1, -1, -1):
         suf[i] = suf[i + 1] + ws[i]
     room = nbins * (cap * (1 + 1e-9) + 1e-9 - base)
+    top = cap + EPS * max(1.0, abs(cap))  # `leq(x, cap)` is `x <= top`: the same test, without a call per node
 
     def go(i: int) -> bool:
         if i == len(ws):
@@ -382,7 +385,7 @@ def _pack_exact(ws: list[float], nbins: int, base: float, cap: float, step: Call
         seen: set[float] = set()
         for b in range(nbins):
             f = fill[b]
-            if f in seen or not leq(base + f + w, cap):
+            if f in seen or not base + f + w <= top:
                 continue
             seen.add(f)
             fill[b] = f + w

@@ -141,6 +141,9 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             m = m_memo[y] = sum(mem[i] * c for i, c in enumerate(y))
         return m
 
+    # Each stage's options, fastest first (a stable sort: options of equal latency keep their order), once: a
+    # multiset's usable options are these filtered, in the same order.
+    by_lat = [sorted(((lat, k, ref) for k, ref, lat in opts[s]), key=lambda o: o[0]) for s in llm]
     Prep = tuple[list[list[tuple[float, str, int]]], dict[tuple[str, int], float], float]
     preps: dict[tuple[int, ...], Prep | None] = {}
 
@@ -150,8 +153,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         option."""
         if y in preps:
             return preps[y]
-        so = [sorted(((lat, k, ref) for k, ref, lat in opts[s] if k == REUSE or y[pos[ref]]), key=lambda o: o[0])
-              for s in llm]
+        so = [[o for o in ol if o[1] == REUSE or y[pos[o[2]]]] for ol in by_lat]
         if not all(so):
             preps[y] = None
             return None
