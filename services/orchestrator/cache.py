@@ -16,7 +16,6 @@ revision through which it holds a prefix exactly (`_Cache.through`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -37,6 +36,7 @@ log = logging.getLogger(__name__)
 CATCH_UP_ASK_S = 0.5
 CATCH_UP_WAIT_S = 1.0
 CATCH_UP_POLL_S = 0.005
+CATCH_UP_RESYNC_S = 5.0  # the fallback listing's bound
 
 
 class _Cache:
@@ -49,11 +49,16 @@ class _Cache:
         # The revision through which this copy holds its prefix exactly: the latest listing merged in, or watch event
         # applied (each watch starts right after a listing, so its events follow with no gap). 0: not yet known.
         self.through = 0
+        # Keys whose latest record did not decode (revision): left out of the values, counted by `holds` (etcd
+        # counts them), so that one unreadable record does not make every catch-up fall back to a listing.
+        self.unreadable: dict[str, int] = {}
 
     def holds(self, now: PrefixState) -> bool:
         """Whether this copy holds the prefix as it stands in `now` (see `PrefixState`)."""
-        return now.max_mod_revision <= self.through and \
-            sum(1 for _, v in self.items.values() if v is not None) == now.count
+        if now.max_mod_revision > self.through:
+            return False
+        live = {k for k, (_, v) in self.items.items() if v is not None}
+        return len(live | self.unreadable.keys()) == now.count
 
     def apply(self, key: str, rev: int, raw: Any) -> None:
         cur = self.items.get(key)
@@ -61,13 +66,16 @@ class _Cache:
             return
         try:
             self.items[key] = (rev, None if raw is None else self.decode(raw))
+            self.unreadable.pop(key, None)
         except Exception as e:  # one unreadable record must not break routing for the others
             log.warning("ignoring unreadable record %s: %s", key, e)
+            self.unreadable[key] = rev
         self.version += 1
 
     def replace(self, listing_revision: int, items: dict[str, tuple[int, Any]]) -> None:
         """Merge a full listing taken at `listing_revision`: entries a watch brought in later are kept."""
         merged: dict[str, tuple[int, Any]] = {}
+        bad = dict(self.unreadable)
         for key, (rev, raw) in items.items():
             cur = self.items.get(key)
             if cur is not None and cur[0] > listing_revision:
@@ -75,11 +83,14 @@ class _Cache:
             else:
                 try:
                     merged[key] = (rev, self.decode(raw))
+                    bad.pop(key, None)
                 except Exception as e:
                     log.warning("ignoring unreadable record %s: %s", key, e)
+                    bad[key] = rev
         for key, cur in self.items.items():
             if key not in items and cur[0] > listing_revision:
                 merged[key] = cur  # created (or deleted) after the listing
+        self.unreadable = {k: r for k, r in bad.items() if k in items or r > listing_revision}
         self.items = merged
         self.version += 1
         self.through = max(self.through, listing_revision)
@@ -285,8 +296,10 @@ class RoutingCache:
         while not all(self._cache_of(p).holds(st) for p, st in zip(prefixes, now, strict=True)):
             if time.monotonic() >= deadline:
                 log.info("catch-up: the cache is behind etcd on %s after %gs; listing them", prefixes, wait_s)
-                with contextlib.suppress(FlowMakerError):
-                    await self.resync()
+                try:  # bounded: a slow etcd must not hold the listing for the resync's every prefix
+                    await asyncio.wait_for(self.resync(), CATCH_UP_RESYNC_S)
+                except (FlowMakerError, TimeoutError, ValueError) as e:
+                    log.warning("catch-up: listing from etcd failed (%s); reading the cache as it is", e)
                 return
             await asyncio.sleep(CATCH_UP_POLL_S)
 

@@ -146,9 +146,14 @@ def test_the_cli_reaches_the_stack_without_its_state_file(up: tuple[Up, dict[str
     # The stack's files and token, from the environment.
     env = {**nowhere, "FLOWMAKER_TLS_CA": tls["ca"], "FLOWMAKER_TLS_CERT": tls["cert"],
            "FLOWMAKER_TLS_KEY": tls["key"], "FLOWMAKER_TOKEN_FILE": tls["tokens_file"]}
-    # The task an earlier test deployed, at once through any replica (a listing first catches the replica's cache
-    # up with etcd: read-your-writes across replicas; this listing once came back empty before it did).
+    # The task an earlier test deployed, through any replica: a listing first catches the replica's cache up with
+    # etcd (read-your-writes), unless etcd is too slow to say how it stands (0.5 s) on a loaded machine, when the
+    # cache's word stands; a short poll covers that case only.
+    deadline = time.monotonic() + 10.0
     listed = ok_json(u.cli("task", "list", "--json", **env))
+    while not listed.get("tasks") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        listed = ok_json(u.cli("task", "list", "--json", **env))
     assert listed.get("tasks"), listed
     task = listed["tasks"][0]["id"]
     assert ok_json(u.cli("task", "get", task, "--json", **env))["id"] == task

@@ -231,6 +231,21 @@ async def test_catch_up_shows_what_another_replica_wrote_a_moment_ago(etcd_store
     await etcd_store.delete(keys.owner("t1"))  # a deletion alone (the count tells)
     await lagging.catch_up(wait_s=0.1)
     assert lagging.owner("t1") is None
+    # An unreadable task record: listed once, then counted (not a listing at every catch-up).
+    await etcd_store.put(keys.task("garbled"), {"not": "a task record"})
+    await lagging.catch_up(wait_s=0.1)
+    assert lagging.task("garbled") is None
+    relists = 0
+    real = lagging.resync
+
+    async def counting() -> None:
+        nonlocal relists
+        relists += 1
+        await real()
+
+    lagging.resync = counting  # type: ignore[method-assign]
+    await lagging.catch_up(wait_s=0.1)
+    assert relists == 0, "an unreadable record made the cache look behind"
 
     live = RoutingCache(etcd_store, resync_s=600)
     live.start()
