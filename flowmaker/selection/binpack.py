@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from flowmaker.selection.problem import EPS, INF, NEW
+from flowmaker.selection.problem import INF, NEW, leq_limit
 
 _CHECK = 4096  # search nodes between two looks at the clock (the caller's final deadline only)
 Bin = tuple[str, int, int, float, float]  # (kind, ref, bin index within the profile, base load, capacity)
@@ -118,7 +118,7 @@ def least_l_bins(so: Sequence[Sequence[tuple[float, str, int]]], loads: Sequence
         if load_left > room_suf[i] * (1 + 1e-9) + 1e-9:
             return True
         k, ref, bidx, base, cp = bl[i]
-        top = cp + EPS * max(1.0, abs(cp))  # `leq(x, cp)` is `x <= top` (no call per node)
+        top = leq_limit(cp)
         key = keys[i]
         m_c = mu.get(key, 0.0)
         und_l = sum(mcl[i][j] for j in remaining)
@@ -215,7 +215,7 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
     ci = {c: i for i, c in enumerate(keys)}
     nc = len(keys)
     room_tot = [count[c] * (cap[c] * (1 + 1e-9) + 1e-9 - base[c]) for c in range(nc)]
-    top = [cp + EPS * max(1.0, abs(cp)) for cp in cap]  # `leq(x, cap[c])` is `x <= top[c]` (no call per node)
+    top = [leq_limit(cp) for cp in cap]
     opts: list[list[tuple[float, int]]] = []
     for opt in so:
         best: dict[int, float] = {}
@@ -372,7 +372,7 @@ def _pack_exact(ws: list[float], nbins: int, base: float, cap: float, step: Call
     for i in range(len(ws) - 1, -1, -1):
         suf[i] = suf[i + 1] + ws[i]
     room = nbins * (cap * (1 + 1e-9) + 1e-9 - base)
-    top = cap + EPS * max(1.0, abs(cap))  # `leq(x, cap)` is `x <= top`: the same test, without a call per node
+    top = leq_limit(cap)
 
     def go(i: int) -> bool:
         if i == len(ws):

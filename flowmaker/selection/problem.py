@@ -54,7 +54,13 @@ FastState = tuple[dict[str, float], dict[str, float], dict[str, float], dict[str
 
 def leq(a: float, b: float) -> bool:
     """a <= b up to float noise (absolute + relative)."""
-    return a <= b + EPS * max(1.0, abs(b))
+    return a <= b + EPS * max(1.0, abs(b))  # = leq_limit(b), inline: leq is called on hot paths
+
+
+def leq_limit(b: float) -> float:
+    """The largest a that `leq(a, b)` admits: hot loops compare against it once computed (the same test, bit for
+    bit, without a call per comparison)."""
+    return b + EPS * max(1.0, abs(b))
 
 
 @dataclass(slots=True)
