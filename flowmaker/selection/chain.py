@@ -85,6 +85,44 @@ def is_chain(pw: PWorkflow) -> bool:
     return all(c <= 1 for c in succ)
 
 
+def fan_group(pw: PWorkflow) -> frozenset[int] | None:
+    """The parallel stages of a FAN workflow, None for any other shape: a path of stages, then two or more LLM stages
+    side by side (each with the path's last stage as its only predecessor, or none when the path is empty), then a
+    path whose first stage has exactly those stages as predecessors (or none). Its latency is the sum of the path
+    stages' plus the largest of the parallel stages': the walk below needs only that."""
+    n = len(pw.wf.stages)
+    sig: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for v in range(n):
+        sig.setdefault((tuple(sorted(pw.preds[v])), tuple(sorted(pw.succs[v]))), []).append(v)
+    groups = [vs for vs in sig.values() if len(vs) >= 2]
+    if len(groups) != 1:
+        return None
+    g = groups[0]
+    gs = frozenset(g)
+    if any(not pw.wf.stages[v].is_llm for v in g):
+        return None
+    pre, suc = tuple(sorted(pw.preds[g[0]])), tuple(sorted(pw.succs[g[0]]))
+    if len(pre) > 1 or len(suc) > 1:
+        return None
+    for v in range(n):
+        if v in gs:
+            continue
+        ps, ss = set(pw.preds[v]), set(pw.succs[v])
+        if pre and v == pre[0]:
+            if ss != gs or len(ps) > 1:
+                return None
+        elif suc and v == suc[0]:
+            if ps != gs or len(ss) > 1:
+                return None
+        elif len(ps) > 1 or len(ss) > 1 or ps & gs or ss & gs:
+            return None
+    roots = sum(1 for v in range(n) if not pw.preds[v])
+    sinks = sum(1 for v in range(n) if not pw.succs[v])
+    if roots != (1 if pre else len(g)) or sinks != (1 if suc else len(g)):
+        return None
+    return gs
+
+
 def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, int] | None,
                max_points: int = 0, max_milps: int = 0) -> Front:
     """The front of a chain workflow (module docstring); `model` is its `milp.RelaxedModel` (options,
@@ -102,13 +140,22 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     opts = model.opts
     llm = sorted(pw.llm, key=lambda s: -pw.load[s])
     tool = sum(pw.tool_lat[v] for v in range(len(pw.wf.stages)) if not pw.wf.stages[v].is_llm)
+    # A fan (`fan_group`): L = the path stages' latencies summed + the largest of the parallel stages'. `agg` is
+    # that of per-stage figures (positions in `llm`); a chain keeps its plain sums below, in their order.
+    fan = fan_group(pw) if not is_chain(pw) else None
+    gpos = [j for j, s_ in enumerate(llm) if fan is not None and s_ in fan]
+    spos = [j for j in range(len(llm)) if j not in set(gpos)]
+
+    def agg(v: list[float]) -> float:
+        return sum(v[j] for j in spos) + max(v[j] for j in gpos)
     profs = sorted({ref for s in llm for k, ref, _ in opts[s] if k == NEW})
     pos = {pi: i for i, pi in enumerate(profs)}
     mem = [pb.p_mem[pi] for pi in profs]
     cap = [pb.p_cap[pi] for pi in profs]
     users = [sum(1 for s in llm if any(k == NEW and ref == pi for k, ref, _ in opts[s])) for pi in profs]
     reuse_lat = [min((lat for k, _, lat in opts[s] if k == REUSE), default=INF) for s in llm]
-    lmin_all = tool + sum(min(lat for _, _, lat in opts[s]) for s in llm)
+    lmin_all = tool + (agg([min(lat for _, _, lat in opts[s]) for s in llm]) if gpos
+                       else sum(min(lat for _, _, lat in opts[s]) for s in llm))
     spare = {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for s in llm for k, r, _ in opts[s] if k == REUSE}
     # the room of a running instance as `leq(load0 + fill + load, capacity)` admits it: what a bound may count (an
     # infeasible pricing LP drops the multiset, so its rooms must not be smaller than the checks')
@@ -122,6 +169,17 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                         for i in range(P)] + [INF]
 
     def fast(y: tuple[int, ...]) -> float:
+        if gpos:
+            bs = []
+            for j, s in enumerate(llm):
+                b = reuse_lat[j]
+                for k, ref, lat in opts[s]:
+                    if k == NEW and y[pos[ref]] and lat < b:
+                        b = lat
+                if b == INF:
+                    return INF
+                bs.append(b)
+            return tool + agg(bs)
         t = tool
         for j, s in enumerate(llm):
             b = reuse_lat[j]
@@ -166,13 +224,24 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             preps[y] = None
             return None
         last_mu[0] = mu
-        fastest = sum(o[0][0] for o in reversed(so))
-        priced = sum(min(lat + mu.get((k, ref), 0.0) * pw.load[s_] for lat, k, ref in o)
-                     for s_, o in zip(reversed(llm), reversed(so), strict=True))
         pen0 = sum(mu.get(c, 0.0) * room[c] for c in room)
+        if gpos:
+            fastest, priced = agg([o[0][0] for o in so]), lag_fan(so, mu)
+        else:
+            fastest = sum(o[0][0] for o in reversed(so))
+            priced = sum(min(lat + mu.get((k, ref), 0.0) * pw.load[s_] for lat, k, ref in o)
+                         for s_, o in zip(reversed(llm), reversed(so), strict=True))
         got: Prep = (so, mu, max(fastest, priced - pen0) + tool)
         preps[y] = got
         return got
+
+    def lag_fan(so: list[list[tuple[float, str, int]]], mu: dict[tuple[str, int], float]) -> float:
+        """A fan's Lagrangian sum, before the capacity penalty: for every path P through it and prices mu >= 0,
+        L >= sum over P's stages of min_o (lat + mu load) + sum over the others of min_o (mu load) - penalty (each
+        stage's priced load counts, only P's latencies do); the largest over the paths is taken."""
+        a_ = [min(lat + mu.get((k, ref), 0.0) * pw.load[llm[j]] for lat, k, ref in o) for j, o in enumerate(so)]
+        b_ = [min(mu.get((k, ref), 0.0) * pw.load[llm[j]] for _, k, ref in o) for j, o in enumerate(so)]
+        return sum(a_[j] for j in spos) + sum(b_[j] for j in gpos) + max(a_[j] - b_[j] for j in gpos)
 
     last_mu: list[dict[tuple[str, int], float]] = [{}]  # the prices of the last multiset's LP
     pricer = _Pricer([[(lat, k, ref) for k, ref, lat in opts[s]] for s in llm], [pw.load[s] for s in llm])
@@ -182,6 +251,13 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         give one; a class the last LP did not price gets 0): no LP, so that a multiset it lifts above the incumbent
         costs no LP."""
         mu = last_mu[0]
+        if gpos:
+            so_y = [[(lat, k, ref) for k, ref, lat in opts[s_] if k == REUSE or y[pos[ref]]] for s_ in llm]
+            if not all(so_y):
+                return INF
+            pen = sum(mu.get((REUSE, r), 0.0) * room_r[r] for r in spare)
+            pen += sum(mu.get((NEW, pi), 0.0) * y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]])
+            return tool + max(agg([min(o)[0] for o in so_y]), lag_fan(so_y, mu) - pen)
         plain = lag = 0.0
         for s_ in llm:
             ld = pw.load[s_]
@@ -211,6 +287,51 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         if pr is None:
             return INF, None, True
         so, mu, root = pr
+        if gpos:
+            return least_l_fan(y, so, mu, cap_l, use_milp)
+        return least_l_sum(y, so, mu, root, cap_l, use_milp)
+
+    def least_l_fan(y: tuple[int, ...], so: list[list[tuple[float, str, int]]], mu: dict[tuple[str, int], float],
+                    cap_l: float, use_milp: bool) -> tuple[float, list[tuple[str, int, int]] | None, bool]:
+        """`least_l` of a fan: L = T + the least sum of the path stages' latencies when every parallel stage runs on
+        an option no slower than T, least over the thresholds T (the parallel options' latencies, in increasing
+        order, while T + the path stages' fastest can still beat the best so far). Each threshold is the chain's
+        question (`least_l_sum`) with the parallel stages' options of latency <= T counted as 0. Settled when every
+        threshold that could beat the best is; otherwise the least of the best and the unsettled thresholds' bounds
+        is a lower bound."""
+        t0 = max(so[j][0][0] for j in gpos)
+        path_fast = sum(so[j][0][0] for j in spos)
+        ts = sorted({lat for j in gpos for lat, _, _ in so[j] if lat >= t0})
+        best_l, best_a = INF, None
+        open_b = INF  # least bound of the thresholds left unsettled
+        seen_a: list[tuple[str, int, int]] | None = None  # an assignment that fits, from an unsettled threshold
+        gset = set(gpos)
+        for t in ts:
+            lim = min(cap_l, best_l)
+            if tool + path_fast + t > lim or (best_l < INF and tool + path_fast + t >= best_l):
+                break
+            so_t = [[(0.0, k, ref) for lat, k, ref in so[j] if lat <= t] if j in gset else so[j]
+                    for j in range(len(so))]
+            root_t = tool + path_fast
+            got = least_l_sum(y, so_t, mu, root_t, lim - t, use_milp)
+            if got[2]:
+                if got[1] is not None and got[0] + t < best_l:
+                    best_l, best_a = got[0] + t, got[1]
+            else:
+                open_b = min(open_b, got[0] + t)
+                if got[1] is not None and seen_a is None:
+                    seen_a = got[1]
+            if time.perf_counter() > deadline:
+                open_b = min(open_b, tool + path_fast + t)  # the thresholds left: at least this
+                break
+        if open_b == INF:
+            return (best_l, best_a, True) if best_a is not None else (cap_l, None, True)
+        return min(best_l, open_b), best_a if best_a is not None else seen_a, False
+
+    def least_l_sum(y: tuple[int, ...], so: list[list[tuple[float, str, int]]], mu: dict[tuple[str, int], float],
+                    root: float, cap_l: float, use_milp: bool
+                    ) -> tuple[float, list[tuple[str, int, int]] | None, bool]:
+        """`least_l` of a chain (the sum of its stages' latencies), for these options per stage."""
         classes = sorted({(k, ref) for o in so for _, k, ref in o})
         bl: list[Bin] = [(k, ref, 0, pb.r_load0[ref], pb.p_cap[pb.r_prof[ref]]) if k == REUSE
                          else (k, ref, b, 0.0, pb.p_cap[ref])
@@ -338,12 +459,13 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             if y[q] >= users[q]:
                 continue
             mz = m + mem[q]
-            f = sum(map(min, lat_new[q], by), tool)  # = tool + each stage's least of by and q, summed in order
+            f = tool + agg(list(map(min, lat_new[q], by))) if gpos else \
+                sum(map(min, lat_new[q], by), tool)  # = tool + each stage's least of by and q, summed in order
             ok_eval = f < INF and leq(f, pb.lam) and mz * f <= lim \
                 and capsum + cap[q] >= total_load * (1 - 1e-9)
             ok_exp = False
             if room_n:
-                fs = sum(map(min, sufmin_lat[q], by), tool)
+                fs = tool + agg(list(map(min, sufmin_lat[q], by))) if gpos else sum(map(min, sufmin_lat[q], by), tool)
                 kx = (mz + _more_mem(q, total_load * (1 - 1e-9) - capsum - cap[q])) * fs
                 ok_exp = kx <= lim
             if not ok_eval and not ok_exp:

@@ -566,7 +566,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
     it, the Pareto walks of every workflow (incumbents and a lower bound, or the proof), then branch and bound
     again from the best variant known, until the deadline."""
     from flowmaker.selection import exact as ex
-    from flowmaker.selection.chain import is_chain, walk_chain
+    from flowmaker.selection.chain import fan_group, is_chain, walk_chain
     from flowmaker.selection.local import improve
     from flowmaker.selection.sharing_chain import tie_break
 
@@ -609,7 +609,9 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
     for pw in pb.workflows:
         m = RelaxedModel(pb, pw, usable)
         models[pw.index] = m
-        chain = is_chain(pw)
+        # A fan (head, parallel stages, join) is walked by multisets too, under the base contract (GPU sharing's
+        # placed bounds, `sharing_chain`, are a chain's).
+        chain = is_chain(pw) or (not pb.sharing and fan_group(pw) is not None)
         if chain:
             # Chains: the multiset walk for a bounded amount of work, then (unless it settled the workflow) the
             # MILP walk from the best variant known. Both bounds hold for every variant: the larger one is kept.

@@ -827,6 +827,65 @@ def test_chain_walk_equals_brute_force(req: SelectionRequest) -> None:
     agree(req, ("milp", "exact"), proven=True)
 
 
+def _as_fans(req: SelectionRequest) -> SelectionRequest:
+    """The same request with every workflow of 3+ LLM stages made a fan (`chain.fan_group`): the other stages (its
+    first LLM stage, its TOOL stages) one path in their listed order, then the rest of its LLM stages side by side,
+    the last of them a join after the others when there are 4+; a workflow of fewer LLM stages made a chain."""
+    wfs = []
+    for wf in req.workflows:
+        llm = [s for s in wf.stages if s.is_llm]
+        if len(llm) < 3:
+            wfs.append(_as_chains(dataclasses.replace(req, workflows=(wf,))).workflows[0])
+            continue
+        join = llm[-1] if len(llm) >= 4 else None
+        group = llm[1:-1] if join is not None else llm[1:]
+        path = [s for s in wf.stages if s not in group and s is not join]
+        stages = [dataclasses.replace(s, depends_on=(path[i - 1].id,) if i else ()) for i, s in enumerate(path)]
+        stages += [dataclasses.replace(s, depends_on=(path[-1].id,)) for s in group]
+        if join is not None:
+            stages.append(dataclasses.replace(join, depends_on=tuple(s.id for s in group)))
+        wfs.append(dataclasses.replace(wf, stages=tuple(stages)))
+    return dataclasses.replace(req, workflows=tuple(wfs))
+
+
+@settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(requests(), dense_requests()).map(_as_fans))
+def test_fan_walk_equals_brute_force(req: SelectionRequest) -> None:
+    """Fans are walked by instance multisets too (a threshold per parallel latency): == the brute force,
+    tie-breaks included, proven."""
+    agree(req, ("milp", "exact"), proven=True)
+
+
+def test_fan_group_recognises_fans_only() -> None:
+    """A head, parallel LLM stages and a TOOL join is a fan; the same stages as a chain, or with one branch two
+    stages long, or with a TOOL stage among the parallel ones, are not."""
+    from flowmaker.bench.selector_hard import hard_instance
+    from flowmaker.domain import StageKind
+    from flowmaker.selection.chain import fan_group, is_chain
+    from flowmaker.selection.problem import Problem
+
+    req = hard_instance("wide_fan", 5, "small").request
+    wf = req.workflows[0]
+    pw = Problem(req).workflows[0]
+    par = frozenset(i for i, s in enumerate(wf.stages) if s.depends_on == (wf.stages[0].id,))
+    assert len(par) >= 2 and not is_chain(pw) and fan_group(pw) == par
+
+    def with_stages(stages: list[Any]) -> Any:
+        return Problem(dataclasses.replace(req, workflows=(dataclasses.replace(wf, stages=tuple(stages)),)))
+
+    assert fan_group(Problem(_as_chains(req)).workflows[0]) is None
+    st_ = list(wf.stages)
+    first = min(par)
+    longer = st_[:-1] + [dataclasses.replace(st_[first], id="extra", depends_on=(st_[first].id,))]
+    longer.append(dataclasses.replace(st_[-1], depends_on=tuple(d for d in st_[-1].depends_on if d != st_[first].id)
+                                      + ("extra",)))
+    assert fan_group(with_stages(longer).workflows[0]) is None
+    tool = list(st_)
+    tool[first] = dataclasses.replace(st_[first], kind=StageKind.TOOL, latency_s=0.2)
+    assert fan_group(with_stages(tool).workflows[0]) is None
+
+
 def _assert_walks_agree(want: Any, found: Any, lbs: list[float], complete: bool, inc: float | None) -> None:
     """The walks' bounds hold against the brute force's optimum `want`, and a complete walk found it."""
     if want is None:
@@ -840,15 +899,16 @@ def _assert_walks_agree(want: Any, found: Any, lbs: list[float], complete: bool,
 
 @settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(st.one_of(requests(), dense_requests()).map(_as_chains), st.sampled_from([None, 0.5, 1.0, 2.0]))
+@given(st.one_of(st.one_of(requests(), dense_requests()).map(_as_chains),
+                 st.one_of(requests(), dense_requests()).map(_as_fans)), st.sampled_from([None, 0.5, 1.0, 2.0]))
 def test_the_chain_walk_bounds_every_variant_and_proves_the_optimum(req: SelectionRequest,
                                                                     inc: float | None) -> None:
-    """`walk_chain` under an incumbent of `inc` x the optimum: its lower bound is at most the optimum, its
-    candidates are feasible, and when it says complete (with no smaller incumbent) its best candidate is the
-    brute force's answer, tie-breaks included."""
+    """`walk_chain` (chains and fans) under an incumbent of `inc` x the optimum: its lower bound is at most the
+    optimum, its candidates are feasible, and when it says complete (with no smaller incumbent) its best candidate is
+    the brute force's answer, tie-breaks included."""
     import math as _m
 
-    from flowmaker.selection.chain import is_chain, walk_chain
+    from flowmaker.selection.chain import fan_group, is_chain, walk_chain
     from flowmaker.selection.exact import usable_profiles
     from flowmaker.selection.milp import RelaxedModel
     from flowmaker.selection.problem import Problem, better
@@ -861,7 +921,7 @@ def test_the_chain_walk_bounds_every_variant_and_proves_the_optimum(req: Selecti
     found = None
     complete = True
     for pw in pb.workflows:
-        assert is_chain(pw)
+        assert is_chain(pw) or fan_group(pw) is not None
         fr = walk_chain(RelaxedModel(pb, pw, usable), _m.inf, best)
         lbs.append(fr.lower_bound)
         complete = complete and fr.complete
@@ -874,7 +934,8 @@ def test_the_chain_walk_bounds_every_variant_and_proves_the_optimum(req: Selecti
 
 @settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(st.one_of(requests(), dense_requests()).map(_as_chains), st.sampled_from([None, 1.0, 2.0]),
+@given(st.one_of(st.one_of(requests(), dense_requests()).map(_as_chains),
+                 st.one_of(requests(), dense_requests()).map(_as_fans)), st.sampled_from([None, 1.0, 2.0]),
        st.sampled_from([1, 2, 4]), st.booleans(), st.sampled_from([0, 3, 40_000]))
 def test_the_chain_walk_stays_exact_when_its_packing_searches_give_up(req: SelectionRequest, inc: float | None,
                                                                       nodes: int, milp_settles: bool,
