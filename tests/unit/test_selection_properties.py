@@ -877,9 +877,9 @@ def test_fan_group_recognises_fans_only() -> None:
     assert fan_group(Problem(_as_chains(req)).workflows[0]) is None
     st_ = list(wf.stages)
     first = min(par)
-    longer = st_[:-1] + [dataclasses.replace(st_[first], id="extra", depends_on=(st_[first].id,))]
-    longer.append(dataclasses.replace(st_[-1], depends_on=tuple(d for d in st_[-1].depends_on if d != st_[first].id)
-                                      + ("extra",)))
+    longer = [*st_[:-1], dataclasses.replace(st_[first], id="extra", depends_on=(st_[first].id,))]
+    longer.append(dataclasses.replace(st_[-1], depends_on=(*(d for d in st_[-1].depends_on if d != st_[first].id),
+                                                           "extra")))
     assert fan_group(with_stages(longer).workflows[0]) is None
     tool = list(st_)
     tool[first] = dataclasses.replace(st_[first], kind=StageKind.TOOL, latency_s=0.2)
