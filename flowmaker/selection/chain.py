@@ -36,6 +36,14 @@ variant with those instances in (cost, L, new GPUs). Hence when every visited y 
 gave a placed candidate, the best candidate is the optimum, tie-breaks included (`complete`); otherwise, or
 at the deadline, the least bound over the points and the unvisited multisets is a lower bound of every
 variant of the workflow.
+
+A FAN (`fan_group`: a path, then two or more LLM stages side by side, then a path; the hard family `wide_fan`, whose
+MILP walk took 0.3-1 s a solve and left 8 of 60 fresh instances unproven at 2 s with gaps of 16-30%) is walked the
+same way, under the base contract: its L is the path stages' sum plus the largest parallel latency, so every sum
+above becomes that (`agg`), and the Lagrangian bound takes the best path through the fan (for any path P and prices
+mu >= 0, L >= sum over P of min_o (lat + mu load) + sum over the other stages of min_o (mu load) - the penalty).
+Its least L(y) is the least over thresholds T of T + the least path sum with every parallel stage on an option no
+slower than T: the chain's question, with those options counted as 0 (`least_l_fan`).
 """
 
 from __future__ import annotations

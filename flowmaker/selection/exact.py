@@ -6,7 +6,7 @@ done, never by the clock, so the machine's load does not change the path), which
 If it has not finished by then, its incumbent is improved by local moves (`flowmaker/selection/local.py`), and
 the (memory, latency) Pareto front of every workflow is walked with
 mixed-integer programs over instance counts and stage assignments with placement relaxed (HiGHS; see the
-milp module; a chain workflow's front is walked over instance multisets instead, see the chain module). Its points become incumbents once their instances are packed and placed exactly as the
+milp module; a chain's or a fan's front is walked over instance multisets instead, see the chain module). Its points become incumbents once their instances are packed and placed exactly as the
 spec places them, and the walk proves a lower bound of every variant; when the best placed variant costs
 that bound, it is the optimum (ties: the least latency is on the walked front, the fewest new GPUs is one
 more MILP). Otherwise the branch and bound runs again from the best variant known, until the deadline,

@@ -36,8 +36,8 @@ solved again. A packed point is numbered in the spec's order (slots by first sta
 Before the walks, `exact` improves the first branch and bound's incumbent by local moves (`local.improve`,
 bounded by counts of work): a better incumbent is a better anytime answer and prunes the walks.
 
-A chain workflow (one path of stages) is walked instead by `chain.walk_chain` (instance multisets best
-first, each packed exactly), unless an all-reuse variant (cost 0) is already known; it settles the new-GPU
+A chain workflow (one path of stages), and under the base contract a fan (a path, parallel stages, a path), is
+walked instead by `chain.walk_chain` (instance multisets best first, each packed exactly), unless an all-reuse variant (cost 0) is already known; it settles the new-GPU
 tie-break itself, so no `fewest_gpus` MILP follows.
 
 HiGHS solves each MILP to a zero gap with feasibility tolerances of 1e-9, and every bound taken from it is
