@@ -177,18 +177,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                         for i in range(P)] + [INF]
 
     def fast(y: tuple[int, ...]) -> float:
-        if gpos:
-            bs = []
-            for j, s in enumerate(llm):
-                b = reuse_lat[j]
-                for k, ref, lat in opts[s]:
-                    if k == NEW and y[pos[ref]] and lat < b:
-                        b = lat
-                if b == INF:
-                    return INF
-                bs.append(b)
-            return tool + agg(bs)
-        t = tool
+        bs = []
         for j, s in enumerate(llm):
             b = reuse_lat[j]
             for k, ref, lat in opts[s]:
@@ -196,6 +185,11 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                     b = lat
             if b == INF:
                 return INF
+            bs.append(b)
+        if gpos:
+            return tool + agg(bs)
+        t = tool
+        for b in bs:  # a chain: summed in stage order, onto the TOOL stages' time
             t += b
         return t
 
