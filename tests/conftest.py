@@ -26,6 +26,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of `pid` in state T (stopped) per /proc; True when /proc cannot tell (not Linux)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue  # the thread ended
+        if data[data.rfind(b")") + 2:].split()[0] not in (b"T", b"t"):
+            return False
+    return True
+
+
 @dataclass
 class EtcdServer:
     """A real etcd process on loopback. `pause()` (SIGSTOP) makes it hang like a partitioned
@@ -47,8 +64,14 @@ class EtcdServer:
         return f"http://{self.endpoint}"
 
     def pause(self) -> None:
+        """SIGSTOP, then wait until every thread of etcd is stopped: the signal is delivered asynchronously, and
+        on a busy machine a thread already running could still answer the next request (seen once in CI:
+        `test_unavailable_while_paused` got its read served right after the pause)."""
         self.proc.send_signal(signal.SIGSTOP)
         self.paused = True
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end and not _all_threads_stopped(self.proc.pid):
+            time.sleep(0.001)
 
     def resume(self) -> None:
         if self.paused:
