@@ -188,10 +188,14 @@ class RoutingCache:
 
     # ---- writes this process made (visible at once; the watch event follows) ------------------
 
-    def note_task(self, t: TaskRecord, rev: int = 0) -> None:
+    def note_task(self, t: TaskRecord, rev: int) -> None:
+        """This process wrote `t` at revision `rev`: an entry a watch event brought in at a later revision is newer
+        than this write and stays."""
         key = keys.task(t.id)
         cur = self._tasks.items.get(key)
-        self._tasks.items[key] = (max(rev, cur[0] if cur else 0), t)
+        if cur is not None and cur[0] > rev:
+            return
+        self._tasks.items[key] = (rev, t)
         self._tasks.version += 1
 
     def note_name(self, owner: str, name: str, task_id: str, rev: int = 0) -> None:

@@ -154,10 +154,11 @@ class LoadFollower:
                            **selected_prediction(x.next_variant),
                            last_reselection=replace(note, outcome="DONE") if note else None)
         old = set(t.stage_instances.values())
-        new = await self.tasks.update(task_id, swap)
-        if new is None:
+        got = await self.tasks.update_rev(task_id, swap)
+        if got is None:
             return
-        self.cache.note_task(new)
+        new, rev = got
+        self.cache.note_task(new, rev)
         log.warning("task %s: switched to %s", task_id, new.stage_instances)
         await self._drain_and_release(task_id, old - set(new.stage_instances.values()))
 

@@ -85,14 +85,19 @@ class TaskStore:
 
     async def update(self, task_id: str, fn: Callable[[TaskRecord], TaskRecord | None]) -> TaskRecord | None:
         """CAS loop: `fn` maps the current record to the new one (None = leave it)."""
+        got = await self.update_rev(task_id, fn)
+        return None if got is None else got[0]
+
+    async def update_rev(self, task_id: str, fn: Callable[[TaskRecord], TaskRecord | None]
+                         ) -> tuple[TaskRecord, int] | None:
+        """`update`, with the etcd revision of the write (what a cache needs to order it against watch events)."""
         for _ in range(50):
             kv, t = await self.get(task_id)
             new = fn(t)
             if new is None:
                 return None
             try:
-                await self.store.cas(kv.key, new.to_json(), etag=kv.mod_revision)
-                return new
+                return new, await self.store.cas(kv.key, new.to_json(), etag=kv.mod_revision)
             except Conflict:
                 await asyncio.sleep(random.uniform(0.001, 0.02))
         raise Conflict(f"task {task_id} kept changing; retry", field="task_id")

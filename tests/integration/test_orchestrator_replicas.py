@@ -228,6 +228,32 @@ def _count_resyncs(cache: RoutingCache) -> list[int]:
     return count
 
 
+async def test_a_late_note_of_an_own_write_never_hides_a_newer_watch_event(etcd_store: Any) -> None:
+    """A replica notes its own task writes in its cache at once, with their etcd revisions: a note that comes after
+    the watch brought a newer revision of the task (another replica's write) leaves the newer record in place."""
+    from dataclasses import replace
+
+    from flowmaker.domain import Slo
+    from flowmaker.orchestration.task import TaskRecord, TaskState
+
+    cache = RoutingCache(etcd_store, resync_s=600)
+    cache.start()
+    try:
+        await _until(lambda: cache.fresh)
+        mine = TaskRecord("late1", "d", Slo(0.1, 1.0, 1.0), candidates=(ONE,), state=TaskState.AWAITING_APPROVAL)
+        r1 = await etcd_store.put(keys.task(mine.id), mine.to_json())
+        theirs = replace(mine, description="written by another replica")
+        r2 = await etcd_store.put(keys.task(mine.id), theirs.to_json())
+        await _until(lambda: cache.task_entry(mine.id)[0] == r2)
+        cache.note_task(mine, r1)  # this replica's note of its own, older write
+        assert cache.task_entry(mine.id)[0] == r2 and cache.task(mine.id).description == theirs.description
+        newest = replace(mine, description="this replica again")
+        cache.note_task(newest, r2 + 1)
+        assert cache.task(mine.id).description == newest.description
+    finally:
+        await cache.stop()
+
+
 async def test_catch_up_shows_what_another_replica_wrote_a_moment_ago(etcd_store: Any, etcd: Any) -> None:
     """Read-your-writes across replicas: `catch_up` asks etcd how the prefixes stand and waits for the watch; a cache
     whose watch is not running lists them instead; with etcd stopped, the cache's word stands within the ask bound."""
