@@ -354,6 +354,12 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             return got_c[0], got_c[1], True
         best_a: list[list[tuple[str, int, int]] | None] = [got_c[1]]
         best_l = [tool + _lat_of(so, got_c[1]) if got_c[1] is not None else INF]
+
+        def keep(a: list[tuple[str, int, int]] | None) -> None:
+            """A candidate assignment that fits y: kept when it is the fastest seen."""
+            if a is not None and (best_a[0] is None or tool + _lat_of(so, a) < best_l[0]):
+                best_a[0], best_l[0] = a, tool + _lat_of(so, a)
+
         bound = min(root, cap_l)
         if best_a[0] is None and not use_milp and MILP_QUICK_NODES:
             # The search saw no assignment at all: most often none fits (the stages do not pack into these bins),
@@ -366,9 +372,10 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 return got
             if got is not None:
                 bound = max(bound, got[0])
+                keep(got[1])  # HiGHS' best assignment so far, if it found one
         if best_a[0] is None:  # no assignment seen: first fit, heaviest stage first, fastest option first
-            best_a[0] = _first_fit(so, [pw.load[s] for s in llm], y, pos,
-                                   {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for r in spare}, pb.p_cap)
+            keep(_first_fit(so, [pw.load[s] for s in llm], y, pos,
+                            {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for r in spare}, pb.p_cap))
         if use_milp and BIN_NODES and (bins_tried[0] < BIN_TRIES or bins_won[0]):
             # The class search gave up twice: bin by bin (`binpack`), whose bound sees the room a packing
             # wastes, before the MILP, for as long as that settles some packings (measured on chain_clones: it
@@ -380,8 +387,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             if got_b[2]:
                 bins_won[0] += 1
                 return got_b[0], got_b[1], True
-            if got_b[1] is not None and (best_a[0] is None or tool + _lat_of(so, got_b[1]) < best_l[0]):
-                best_a[0] = got_b[1]
+            keep(got_b[1])
         if use_milp:  # the class search gave up: the same question as a MILP (HiGHS)
             milps[0] += 1
             got = _least_l_milp(pb, [pw.load[s] for s in llm], so, y, profs, pos, tool, cap_l, deadline)
@@ -389,6 +395,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 return got
             if got is not None:
                 bound = max(bound, got[0])
+                keep(got[1])
         return bound, best_a[0], False
 
     inc = best[0] if best else INF
@@ -641,18 +648,25 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
         return cap_l, None, True
     info = h.getInfo()
     db = getattr(info, "mip_dual_bound", None)
+
+    def assignment() -> tuple[list[tuple[str, int, int]], float]:
+        val = h.getSolution().col_value
+        out: list[tuple[str, int, int]] = [(REUSE, 0, 0)] * len(so)
+        lat_sum = tool
+        for c, (j, k, ref, b, lat) in enumerate(cols):
+            if val[c] > 0.5:
+                out[j] = (k, ref, b)
+                lat_sum += lat
+        return out, lat_sum
+
     if name != "Optimal":
-        # Unsettled: HiGHS' proven bound (an L above cap_l costs more than the caller needs to know).
+        # Unsettled: HiGHS' proven bound (an L above cap_l costs more than the caller needs to know), and the best
+        # assignment it found, if any (a candidate for the caller; it is checked from scratch there).
+        found = assignment()[0] if getattr(info, "primal_solution_status", 0) == 2 else None
         if db is not None and math.isfinite(db):
-            return min(cap_l, tool + db * (1 - 1e-12)), None, False
+            return min(cap_l, tool + db * (1 - 1e-12)), found, False
         return None
-    val = h.getSolution().col_value
-    out: list[tuple[str, int, int]] = [(REUSE, 0, 0)] * len(so)
-    L = tool
-    for c, (j, k, ref, b, lat) in enumerate(cols):
-        if val[c] > 0.5:
-            out[j] = (k, ref, b)
-            L += lat
+    out, L = assignment()
     # The point's value is the proven bound (at most L; equal up to HiGHS' tolerances), the assignment the best
     # found (its candidate variant is scored from scratch).
     if db is not None and math.isfinite(db):
