@@ -152,7 +152,8 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     # that of per-stage figures (positions in `llm`); a chain keeps its plain sums below, in their order.
     fan = fan_group(pw) if not is_chain(pw) else None
     gpos = [j for j, s_ in enumerate(llm) if fan is not None and s_ in fan]
-    spos = [j for j in range(len(llm)) if j not in set(gpos)]
+    gset = frozenset(gpos)
+    spos = [j for j in range(len(llm)) if j not in gset]
 
     def agg(v: list[float]) -> float:
         return sum(v[j] for j in spos) + max(v[j] for j in gpos)
@@ -204,6 +205,10 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     # Each stage's options, fastest first (a stable sort: options of equal latency keep their order), once: a
     # multiset's usable options are these filtered, in the same order.
     by_lat = [sorted(((lat, k, ref) for k, ref, lat in opts[s]), key=lambda o: o[0]) for s in llm]
+    def usable(y: tuple[int, ...]) -> list[list[tuple[float, str, int]]]:
+        """Each stage's options usable with y: a running instance, or a profile y has; fastest first."""
+        return [[o for o in ol if o[1] == REUSE or y[pos[o[2]]]] for ol in by_lat]
+
     Prep = tuple[list[list[tuple[float, str, int]]], dict[tuple[str, int], float], float]
     preps: dict[tuple[int, ...], Prep | None] = {}
 
@@ -213,7 +218,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         option."""
         if y in preps:
             return preps[y]
-        so = [[o for o in ol if o[1] == REUSE or y[pos[o[2]]]] for ol in by_lat]
+        so = usable(y)
         if not all(so):
             preps[y] = None
             return None
@@ -254,12 +259,12 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         costs no LP."""
         mu = last_mu[0]
         if gpos:
-            so_y = [[(lat, k, ref) for k, ref, lat in opts[s_] if k == REUSE or y[pos[ref]]] for s_ in llm]
+            so_y = usable(y)
             if not all(so_y):
                 return INF
             pen = sum(mu.get((REUSE, r), 0.0) * room_r[r] for r in spare)
             pen += sum(mu.get((NEW, pi), 0.0) * y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]])
-            return tool + max(agg([min(o)[0] for o in so_y]), lag_fan(so_y, mu) - pen)
+            return tool + max(agg([o[0][0] for o in so_y]), lag_fan(so_y, mu) - pen)
         plain = lag = 0.0
         for s_ in llm:
             ld = pw.load[s_]
@@ -307,14 +312,13 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         best_l, best_a = INF, None
         open_b = INF  # least bound of the thresholds left unsettled
         seen_a: list[tuple[str, int, int]] | None = None  # an assignment that fits, from an unsettled threshold
-        gset = set(gpos)
+        root_t = tool + path_fast  # every threshold's path sum is at least its fastest
         for t in ts:
             lim = min(cap_l, best_l)
             if tool + path_fast + t > lim or (best_l < INF and tool + path_fast + t >= best_l):
                 break
             so_t = [[(0.0, k, ref) for lat, k, ref in so[j] if lat <= t] if j in gset else so[j]
                     for j in range(len(so))]
-            root_t = tool + path_fast
             got = least_l_sum(y, so_t, mu, root_t, lim - t, use_milp)
             if got[2]:
                 if got[1] is not None and got[0] + t < best_l:
