@@ -111,32 +111,53 @@ def _multi_target(addresses: Sequence[str]) -> str:
     return ("ipv4:" + ",".join(v4)) if v4 else ("ipv6:" + ",".join(v6))
 
 
-class _DeadlineInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                           grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Fills in (or caps) the timeout of every call made on the channel."""
+class _CallDetails:
+    """Fills in (or caps) the timeout of a call made on the channel, and adds `metadata` (the bearer token) to it.
+    The token travels as plain call metadata rather than as gRPC call credentials: those run a Python metadata
+    plugin from gRPC's own threads, and closing a channel that holds one can deadlock on the GIL (grpc/grpc#42247),
+    the kind of freeze that pytest-timeout cannot break."""
 
-    def __init__(self, default_s: float) -> None:
+    def __init__(self, default_s: float, metadata: Sequence[tuple[str, str]] = ()) -> None:
         self.default_s = default_s
+        self.metadata = tuple(metadata)
 
     def _details(self, d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         timeout = deadline_s(d.timeout, default_s=self.default_s)
-        return grpc.aio.ClientCallDetails(d.method, timeout, d.metadata, d.credentials, d.wait_for_ready)
+        md = d.metadata
+        if self.metadata:
+            md = grpc.aio.Metadata(*(tuple(md) if md is not None else ()), *self.metadata)
+        return grpc.aio.ClientCallDetails(d.method, timeout, md, d.credentials, d.wait_for_ready)
 
+
+# One class per kind of call: grpc.aio files an interceptor under the first kind it is an instance of, so a
+# class that implements all four intercepts unary-unary calls only.
+class _UnaryUnary(_CallDetails, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Callable[..., Any], client_call_details: Any,
                                     request: Any) -> Any:
         return await continuation(self._details(client_call_details), request)
 
+
+class _UnaryStream(_CallDetails, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Callable[..., Any], client_call_details: Any,
                                      request: Any) -> Any:
         return await continuation(self._details(client_call_details), request)
 
+
+class _StreamUnary(_CallDetails, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Callable[..., Any], client_call_details: Any,
                                      request_iterator: Any) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
 
+
+class _StreamStream(_CallDetails, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Callable[..., Any], client_call_details: Any,
                                       request_iterator: Any) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
+
+
+def call_interceptors(default_s: float, metadata: Sequence[tuple[str, str]] = ()) -> list[Any]:
+    """The deadline (and token) interceptors of a channel, one for each kind of call."""
+    return [k(default_s, metadata) for k in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
 
 
 # The identity this process presents on every channel it opens (mTLS), set once at start from the
@@ -172,14 +193,14 @@ def channel(target: str, *, default_timeout_s: float = DEFAULT_TIMEOUT_S,
         from flowmaker.telemetry import client_interceptors
 
         otel = client_interceptors()
-    chain = [*otel, *interceptors, _DeadlineInterceptor(default_timeout_s)]
     files = _client_tls if tls is True else (tls or None)
+    # Like gRPC's call credentials, the token is only ever sent over TLS.
+    bearer = [("authorization", f"Bearer {token}")] if token and files is not None else []
+    chain = [*otel, *interceptors, *call_interceptors(default_timeout_s, bearer)]
     target, extra = target_options(target, secure=files is not None, tls_server_name=tls_server_name)
     options = [*options, *extra]
     if files is not None:
         creds = channel_credentials(files)
-        if token:
-            creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
         return grpc.aio.secure_channel(target, creds, options=list(options), interceptors=chain)  # type: ignore[arg-type]
     return grpc.aio.insecure_channel(target, options=list(options), interceptors=chain)  # type: ignore[arg-type]
 
