@@ -1,5 +1,6 @@
 """`binpack.least_l_bins` and `binpack.least_l_classes` (issue 24) against a brute force of every assignment, on
-small packings with clones."""
+small packings with clones; the packing oracle (`_pack_exact`, bin completion) and `max_fill` against brute
+forces of every packing and every subset, on tight fills."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from flowmaker.selection.binpack import least_l_bins, least_l_classes
+from flowmaker.selection.binpack import _pack_exact, least_l_bins, least_l_classes, max_fill
 from flowmaker.selection.chain import _prices
-from flowmaker.selection.problem import INF, NEW, REUSE, leq
+from flowmaker.selection.problem import INF, NEW, REUSE, leq, leq_limit
 
 
 def _instance(seed: int) -> tuple[list[list[tuple[float, str, int]]], list[float], list[tuple[str, int, int, float,
@@ -135,3 +136,56 @@ def test_least_l_classes_matches_least_l_bins_on_larger_packings(seed: int) -> N
         for (k, ref, b), f in fill.items():
             base, c = next((bb[3], bb[4]) for bb in bins if bb[:3] == (k, ref, b))
             assert leq(base + f, c)
+
+
+def _tight(rng: random.Random, most: int = 14) -> tuple[list[float], int, float, float]:
+    """Loads heaviest first (integers sometimes: equal loads; at most `most` of them for one bin, fewer for more
+    bins, so that a brute force can list every assignment), bins, a base and a capacity around the fill that the
+    loads need: mostly 85-105% full, where packings that do not exist are hard to refute."""
+    nb = rng.randint(1, 4)
+    n = rng.randint(0, most if nb == 1 else {2: 14, 3: 9, 4: 7}[nb])
+    ws = sorted((float(rng.randint(1, 12)) if rng.random() < 0.4 else rng.uniform(1.0, 12.0) for _ in range(n)),
+                reverse=True)
+    base = rng.choice([0.0, rng.uniform(0.0, 3.0)])
+    cap = base + max([*ws, 1.0]) + (sum(ws) / nb) * rng.uniform(0.0, 0.25) if rng.random() < 0.3 \
+        else base + sum(ws) / nb / rng.uniform(0.85, 1.05)
+    return ws, nb, base, cap
+
+
+def _fits(ws: list[float], base: float, cap: float, where: tuple[int, ...] | list[int], nb: int) -> bool:
+    """Each bin's loads added heaviest first, as the oracle adds them."""
+    fill = [0.0] * nb
+    for i in sorted(range(len(ws)), key=lambda i: -ws[i]):
+        if not base + fill[where[i]] + ws[i] <= leq_limit(cap):
+            return False
+        fill[where[i]] += ws[i]
+    return True
+
+
+@pytest.mark.parametrize("seed", range(400))
+def test_pack_exact_matches_brute_force(seed: int) -> None:
+    rng = random.Random(50_000 + seed)
+    ws, nb, base, cap = _tight(rng)
+    want = any(_fits(ws, base, cap, w, nb) for w in itertools.product(range(nb), repeat=len(ws)))
+    nodes = [0]
+
+    def step() -> bool:
+        nodes[0] += 1
+        return True
+
+    got = _pack_exact(ws, nb, base, cap, step)
+    assert (got is not None) == want
+    if got is not None:
+        assert len(got) == len(ws) and all(0 <= b < nb for b in got) and _fits(ws, base, cap, got, nb)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_max_fill_bounds_every_subset_and_is_reached(seed: int) -> None:
+    rng = random.Random(60_000 + seed)
+    ws, _, base, cap = _tight(rng, most=16)
+    limit = cap - base
+    subset_sums = [sum(c) for r in range(len(ws) + 1) for c in itertools.combinations(ws, r)]
+    got = max_fill(tuple(ws), limit)
+    best = max(x for x in subset_sums if x <= limit * (1 + 1e-9) + 1e-9)
+    assert got >= best  # an upper bound of every subset that fits
+    assert got <= limit and got == pytest.approx(best, rel=1e-8, abs=1e-8)  # and no more than the best one
