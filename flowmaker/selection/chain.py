@@ -53,7 +53,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from flowmaker.selection.binpack import Bin, least_l_bins, least_l_classes
+from flowmaker.selection.binpack import Bin, least_l_bins, least_l_classes, max_fill
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
 from flowmaker.selection.sharing_chain import PLACED_WORK, multiset_bound, placed_value
 
@@ -169,6 +169,24 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     # the room of a running instance as `leq(load0 + fill + load, capacity)` admits it: what a bound may count (an
     # infeasible pricing LP drops the multiset, so its rooms must not be smaller than the checks')
     room_r = {r: _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r] for r in spare}
+    # ... cut to what subsets of the stages that may use it can fill (binpack.max_fill, an upper bound of every
+    # fill that fits); a new profile's y instances likewise, each and together (memoized per count)
+    elig_r = {r: tuple(sorted((pw.load[s] for s in llm if any(k == REUSE and ref == r for k, ref, _ in opts[s])),
+                              reverse=True)) for r in spare}
+    room_r = {r: max_fill(elig_r[r], room_r[r]) for r in spare}
+    elig_p = {pi: tuple(sorted((pw.load[s] for s in llm if any(k == NEW and ref == pi for k, ref, _ in opts[s])),
+                               reverse=True)) for pi in {ref for s in llm for k, ref, _ in opts[s] if k == NEW}}
+    one_p = {pi: max_fill(ws, _tol(pb.p_cap[pi])) for pi, ws in elig_p.items()}
+    room_p: dict[tuple[int, int], float] = {}
+
+    def room_new(pi: int, c: int) -> float:
+        """The room of c new instances of profile pi that the stages can fill."""
+        got = room_p.get((pi, c))
+        if got is None:
+            full = c * _tol(pb.p_cap[pi])
+            got = room_p[(pi, c)] = min(full, c * one_p[pi], max_fill(elig_p[pi], full) if c > 1 else full)
+        return got
+
     total_load = sum(pw.load[s] for s in llm)
     n_llm = len(llm)
     P = len(profs)
@@ -225,7 +243,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         # Lagrangian prices of the aggregated capacities (the LP's duals): for any prices mu >= 0,
         # L >= part + sum_j min_o (lat + mu_o * load_j) - sum_c mu_c * (room left in c).
         room = {(REUSE, r): room_r[r] for r in spare}
-        room.update({(NEW, pi): y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]]})
+        room.update({(NEW, pi): room_new(pi, y[pos[pi]]) for pi in profs if y[pos[pi]]})
         mu = pricer.prices(room)
         if mu is None:  # not even a fractional assignment fits these capacities: no assignment fits y
             preps[y] = None
@@ -263,7 +281,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             if not all(so_y):
                 return INF
             pen = sum(mu.get((REUSE, r), 0.0) * room_r[r] for r in spare)
-            pen += sum(mu.get((NEW, pi), 0.0) * y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]])
+            pen += sum(mu.get((NEW, pi), 0.0) * room_new(pi, y[pos[pi]]) for pi in profs if y[pos[pi]])
             return tool + max(agg([o[0][0] for o in so_y]), lag_fan(so_y, mu) - pen)
         plain = lag = 0.0
         for s_ in llm:
@@ -282,7 +300,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             plain += b0
             lag += bl
         pen = sum(mu.get((REUSE, r), 0.0) * room_r[r] for r in spare)
-        pen += sum(mu.get((NEW, pi), 0.0) * y[pos[pi]] * _tol(pb.p_cap[pi]) for pi in profs if y[pos[pi]])
+        pen += sum(mu.get((NEW, pi), 0.0) * room_new(pi, y[pos[pi]]) for pi in profs if y[pos[pi]])
         return tool + max(plain, lag - pen)
 
     def least_l(y: tuple[int, ...], cap_l: float, use_milp: bool
