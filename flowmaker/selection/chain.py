@@ -175,7 +175,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                               reverse=True)) for r in spare}
     room_r = {r: max_fill(elig_r[r], room_r[r]) for r in spare}
     elig_p = {pi: tuple(sorted((pw.load[s] for s in llm if any(k == NEW and ref == pi for k, ref, _ in opts[s])),
-                               reverse=True)) for pi in {ref for s in llm for k, ref, _ in opts[s] if k == NEW}}
+                               reverse=True)) for pi in profs}
     one_p = {pi: max_fill(ws, _tol(pb.p_cap[pi])) for pi, ws in elig_p.items()}
     room_p: dict[tuple[int, int], float] = {}
 
