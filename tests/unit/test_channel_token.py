@@ -5,6 +5,7 @@ like a unary one. Real gRPC servers on loopback (mTLS and plaintext)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import grpc.aio
 import pytest
 
 from flowmaker.rpc import channels
-from flowmaker.rpc.tls import ensure_pki, pki_files, server_credentials
+from flowmaker.rpc.tls import TlsFiles, ensure_pki, pki_files, server_credentials
 
 _UNARY = "/t.Echo/Unary"
 _STREAM = "/t.Echo/Stream"
@@ -65,50 +66,44 @@ async def _calls(ch: grpc.aio.Channel) -> tuple[bytes, bytes, list[bytes]]:
     return plain, extra, streamed
 
 
-async def test_the_token_rides_every_call_over_tls(pki: Path) -> None:
+@contextlib.asynccontextmanager
+async def _serving(tls: TlsFiles | None = None) -> AsyncIterator[str]:
+    """The echo server on a loopback port (TLS with `tls`, else plaintext); yields its address."""
     srv = _echo_server()
-    port = srv.add_secure_port("127.0.0.1:0", server_credentials(pki_files(pki, "orchestrator"),
-                                                                  require_client_cert=False))
+    port = (srv.add_secure_port("127.0.0.1:0", server_credentials(tls, require_client_cert=False)) if tls
+            else srv.add_insecure_port("127.0.0.1:0"))
     await srv.start()
     try:
-        ch = channels.channel(f"127.0.0.1:{port}", tls=pki_files(pki, "cli"), token="tok-1", tracing=False,
-                              tls_server_name="orchestrator")
-        plain, extra, streamed = await _calls(ch)
+        yield f"127.0.0.1:{port}"
+    finally:
+        await srv.stop(None)
+
+
+async def test_the_token_rides_every_call_over_tls(pki: Path) -> None:
+    async with _serving(pki_files(pki, "orchestrator")) as addr:
+        me = pki_files(pki, "cli")
+        plain, extra, streamed = await _calls(channels.channel(addr, tls=me, token="tok-1", tracing=False,
+                                                               tls_server_name="orchestrator"))
         assert plain == b"Bearer tok-1|-"
         assert extra == b"Bearer tok-1|1"  # the caller's metadata is kept beside it
         assert streamed == [b"Bearer tok-1|-"] * 2
         # Without a token, nothing is added.
-        ch = channels.channel(f"127.0.0.1:{port}", tls=pki_files(pki, "cli"), tracing=False,
-                              tls_server_name="orchestrator")
+        ch = channels.channel(addr, tls=me, tracing=False, tls_server_name="orchestrator")
         assert (await _calls(ch))[0] == b"-|-"
-    finally:
-        await srv.stop(None)
 
 
 async def test_the_token_is_never_sent_in_the_clear() -> None:
-    srv = _echo_server()
-    port = srv.add_insecure_port("127.0.0.1:0")
-    await srv.start()
-    try:
-        plain, extra, streamed = await _calls(channels.channel(f"127.0.0.1:{port}", tls=False, token="tok-1",
-                                                               tracing=False))
+    async with _serving() as addr:
+        plain, extra, streamed = await _calls(channels.channel(addr, tls=False, token="tok-1", tracing=False))
         assert (plain, extra, streamed) == (b"-|-", b"-|1", [b"-|-"] * 2)
-    finally:
-        await srv.stop(None)
 
 
 async def test_a_streamed_call_gets_the_default_deadline() -> None:
-    srv = _echo_server()
-    port = srv.add_insecure_port("127.0.0.1:0")
-    await srv.start()
-    try:
-        async with channels.channel(f"127.0.0.1:{port}", tls=False, tracing=False, default_timeout_s=0.5) as ch:
-            t0 = time.monotonic()
-            got: list[bytes] = []
-            with pytest.raises(grpc.aio.AioRpcError) as ei:
-                async for m in ch.unary_stream("/t.Echo/Hang")(b"x"):
-                    got.append(m)
-            assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert got == [b"first"] and time.monotonic() - t0 < 5
-    finally:
-        await srv.stop(None)
+    async with _serving() as addr, channels.channel(addr, tls=False, tracing=False, default_timeout_s=0.5) as ch:
+        t0 = time.monotonic()
+        got: list[bytes] = []
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            async for m in ch.unary_stream("/t.Echo/Hang")(b"x"):
+                got.append(m)
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert got == [b"first"] and time.monotonic() - t0 < 5
