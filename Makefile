@@ -40,8 +40,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	mypy flowmaker services
 
-test: setup proto-check lint typecheck   ## everything CI runs: drift, buf lint, ruff, mypy, pytest
-	$(PY) -m pytest -q tests
+test: setup proto-check lint typecheck   ## everything CI runs: drift, buf lint, ruff, mypy, pytest (scripts/run_tests.sh)
+	PY=$(PY) scripts/run_tests.sh
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
