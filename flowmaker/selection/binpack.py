@@ -260,8 +260,12 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
             if c is not None and (c not in best or lat < best[c]):
                 best[c] = lat
         opts.append(sorted(((lat, c) for c, lat in best.items()), key=lambda o: (o[0], o[1])))
+    elig_of: list[list[float]] = [[] for _ in range(nc)]  # the loads of the stages that may use each class
+    for j in range(n):
+        for _, c in opts[j]:
+            elig_of[c].append(loads[j])
     for c in range(nc):  # a class's room, as far as subsets of the stages that may use it can fill it
-        elig = tuple(sorted((loads[j] for j in range(n) if any(cc == c for _, cc in opts[j])), reverse=True))
+        elig = tuple(sorted(elig_of[c], reverse=True))
         one = max_fill(elig, cap[c] * (1 + 1e-9) + 1e-9 - base[c])
         room_tot[c] = min(room_tot[c], count[c] * one, max_fill(elig, room_tot[c]) if count[c] > 1 else one)
     mu_c = [mu.get(keys[c], 0.0) for c in range(nc)]

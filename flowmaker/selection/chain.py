@@ -168,14 +168,15 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     spare = {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for s in llm for k, r, _ in opts[s] if k == REUSE}
     # the room of a running instance as `leq(load0 + fill + load, capacity)` admits it: what a bound may count (an
     # infeasible pricing LP drops the multiset, so its rooms must not be smaller than the checks')
-    room_r = {r: _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r] for r in spare}
     # ... cut to what subsets of the stages that may use it can fill (binpack.max_fill, an upper bound of every
     # fill that fits); a new profile's y instances likewise, each and together (memoized per count)
-    elig_r = {r: tuple(sorted((pw.load[s] for s in llm if any(k == REUSE and ref == r for k, ref, _ in opts[s])),
-                              reverse=True)) for r in spare}
-    room_r = {r: max_fill(elig_r[r], room_r[r]) for r in spare}
-    elig_p = {pi: tuple(sorted((pw.load[s] for s in llm if any(k == NEW and ref == pi for k, ref, _ in opts[s])),
-                               reverse=True)) for pi in profs}
+    elig: dict[tuple[str, int], list[float]] = {}  # the loads of the stages that may use each class
+    for s in llm:
+        for k, ref in {(k, ref) for k, ref, _ in opts[s]}:
+            elig.setdefault((k, ref), []).append(pw.load[s])
+    room_r = {r: max_fill(tuple(sorted(elig[(REUSE, r)], reverse=True)), _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r])
+              for r in spare}
+    elig_p = {pi: tuple(sorted(elig[(NEW, pi)], reverse=True)) for pi in profs}
     one_p = {pi: max_fill(ws, _tol(pb.p_cap[pi])) for pi, ws in elig_p.items()}
     room_p: dict[tuple[int, int], float] = {}
 
