@@ -422,16 +422,24 @@ def _multiplier(f: float, rho: float) -> float | None:
     return None if rho * f >= 1 else f * (1 - rho) / (1 - rho * f)
 
 
-TWIN_MODEL_S = 1200.0  # model seconds of Poisson load the twin serves (10x the default measured window)
+# Model seconds of Poisson load the twin serves: 40x the default measured window, so that its own sampling error
+# (the mean of a shared stage near saturation moves by +-12% between 1,200 s windows) is a few percent.
+TWIN_MODEL_S = 6000.0
 
 
 def twin_slowdowns(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str, Any],
-                   profiles: dict[tuple[str, int, int], Any]) -> dict[tuple[str, str, str], float]:
+                   profiles: dict[tuple[str, int, int], Any], *, replay: bool = False
+                   ) -> dict[tuple[str, str, str], float]:
     """Per (instance, task, stage), the call slowdown (latency at load over latency alone) the simulator predicts
     for this very placement at the declared rates: the same engine model (continuous batching, prefill stalls, KV budget) and
     the same processor sharing of a GPU's busy instances (`dynamic`) as the emulated node runs, fed Poisson
     arrivals of each task's nominal request. What the selector's multiplier leaves out (an engine's own batching
-    and queueing at its load) is in it; it is the plan's digital twin, not a fit to the measurement."""
+    and queueing at its load) is in it; it is the plan's digital twin, not a fit to the measurement.
+
+    `replay`: fed instead the very arrivals this run sent (each request at its scheduled time), measured from the
+    end of the warm-up as the run is. Against the Poisson twin it says how far this run's arrival sample alone
+    moves a stage's mean (a window of a minute or two at high load is far from the long-run mean); against the
+    measurement, how far the live stack is from the simulator on the same requests."""
     from flowmaker.catalog import default_models, get_gpu_type
     from flowmaker.convert import profile_from_proto
     from flowmaker.domain import Gpu
@@ -449,6 +457,7 @@ def twin_slowdowns(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str,
     known = {x.id for x in sims}
     deps, arrivals = [], []
     rng = random.Random(f"flowmaker-twin/{cfg.seed}")
+    horizon = cfg.duration_s * cfg.time_scale if replay else TWIN_MODEL_S
     for run in runs:
         if not run.active:
             continue
@@ -459,18 +468,21 @@ def twin_slowdowns(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str,
                       if iid in known)
         deps.append(TaskDeployment(et, (Route(wf_id, pairs),)))
         ctx, gen = et.nominal_tokens()
-        t, k = 0.0, 0
-        while run.rate_rps > 0:
-            t += rng.expovariate(run.rate_rps)
-            if t >= TWIN_MODEL_S:
-                break
-            arrivals.append(Arrival(t, run.name, f"{run.name}-{k:06d}", ctx, gen))
-            k += 1
+        if replay:
+            times = sorted(r.scheduled_s * cfg.time_scale for r in run.requests)
+        else:
+            times, t = [], 0.0
+            while run.rate_rps > 0:
+                t += rng.expovariate(run.rate_rps)
+                if t >= horizon:
+                    break
+                times.append(t)
+        arrivals += [Arrival(t, run.name, f"{run.name}-{k:06d}", ctx, gen) for k, t in enumerate(times)]
     if not deps:
         return {}
     arrivals.sort(key=lambda a: (a.time_s, a.task, a.req_id))
-    res = simulate(sims, deps, arrivals, gpus, {m.id: m for m in default_models()}, gt, duration_s=TWIN_MODEL_S,
-                   measure_from_s=0.1 * TWIN_MODEL_S, colocation="dynamic")
+    res = simulate(sims, deps, arrivals, gpus, {m.id: m for m in default_models()}, gt, duration_s=horizon,
+                   measure_from_s=cfg.warmup_s * cfg.time_scale if replay else 0.1 * horizon, colocation="dynamic")
     return {(m.id, task, stage): sd for m in res.per_instance for task, stage, sd in m.stage_slowdowns if sd > 0}
 
 
@@ -700,17 +712,26 @@ def _report(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str, Any], 
         s["backlog_grew"] = x.get("backlog_grew")
     try:
         twin = twin_slowdowns(cfg, runs, insts, profiles)
+        replayed = twin_slowdowns(cfg, runs, insts, profiles, replay=True)
     except Exception as e:  # a diagnostic: never lose the measurement for it
-        twin = {}
+        twin, replayed = {}, {}
         twin_error = f"{type(e).__name__}: {e}"
     else:
         twin_error = ""
     for s in stages_out:
-        sd = twin.get((s["instance_id"], s["task"], s["stage_id"]))
-        pred = s["alone_nominal_s"] * sd if sd is not None and s["alone_nominal_s"] is not None else None
-        s["twin_slowdown"] = _r(sd)
+        key = (s["instance_id"], s["task"], s["stage_id"])
+        alone = s["alone_nominal_s"]
+        pred = alone * twin[key] if key in twin and alone is not None else None
+        rep = alone * replayed[key] if key in replayed and alone is not None else None
+        s["twin_slowdown"] = _r(twin.get(key))
         s["twin_predicted_s"] = _r(pred)
         s["ratio_measured_over_twin"] = _r(_div(s["measured_mean_s"], pred))
+        # This run's own arrivals through the simulator: how far the sample moves the mean (replay / twin), and
+        # how far the live stack is from the simulator on the same requests (measured / replay).
+        s["replay_twin_s"] = _r(rep)
+        s["sample_factor"] = _r(_div(rep, pred))
+        s["ratio_measured_over_replay"] = _r(_div(s["measured_mean_s"], rep))
+        s["ratio_replay_over_predicted"] = _r(_div(rep, s["predicted_latency_s"]))
     stages_out.sort(key=lambda s: (not s["shared"], s["task"], s["stage_id"]))
 
     shared_stages = [s for s in stages_out if s["shared"] and s["ratio_measured_over_predicted"] is not None]
@@ -747,6 +768,12 @@ def _report(cfg: LiveSharingConfig, runs: list[TaskRun], insts: dict[str, Any], 
             "shared_twin_within_25pct": sum(abs(s["ratio_measured_over_twin"] - 1) <= 0.25 for s in shared_stages
                                             if s["ratio_measured_over_twin"] is not None),
             "unshared_twin_ratios": [s["ratio_measured_over_twin"] for s in alone_stages],
+            # The run's own arrivals replayed through the simulator: the sample's effect on each shared stage's
+            # mean (replay / Poisson twin), the live stack against the simulator on the same requests, and the
+            # prediction against the replay (the model's error on this very sample).
+            "shared_sample_factors": [s["sample_factor"] for s in shared_stages],
+            "shared_measured_over_replay": [s["ratio_measured_over_replay"] for s in shared_stages],
+            "shared_replay_over_predicted": [s["ratio_replay_over_predicted"] for s in shared_stages],
             "twin_error": twin_error,
             "load_avg_1m": _r(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
             "cpus": os.cpu_count(), "scrape_errors": sampler.errors,
@@ -888,6 +915,8 @@ def render(res: dict[str, Any], console: Console) -> None:
                   f"against the plan's simulated twin: shared stages within 25% "
                   f"{sm.get('shared_twin_within_25pct')} / {sm['shared_stages']} (ratios {sm.get('shared_twin_ratios')}), "
                   f"unshared {sm.get('unshared_twin_ratios')}{'; twin error ' + sm['twin_error'] if sm.get('twin_error') else ''}; "
+                  f"this run's arrivals replayed in the simulator, shared stages: replay / twin (the sample) "
+                  f"{sm.get('shared_sample_factors')}, measured / replay {sm.get('shared_measured_over_replay')}; "
                   f"tasks meeting the SLO at p95: {sm['tasks_meeting_slo_p95']} / {sm['tasks_active']}; "
                   f"load average {sm['load_avg_1m']} on {sm['cpus']} CPU(s); wall {res.get('wall_s', {})}",
                   highlight=False)

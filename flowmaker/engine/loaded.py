@@ -1,7 +1,7 @@
 """Mean call latency of engine instances under load, in closed form: the analytic twin of `EngineModel`.
 
-The live prediction (`flowmaker.orchestration.predict`) needs what a call takes on an instance that serves Poisson
-arrivals at its tasks' rates, beside co-residents that slow it while they are busy. The selector's multiplier
+The live prediction (`flowmaker.orchestration.predict`) needs what a call takes on an instance that serves its
+tasks' calls at their rates, beside co-residents that slow it while they are busy. The selector's multiplier
 (`flowmaker.sharing`: latency alone x f (1 - rho) / (1 - rho f)) is a conservative, exact bound for the
 feasibility check; it treats an instance as an M/M/1 queue of whole calls. The engine model (which the emulated node
 and the simulator both run) is a continuous-batching engine instead, and its latency under load has another shape:
@@ -9,9 +9,10 @@ and the simulator both run) is a continuous-batching engine instead, and its lat
 * decode: a step lasts `max(d, b / D)` (d = `decode_s_per_token`, D = the pure-decode throughput,
   b = the batch), and every call in the batch gets one token a step. Calls decode side by side, so up to d D calls
   cost nothing more; above it the engine is compute-bound and serves D tokens/s. That is a processor-sharing queue of
-  tokens whose rate depends on the batch (`decode_queue`): its batch is Poisson-like while steps do not lengthen and
-  geometric beyond (near saturation, where the batch piles up, this matters most), and a call takes its tokens x the
-  mean batch / the token rate;
+  tokens whose rate depends on the batch (`decode_queue`), and a call takes its tokens x the mean batch / the token
+  rate. Near saturation the batch's spread sets the mean: every prompt stall lengthens the life of every call in the
+  batch at once, and more calls arrive meanwhile, so the batch is a branching count (generalized Poisson while steps
+  do not lengthen, a geometric tail beyond, both wider the more prompts stall and the more clustered the arrivals);
 * prefill is not chunked: every admitted prompt stalls the whole batch for `p x in` (p = `prefill_s_per_token`).
   A call in the batch is stalled by every prompt admitted while it is there, a fraction `rho_p` of its life
   (`rho_p` = the prompt work offered per second), so decode runs `1 - rho_p` of the time and its own prompt takes
@@ -21,6 +22,9 @@ and the simulator both run) is a continuous-batching engine instead, and its lat
   prefilled in its admission step with its own; calls that reach the instance together (parallel stages of one
   request) are prefilled together;
 * `fixed_s` is spent outside the batch and never slowed;
+* a task's requests arrive as Poisson, but a stage after an LLM stage gets that stage's departures, which leave a
+  batching engine in clusters (a stall holds back the whole batch): `Loaded.clustering`, carried from stage to stage
+  by `flowmaker.orchestration.predict`;
 * co-residents: while busy (a call in flight, `1 - exp(-N)` with N = calls in flight, M/G/inf), each takes a share of
   the GPU (processor sharing, `flowmaker.sharing`'s kappa), so the instance runs at speed 1/f, f = 1 + kappa x the
   co-residents' busy shares on its most crowded GPU, and every GPU time above is multiplied by f. Slowed calls stay
@@ -50,6 +54,8 @@ TOLERANCE = 1e-9
 MAX_ROUNDS = 500
 # An instance whose decode steps and prompt stalls would need this much of its time cannot keep up.
 SATURATED = 1.0 - 1e-6
+# The most terms a batch law is summed over.
+MAX_TERMS = 200_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,11 +69,14 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class Arrivals:
-    """Poisson arrivals, `rate_rps` per second, of `calls` that reach the instance together (one call, or the
-    parallel stages of one request mapped to the same instance)."""
+    """Arrivals, `rate_rps` per second, of `calls` that reach the instance together (one call, or the parallel
+    stages of one request mapped to the same instance). `dispersion`: the index of dispersion of their counts
+    (variance / mean over a call's life): 1 for Poisson arrivals (a task's requests), more for calls that are the
+    departures of an upstream engine stage (`Loaded.departure_dispersion`)."""
 
     rate_rps: float
     calls: tuple[Call, ...]
+    dispersion: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,41 +91,76 @@ class InstanceLoad:
 @dataclass(frozen=True, slots=True)
 class Loaded:
     """One instance under its load: the mean latency of each of its calls by key (model seconds; absent for every
-    call when it cannot keep up), its busy share, its speed factor f, its prompt-stall share and mean batch."""
+    call when it cannot keep up), its busy share, its speed factor f, its prompt-stall share and mean batch, and how
+    much more clustered a stream of calls leaves it than it came.
+
+    Departures come in clusters: a prompt stall holds back every call in the batch, and while they are held more
+    calls arrive and stall them again. A cluster is the calls one stall sets off, a Galton-Watson family with
+    `prefill_share` children per call on average, so its size is Borel distributed, and the counts of a Poisson
+    stream of such clusters have index of dispersion E[X^2] / E[X] = 1 / (1 - rho_p)^2. A stream already that many
+    times as variable as Poisson leaves `clustering` times more so (both checked against EngineModel's departures:
+    tests/unit/test_loaded_latency.py)."""
 
     latency_s: dict[Hashable, float]
     busy_share: float
     f: float
     prefill_share: float
     batch: float
+    clustering: float = 1.0
 
 
-def decode_queue(token_rate: float, d: float, D: float, stall: float) -> tuple[float, float]:
+def decode_queue(token_rate: float, d: float, D: float, stall: float, dispersion: float = 1.0
+                 ) -> tuple[float, float]:
     """(mean batch, mean time per output token of a call) of the decode phase: a processor-sharing queue whose n calls
     each get a token per step of max(d, n / D), stalled by prompts a fraction `stall` of the time, so that it serves
-    r(n) = n (1 - stall) / max(d, n / D) tokens/s, offered `token_rate` tokens/s. Its batch is distributed as
-    pi(n) ~ prod_{k <= n} token_rate / r(k) (a symmetric queue: insensitive to how the tokens are spread over calls),
-    Poisson-like up to n0 = floor(d D) calls, where steps do not lengthen, and geometric beyond, where the engine is
-    compute-bound. A call takes its tokens x the mean batch / token_rate (Little's law, per token). Needs
-    token_rate < (1 - stall) D, the most the engine decodes."""
-    n0 = math.floor(d * D)
+    (1 - stall) n / max(d, n / D) tokens/s, offered `token_rate` tokens/s. A call takes its tokens x the mean batch /
+    token_rate (Little's law, per token). Needs token_rate < (1 - stall) D, the most the engine decodes.
+
+    The batch is a branching count, not a Poisson one. Up to n0 = floor(d D) calls steps do not lengthen, and the
+    calls in the batch are those that arrived within a life of out x d plus every stall admitted meanwhile; each
+    stall lengthens the life of every call in the batch, during which more calls arrive (`stall` of them per call
+    on average). That is the generalized Poisson law (Consul): mean a = token_rate d / (1 - stall), variance
+    a / (1 - lam)^2, lam = stall for Poisson arrivals. Arrivals whose counts are `dispersion` times as variable as
+    Poisson ones (index of dispersion; clustered departures of an upstream engine) widen it to
+    dispersion / (1 - stall)^2 = 1 / (1 - lam)^2. Beyond n0 the engine is compute-bound: a processor-sharing queue
+    at (1 - stall) D tokens/s, loaded q = token_rate / ((1 - stall) D), whose queue the same variability lengthens
+    (heavy traffic: the mean queue q / (1 - q) times c^2 = 1 / (1 - lam)^2), so the tail is geometric with
+    q' / (1 - q') = c^2 q / (1 - q). With no stall and Poisson arrivals this is the plain symmetric queue: Poisson
+    up to n0, geometric q beyond."""
+    # d x D does not depend on the speed (d x f times D / f), but the product of the slowed figures can fall a
+    # rounding error short of a whole number: no floor may drop a call for it.
+    n0 = math.floor(d * D * (1.0 + 1e-12))
     if token_rate <= 0.0:
         return 0.0, max(d, 1.0 / D) / (1.0 - stall)
-    a = token_rate * d / (1.0 - stall)  # pi(n) / pi(n - 1) = a / n up to n0
-    q = token_rate / ((1.0 - stall) * D)  # pi(n) / pi(n - 1) beyond n0
-    log_a = math.log(a)
-    # Weights relative to the largest Poisson-like one (a^n / n! overflows for large batches).
-    top = min(n0, math.floor(a))
-    log_top = top * log_a - math.lgamma(top + 1)
-    # Past a + 40 sqrt(a) + 50 the Poisson-like weights (and a tail after them) are below 1e-300 of the largest.
-    last = min(n0, math.ceil(a + 40.0 * math.sqrt(a) + 50.0))
+    a = token_rate * d / (1.0 - stall)
+    lam = max(0.0, 1.0 - (1.0 - stall) / math.sqrt(max(1.0, dispersion)))
+    theta = a * (1.0 - lam)
+    q0 = token_rate / ((1.0 - stall) * D)
+    x = q0 / (1.0 - q0) / (1.0 - lam) ** 2
+    q = x / (1.0 + x)
+    log_theta = math.log(theta)
+
+    def log_w(n: int) -> float:  # generalized Poisson, up to the constant factor exp(-theta)
+        return 0.0 if n == 0 else log_theta + (n - 1) * math.log(theta + n * lam) - n * lam - math.lgamma(n + 1)
+
+    # Weights relative to the largest (the law is unimodal, its mode at most its mean). Its tail falls like
+    # n^-1.5 (lam e^(1 - lam))^n: past the mean plus 40 standard deviations plus 50, plus 40 / -ln(lam e^(1 - lam))
+    # more, a weight is below 1e-17 of the largest, and the sum is cut there (at most MAX_TERMS terms).
+    sd = math.sqrt(a) / (1.0 - lam)
+    tail = 40.0 / (-math.log(lam) - (1.0 - lam)) if lam > 0.0 else 0.0
+    last = min(n0, math.ceil(a + 40.0 * sd + 50.0 + tail), MAX_TERMS)
+    top = max(log_w(n) for n in range(min(last, math.floor(a)) + 1))
     z = mean = w = 0.0
     for n in range(last + 1):
-        w = math.exp(n * log_a - math.lgamma(n + 1) - log_top)
+        w = math.exp(log_w(n) - top)
         z += w
         mean += n * w
-    if last == n0:
-        # The geometric tail from w = pi(n0): sum_{j >= 1} q^j = q / (1 - q); sum_{j >= 1} (n0 + j) q^j =
+    if last == n0:  # (MAX_TERMS cuts only a weight below 1e-17 of the largest)
+        # Nor more steeply than the memory-bound law falls at n0 (relative to the Poisson law's a / n0 there,
+        # where the plain queue goes on with ratio q): past n0 a call's life only lengthens.
+        if n0 >= 1:
+            q = min(max(q, q0 * math.exp(log_w(n0) - log_w(n0 - 1)) * n0 / a), 1.0 - 1e-12)
+        # The tail from w = pi(n0): sum_{j >= 1} q^j = q / (1 - q); sum_{j >= 1} (n0 + j) q^j =
         # n0 q / (1 - q) + q / (1 - q)^2.
         z += w * q / (1.0 - q)
         mean += w * (n0 * q / (1.0 - q) + q / (1.0 - q) ** 2)
@@ -133,8 +177,11 @@ def instance_latencies(load: InstanceLoad, f: float) -> Loaded:
     rho_p = sum(a.rate_rps * x for a, x in zip(load.arrivals, prompt, strict=True))
     tokens = sum(a.rate_rps * sum(c.output_tokens for c in a.calls) for a in load.arrivals)
     if rho_p + tokens / D >= SATURATED:
-        return Loaded({}, 1.0, f, rho_p, math.inf)
-    batch, per_token = decode_queue(tokens, d, D, rho_p)
+        return Loaded({}, 1.0, f, rho_p, math.inf, math.inf)
+    # Independent streams superpose: the dispersion of their tokens is the token-weighted mean of theirs.
+    disp = sum(a.rate_rps * sum(c.output_tokens for c in a.calls) * a.dispersion for a in load.arrivals) / tokens \
+        if tokens > 0 else 1.0
+    batch, per_token = decode_queue(tokens, d, D, rho_p, disp)
     step = max(d, batch / D)
     busy = new_busy = 0.0
     lat: dict[Hashable, float] = {}
@@ -156,7 +203,7 @@ def instance_latencies(load: InstanceLoad, f: float) -> Loaded:
         if abs(new_busy - busy) <= TOLERANCE:
             break
         busy = new_busy
-    return Loaded(lat, new_busy, f, rho_p, batch)
+    return Loaded(lat, new_busy, f, rho_p, batch, 1.0 / (1.0 - rho_p) ** 2)
 
 
 def speed_factor(gpu_ids: Sequence[str], own: str, busy: Mapping[str, float], on_gpu: Mapping[str, Sequence[str]],

@@ -20,16 +20,21 @@ a delete, a switch), not with every scrape; the load follower meters what really
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from flowmaker.domain import Instance, Profile, Workflow
-from flowmaker.engine.loaded import Arrivals, Call, InstanceLoad, placement_latencies
+from flowmaker.engine.loaded import Arrivals, Call, InstanceLoad, Loaded, placement_latencies
 from flowmaker.orchestration.cluster import TOLERATING_STATES, longest_path_s
 from flowmaker.orchestration.task import REPLICA_SEP, TaskRecord, TaskState, replicas_of
 from flowmaker.sharing import busy_share
 
 Key = tuple[str, int, int]
+# Rounds of re-solving a placement with its instances' clustering of the round before.
+DISPERSION_ROUNDS = 8
+# A clustering that moves by less than this (relative) has settled: it only scales a spread.
+CLUSTERING_TOLERANCE = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,16 +65,31 @@ def _committed(t: TaskRecord) -> Iterable[tuple[Workflow, dict[str, str], float]
             yield wf, stage_instances, rate
 
 
-def _arrivals(task_id: str, wf: Workflow, stage_instances: dict[str, str], rate: float
-              ) -> Iterable[tuple[str, Arrivals]]:
+def _arrivals(task_id: str, wf: Workflow, stage_instances: dict[str, str], rate: float,
+              clustering: Mapping[str, float]) -> Iterable[tuple[str, Arrivals]]:
     """(instance id, arrivals) of one committed variant: per LLM stage and replica, rate / replicas of its calls
     (keyed (task id, stage id)); stages with the same predecessors, one call each, mapped to the same instance,
-    reach it together."""
+    reach it together. A task's requests arrive as Poisson; an LLM stage sends its calls on as clustered as they
+    came times its instances' `clustering` (instance id -> Loaded.clustering; over replicas, their mean), a TOOL
+    stage as they came, and a stage gets the most clustered of its predecessors'."""
     if not (rate >= 0 and math.isfinite(rate)):
         return
     by_stage: dict[str, list[str]] = {}
     for slot, iid in stage_instances.items():
         by_stage.setdefault(slot.split(REPLICA_SEP, 1)[0], []).append(iid)
+    stages = {s.id: s for s in wf.stages}
+    sent: dict[str, float] = {}
+
+    def into(deps: Iterable[str]) -> float:
+        return max((out(d) for d in deps if d in stages), default=1.0)
+
+    def out(sid: str) -> float:  # the dispersion of what stage `sid` sends on (a DAG: memoised recursion ends)
+        if sid not in sent:
+            st = stages[sid]
+            factors = [clustering.get(i, 1.0) for i in by_stage.get(sid, [])] if st.is_llm else []
+            sent[sid] = into(st.depends_on) * (statistics.fmean(factors) if factors else 1.0)
+        return sent[sid]
+
     together: dict[tuple[str, tuple[str, ...], float], list[Call]] = {}
     for s in wf.stages:
         iids = by_stage.get(s.id, [])
@@ -81,9 +101,9 @@ def _arrivals(task_id: str, wf: Workflow, stage_instances: dict[str, str], rate:
             if s.calls_per_request == 1:
                 together.setdefault((iid, tuple(sorted(s.depends_on)), per), []).append(call)
             else:
-                yield iid, Arrivals(per * s.calls_per_request, (call,))
-    for (iid, _, per), calls in together.items():
-        yield iid, Arrivals(per, tuple(calls))
+                yield iid, Arrivals(per * s.calls_per_request, (call,), into(s.depends_on))
+    for (iid, deps, per), calls in together.items():
+        yield iid, Arrivals(per, tuple(calls), into(deps))
 
 
 def predict_on_placement(tasks: Iterable[TaskRecord], instances: Iterable[Instance],
@@ -95,22 +115,35 @@ def predict_on_placement(tasks: Iterable[TaskRecord], instances: Iterable[Instan
     whose profile is unknown is placed but sends nothing known, and a stage on it is unknown."""
     tasks = list(tasks)
     insts = {i.id: i for i in instances}
-    arrivals: dict[str, list[Arrivals]] = {iid: [] for iid in insts}
-    for t in tasks:
-        if t.state not in TOLERATING_STATES:
-            continue
-        for wf, stage_instances, rate in _committed(t):
-            for iid, a in _arrivals(t.id, wf, stage_instances, rate):
+    committed = [(t.id, c) for t in tasks if t.state in TOLERATING_STATES for c in _committed(t)]
+    # How clustered each instance leaves the calls through it feeds the stages after them, and the solution gives
+    # it (its prompt-stall share): start from Poisson everywhere and re-solve until no instance's clustering moves.
+    # Each round's dispersions are products along a task's DAG, so they stay finite; the rounds only follow the
+    # stall shares, which move with co-residents' busy shares. One that cannot keep up sends on nothing finite:
+    # its tasks are unpredictable anyway.
+    clustering: dict[str, float] = {}
+    solved: dict[str, Loaded] = {}
+    for _ in range(DISPERSION_ROUNDS):
+        arrivals: dict[str, list[Arrivals]] = {iid: [] for iid in insts}
+        for task_id, (wf, stage_instances, rate) in committed:
+            for iid, a in _arrivals(task_id, wf, stage_instances, rate, clustering):
                 if iid in arrivals:
                     arrivals[iid].append(a)
-    loads = {i.id: InstanceLoad(profiles[i.key], tuple(i.gpu_ids), tuple(arrivals[i.id]))
-             for i in insts.values() if i.key in profiles and (arrivals[i.id] or not i.load_output_tokens_per_s > 0)}
-    # An instance none of these tasks sends calls to but that carries a planned load (its tasks' records unread)
-    # is seen as the selector sees a running instance: busy min(1, load / capacity).
-    others = {i.id: (tuple(i.gpu_ids), min(1.0, busy_share(i.load_output_tokens_per_s,
-                                                           profiles[i.key].max_output_tokens_per_s)))
-              for i in insts.values() if i.key in profiles and not arrivals[i.id] and i.load_output_tokens_per_s > 0}
-    solved = placement_latencies(loads, kappa, fixed_busy=others)
+        loads = {i.id: InstanceLoad(profiles[i.key], tuple(i.gpu_ids), tuple(arrivals[i.id]))
+                 for i in insts.values()
+                 if i.key in profiles and (arrivals[i.id] or not i.load_output_tokens_per_s > 0)}
+        # An instance none of these tasks sends calls to but that carries a planned load (its tasks' records
+        # unread) is seen as the selector sees a running instance: busy min(1, load / capacity).
+        others = {i.id: (tuple(i.gpu_ids), min(1.0, busy_share(i.load_output_tokens_per_s,
+                                                               profiles[i.key].max_output_tokens_per_s)))
+                  for i in insts.values()
+                  if i.key in profiles and not arrivals[i.id] and i.load_output_tokens_per_s > 0}
+        solved = placement_latencies(loads, kappa, fixed_busy=others)
+        now = {iid: x.clustering for iid, x in solved.items() if math.isfinite(x.clustering)}
+        if now.keys() == clustering.keys() and all(abs(now[k] - clustering[k]) <= CLUSTERING_TOLERANCE * now[k]
+                                                   for k in now):
+            break
+        clustering = now
     out: dict[str, Prediction] = {}
     for t in tasks:
         task_wf = t.workflow

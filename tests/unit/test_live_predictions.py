@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -29,7 +32,7 @@ from flowmaker.domain import (
     Variant,
     Workflow,
 )
-from flowmaker.engine.loaded import Arrivals, Call, InstanceLoad, placement_latencies
+from flowmaker.engine.loaded import Arrivals, Call, InstanceLoad, Loaded, placement_latencies
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad, demand, drifted, peak_window_count
 from flowmaker.orchestration.predict import placement_key, predict_on_placement
 from flowmaker.orchestration.task import Reselection, TaskRecord, TaskState, selected_prediction
@@ -70,21 +73,41 @@ def _running_a(rate: float) -> tuple[TaskRecord, Instance]:
     return _task("A", v, {"ask": "a0", "say": "a0"}, rate), Instance("a0", A_MODEL, 1, 1, ("g0",), load)
 
 
-def _calls(task: str, rate: float, *stages: str, share: float = 1.0) -> tuple[Arrivals, ...]:
-    """Arrivals at an instance of PA/PB: each named stage of WF (they run one after another) at rate x share."""
+def _calls(task: str, rate: float, *stages: str, share: float = 1.0, say: float = 1.0) -> tuple[Arrivals, ...]:
+    """Arrivals at an instance of PA/PB: each named stage of WF (they run one after another) at rate x share. A
+    task's requests arrive as Poisson; "say" comes after "ask" (through the tool stage), as variable as `say` (the
+    index of dispersion of ask's departures)."""
     by_id = {s.id: s for s in WF.stages}
-    return tuple(Arrivals(rate * share, (Call((task, s), by_id[s].input_tokens, by_id[s].output_tokens),))
-                 for s in stages)
+    return tuple(Arrivals(rate * share, (Call((task, s), by_id[s].input_tokens, by_id[s].output_tokens),),
+                          say if s == "say" else 1.0) for s in stages)
+
+
+def _solve(loads: Callable[[dict[str, float]], dict[str, InstanceLoad]], say_from: dict[str, tuple[str, ...]],
+           kappa: float, **kw: Any) -> dict[str, Loaded]:
+    """placement_latencies with each task's "say" as variable as the departures of the instances its "ask" runs
+    on (their mean; task -> those instances), re-solved until the dispersions settle."""
+    disp = {t: 1.0 for t in say_from}
+    for _ in range(50):
+        got = placement_latencies(loads(disp), kappa, **kw)
+        new = {t: statistics.fmean(got[i].clustering for i in iids) for t, iids in say_from.items()}
+        if all(abs(new[t] - disp[t]) <= 1e-9 * new[t] for t in new):
+            return got
+        disp = new
+    raise AssertionError("the dispersions did not settle")
 
 
 def test_prediction_is_the_engine_load_model_on_the_planned_calls_and_rises_for_the_task_already_there() -> None:
     rate_a, rate_b = 3.0, 4.0
     a, a0 = _running_a(rate_a)
     # Alone on its GPU: both its stages' calls on a0 at A's planned rate, the tool stage's 0.1 s between them.
-    alone = placement_latencies({"a0": InstanceLoad(PA, ("g0",), _calls("A", rate_a, "ask", "say"))}, KAPPA)
+    # "say" gets ask's departures, clustered by a0's prompt stalls: as variable as a0's departures.
+    alone = _solve(lambda d: {"a0": InstanceLoad(PA, ("g0",), _calls("A", rate_a, "ask", "say", say=d["A"]))},
+                   {"A": ("a0",)}, KAPPA)
+    assert alone["a0"].clustering > 1.2
     (got,) = predict_on_placement([a], [a0], PROFILES, KAPPA).values()
     want = {s: alone["a0"].latency_s[("A", s)] for s in ("ask", "say")}
-    assert got.stage_latency_s == want and got.latency_s == pytest.approx(want["ask"] + 0.1 + want["say"])
+    assert got.stage_latency_s == pytest.approx(want, rel=1e-6)
+    assert got.latency_s == pytest.approx(want["ask"] + 0.1 + want["say"])
     # Queueing at its own load: above its latency alone.
     assert got.stage_latency_s["ask"] > 1.2 * _alone(PA, WF.stages[0])
     # B needs the better model: the selector (exact, GPU sharing) places a new instance beside a0 on the one GPU,
@@ -101,12 +124,14 @@ def test_prediction_is_the_engine_load_model_on_the_planned_calls_and_rises_for_
     b = _task("B", v, {"ask": "b0", "say": "b0"}, rate_b)
     preds = predict_on_placement([a, b], [a0, b0], PROFILES, KAPPA)
     # Both solved together: each slowed by the other's busy share, f = 1 + kappa x it.
-    both = placement_latencies({"a0": InstanceLoad(PA, ("g0",), _calls("A", rate_a, "ask", "say")),
-                                "b0": InstanceLoad(PB, ("g0",), _calls("B", rate_b, "ask", "say"))}, KAPPA)
+    both = _solve(lambda d: {"a0": InstanceLoad(PA, ("g0",), _calls("A", rate_a, "ask", "say", say=d["A"])),
+                             "b0": InstanceLoad(PB, ("g0",), _calls("B", rate_b, "ask", "say", say=d["B"]))},
+                  {"A": ("a0",), "B": ("b0",)}, KAPPA)
     assert both["a0"].f == pytest.approx(1 + KAPPA * both["b0"].busy_share, abs=1e-8)
     for tid, iid in (("A", "a0"), ("B", "b0")):
         lat = {s: both[iid].latency_s[(tid, s)] for s in ("ask", "say")}
-        assert preds[tid].stage_latency_s == lat and preds[tid].latency_s == pytest.approx(sum(lat.values()) + 0.1)
+        assert preds[tid].stage_latency_s == pytest.approx(lat, rel=1e-6)
+        assert preds[tid].latency_s == pytest.approx(sum(lat.values()) + 0.1)
     assert preds["A"].latency_s > 1.05 * got.latency_s and preds["A"].differs(a)
     # B's prediction is the model's, not the selection's figure (the variant keeps that one).
     assert preds["B"].differs(b)
@@ -124,13 +149,15 @@ def test_prediction_replicas_overload_unknown_and_who_is_predicted() -> None:
     a1 = Instance("a1", A_MODEL, 1, 1, ("g1",), a0.load_output_tokens_per_s)
     other = Instance("z", B_MODEL, 1, 1, ("g1",), 150.0)
     p = predict_on_placement([grouped], [a0, a1, other], PROFILES, 1.0)["A"]
-    want = placement_latencies({"a0": InstanceLoad(PA, ("g0",), _calls("A", 1.0, "ask", share=0.5)
-                                                   + _calls("A", 1.0, "say")),
-                                "a1": InstanceLoad(PA, ("g1",), _calls("A", 1.0, "ask", share=0.5))}, 1.0,
-                               fixed_busy={"z": (("g1",), 0.5)})
+    # "say" gets the departures of both of ask's replicas, as variable as their mean.
+    want = _solve(lambda d: {"a0": InstanceLoad(PA, ("g0",), _calls("A", 1.0, "ask", share=0.5)
+                                                + _calls("A", 1.0, "say", say=d["A"])),
+                             "a1": InstanceLoad(PA, ("g1",), _calls("A", 1.0, "ask", share=0.5))},
+                  {"A": ("a0", "a1")}, 1.0, fixed_busy={"z": (("g1",), 0.5)})
     assert want["a1"].f == 1.5 and want["a0"].f == 1.0
-    assert p.stage_latency_s["ask"] == want["a1"].latency_s[("A", "ask")] > want["a0"].latency_s[("A", "ask")]
-    assert p.stage_latency_s["say"] == want["a0"].latency_s[("A", "say")]
+    assert p.stage_latency_s["ask"] == pytest.approx(want["a1"].latency_s[("A", "ask")], rel=1e-6)
+    assert want["a1"].latency_s[("A", "ask")] > want["a0"].latency_s[("A", "ask")]
+    assert p.stage_latency_s["say"] == pytest.approx(want["a0"].latency_s[("A", "say")], rel=1e-6)
     # Parallel stages of one request on one instance arrive together: each waits for the other's prompt.
     par = Workflow("p", (Stage("x", input_tokens=100, output_tokens=20), Stage("y", input_tokens=100, output_tokens=20)))
     vp = Variant("p", tuple(StageAssignment(s, A_MODEL, 1, 1, False, new_key="new-0", gpu_ids=("g0",), latency_s=0.1)
