@@ -258,7 +258,8 @@ def live_sharing(out: Path = typer.Option(Path("out/bench-live-sharing"), help="
                                                                 "and sent."),
                  time_scale: float = typer.Option(2.0, min=0.1, help="Emulated engines' model seconds per wall "
                                                                      "second."),
-                 duration: float = typer.Option(75.0, min=1.0, help="Wall seconds of load."),
+                 duration: float = typer.Option(300.0, min=1.0, help="Wall seconds of load (a shorter window at "
+                                                                     "high load is a noisy sample)."),
                  warmup: float = typer.Option(15.0, min=0.0, help="Wall seconds at the start of the load not "
                                                                   "measured."),
                  drain: float = typer.Option(20.0, min=0.0, help="Wall seconds to wait for requests in flight "

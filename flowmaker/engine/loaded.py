@@ -56,6 +56,8 @@ MAX_ROUNDS = 500
 SATURATED = 1.0 - 1e-6
 # The most terms a batch law is summed over.
 MAX_TERMS = 200_000
+# Arrivals more clustered than this (or not finite: an upstream that cannot keep up) count as this clustered.
+MAX_DISPERSION = 1e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +135,7 @@ def decode_queue(token_rate: float, d: float, D: float, stall: float, dispersion
     if token_rate <= 0.0:
         return 0.0, max(d, 1.0 / D) / (1.0 - stall)
     a = token_rate * d / (1.0 - stall)
-    lam = max(0.0, 1.0 - (1.0 - stall) / math.sqrt(max(1.0, dispersion)))
+    lam = max(0.0, 1.0 - (1.0 - stall) / math.sqrt(min(max(1.0, dispersion), MAX_DISPERSION)))
     theta = a * (1.0 - lam)
     q0 = token_rate / ((1.0 - stall) * D)
     x = q0 / (1.0 - q0) / (1.0 - lam) ** 2
