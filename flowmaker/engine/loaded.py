@@ -74,7 +74,7 @@ class Arrivals:
     """Arrivals, `rate_rps` per second, of `calls` that reach the instance together (one call, or the parallel
     stages of one request mapped to the same instance). `dispersion`: the index of dispersion of their counts
     (variance / mean over a call's life): 1 for Poisson arrivals (a task's requests), more for calls that are the
-    departures of an upstream engine stage (`Loaded.departure_dispersion`)."""
+    departures of an upstream engine stage (`Loaded.clustering`)."""
 
     rate_rps: float
     calls: tuple[Call, ...]
@@ -127,8 +127,9 @@ def decode_queue(token_rate: float, d: float, D: float, stall: float, dispersion
     dispersion / (1 - stall)^2 = 1 / (1 - lam)^2. Beyond n0 the engine is compute-bound: a processor-sharing queue
     at (1 - stall) D tokens/s, loaded q = token_rate / ((1 - stall) D), whose queue the same variability lengthens
     (heavy traffic: the mean queue q / (1 - q) times c^2 = 1 / (1 - lam)^2), so the tail is geometric with
-    q' / (1 - q') = c^2 q / (1 - q). With no stall and Poisson arrivals this is the plain symmetric queue: Poisson
-    up to n0, geometric q beyond."""
+    q' / (1 - q') = c^2 q / (1 - q), and no steeper than the memory-bound law at n0 (past n0 a call's life only
+    lengthens). With no stall and Poisson arrivals this is the plain symmetric queue: Poisson up to n0, geometric q
+    beyond."""
     # d x D does not depend on the speed (d x f times D / f), but the product of the slowed figures can fall a
     # rounding error short of a whole number: no floor may drop a call for it.
     n0 = math.floor(d * D * (1.0 + 1e-12))
