@@ -575,7 +575,13 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         cand = model.realize(assign, inst)
         key_y = tuple(pi for pi, c in zip(profs, y, strict=True) for _ in range(c))
         if pb.sharing and (cand is None or cand[0][0] > val * (1 + 1e-9)):  # GPU sharing: the multiset once placed
-            val, cand = placed_value(model, key_y, tool, val, cand, inc, cap_l, deadline, placed_work)
+            opened: list[tuple[int, int]] = []  # the assignment's new instances in the order they open
+            for s_ in pw.llm:
+                k_, ref_ = assign[s_]
+                if k_ == NEW and (ref_, inst[s_]) not in opened:
+                    opened.append((ref_, inst[s_]))
+            val, cand = placed_value(model, key_y, tool, val, cand, inc, cap_l, deadline, placed_work,
+                                     first=[ref_ for ref_, _ in opened])
         fr.settled[key_y] = min(val, fr.settled.get(key_y, INF))
         if cand is None:
             if never_places(pb, [pi for pi, c in zip(profs, y, strict=True) for _ in range(c)]):

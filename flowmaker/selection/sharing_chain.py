@@ -50,6 +50,11 @@ MAX_ORDERS = 120  # distinct opening orders of a multiset tried; past it the mul
 MILP_ORDERS = 40  # up to this many orders, each one's least L is solved (`_least_l`), else bounded per stage
 MILP_NODES = 10  # HiGHS nodes of such a MILP (work, not time); an unsettled one gives its dual bound
 LEVELS = 6  # load bands of a slowed instance (`_assignment_lp`)
+# A slowed instance's stages priced by `_convex_lp` in place of the load bands' LP (`_assignment_lp`): measured on the
+# adversarial `reuse` 1 multisets (44, 45) and (44, 44), least L 33.67 and 37.50 against the bands' 31.63 and 35.94 (true
+# least 34.06 and above 37.69), at the same cost (one LP an order, 1-2 ms).
+CONVEX_LP = True
+TANGENTS = 16  # tangent cuts of a slowed bin's convex cost in `_convex_lp`
 LEVEL_MILP = False  # the bands as a MILP too (measured: 80-160 ms an order, for 1% more bound), else their LP
 PLACED_WORK = 800  # work of the placed bounds per chain walk: orders placed, HiGHS solves SOLVE_WORK each
 SOLVE_WORK = 8  # measured: an order's placement and cheap bounds 0.1-0.5 ms, a HiGHS solve 2-20 ms
@@ -291,8 +296,9 @@ def _assignment_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, 
 def _least_l(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, tool: float, cap_l: float,
              deadline: float, state: Any) -> float | None:
     """Least L (tool + the stages' latency bounds) of an assignment to these bins (`_assignment_lp`, as a MILP;
-    again with the slowed instances' load bands when that leaves it within cap_l): INF when none is within cap_l;
-    HiGHS' dual bound when unsettled; None when the deadline passed."""
+    again, when some instance is slowed, with its stages priced by the multiplier at its final load: `_convex_lp`, or
+    the load bands of `_assignment_lp`): INF when none is within cap_l; HiGHS' dual bound when unsettled; None when
+    the deadline passed."""
     from flowmaker.selection.milp import _CORE
 
     least = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
@@ -305,7 +311,10 @@ def _least_l(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, tool: 
         if left <= 0:
             return None
         integer = bands is None or LEVEL_MILP
-        h, _ = _assignment_lp(pw, llm, bins, n_new, (cap_l - tool) * (1 + 1e-9) + 1e-12, integer, state=bands)
+        if bands is not None and CONVEX_LP:
+            h = _convex_lp(pw, llm, bins, n_new, (cap_l - tool) * (1 + 1e-9) + 1e-12, integer)[0]
+        else:
+            h, _ = _assignment_lp(pw, llm, bins, n_new, (cap_l - tool) * (1 + 1e-9) + 1e-12, integer, state=bands)
         h.setOptionValue("time_limit", left)
         h.run()
         name = h.modelStatusToString(h.getModelStatus())
@@ -323,6 +332,127 @@ def _least_l(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, tool: 
             continue
         least = max(least, tool + v - 1e-9 * max(1.0, abs(v)))
     return least
+
+
+def _mult(f: float, unit: float, load: float) -> float:
+    """The multiplier `f (1 - rho) / (1 - rho f)` at compute share rho = load / unit (no margin); INF once rho f >= 1."""
+    x = load / unit
+    d = 1.0 - f * x
+    if d <= 0.0:
+        return INF
+    return max(1.0, f * (1.0 - x) / d)
+
+
+def _ratio(pw: PWorkflow, b: _Bin) -> float:
+    """The least latency alone per unit of load of a stage that may use bin b (0.0 when some load is 0): every stage
+    on b has latency alone >= this x its load, so a bin's stages together are alone at least this x its added load."""
+    r = INF
+    for s, a in b.alone.items():
+        ld = pw.load[s]
+        if ld <= 0.0:
+            return 0.0
+        r = min(r, a / ld)
+    return 0.0 if r == INF else r
+
+
+def _excess(pw: PWorkflow, b: _Bin, s: int, r: float) -> float:
+    """What stage s's latency on bin b has beyond `r` x its load, at the least multiplier it runs at there (its own
+    load on the bin's running load; 1 when b is not slowed); INF when the stage does not fit the bin."""
+    ld = b.load0 + pw.load[s]
+    if ld > b.cap:
+        return INF
+    m = _mult(b.f, b.unit, ld) if b.f > 1.0 else 1.0
+    if m == INF:
+        return INF
+    e = b.alone[s] - r * pw.load[s]
+    return e * m if e > 0.0 else 0.0
+
+
+def _convex_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, lat_cap: float, integer: bool
+               ) -> tuple[Any, list[int], list[int | None]]:
+    """The least L (the stages' part) of an assignment to these bins when a bin's stages cost at least what they
+    cost at the multiplier m(F) of its final load F: a stage's latency alone is r x its load + its excess (`_ratio`),
+    so the stages of a bin take at least r (F - load0) m(F) (a convex function of F, taken under its tangents at
+    TANGENTS + 1 loads) plus their `_excess` (each at the multiplier of its own load). The bands of `_assignment_lp`
+    price a stage at the lower edge of its band; this prices the load at its final value, which is what grows the
+    multiplier. Every bin within its capacity, each of the first `n_new` bins used, the sum at most `lat_cap`: HiGHS'
+    model of it (a MILP when `integer`), each bin's load row (F_b - its stages' loads = its running load) and each
+    bin's row "used" (the first `n_new`; None for the others)."""
+    from flowmaker.selection.exact import _core_lp
+    from flowmaker.selection.milp import _CORE, MIP_TOL
+
+    core = _CORE
+    ns = len(llm)
+    rlo: list[float] = [1.0] * ns
+    rhi: list[float] = [1.0] * ns
+
+    def row(lo: float, hi: float) -> int:
+        rlo.append(lo)
+        rhi.append(hi)
+        return len(rlo) - 1
+
+    cols_lo: list[float] = []
+    cols_hi: list[float] = []
+    cols_cost: list[float] = []
+    integ: list[Any] = []
+    entries: list[list[tuple[int, float]]] = []
+
+    def col(lo: float, hi: float, cost: float, e: list[tuple[int, float]], is_int: bool) -> int:
+        cols_lo.append(lo)
+        cols_hi.append(hi)
+        cols_cost.append(cost)
+        integ.append(core.HighsVarType.kInteger if is_int else core.HighsVarType.kContinuous)
+        entries.append(e)
+        return len(cols_cost) - 1
+
+    lat_row = row(-math.inf, lat_cap)
+    load_rows: list[int] = []
+    must_rows: list[int | None] = []
+    for bi, b in enumerate(bins):
+        r = _ratio(pw, b)
+        lr = row(b.load0, b.load0)
+        load_rows.append(lr)
+        must = row(1.0, math.inf) if bi < n_new else None
+        must_rows.append(must)
+        for j, s in enumerate(llm):
+            if s not in b.lb or b.lb[s] == INF:
+                continue
+            e = _excess(pw, b, s, r)
+            if e == INF:
+                continue
+            ent = [(j, 1.0), (lr, -pw.load[s]), (lat_row, e)]
+            if must is not None:
+                ent.append((must, 1.0))
+            col(0.0, 1.0, e, ent, True)
+        # z_b >= r (F - load0) m(F), under its tangents; F_b in [load0, cap]
+        cuts: list[tuple[float, float]] = []  # (slope, value at F = 0) of each tangent
+        if b.f <= 1.0 or r <= 0.0:
+            cuts.append((r, -r * b.load0))
+        else:
+            top = min(b.cap, b.unit / b.f * (1.0 - 1e-6))
+            for k in range(TANGENTS + 1):
+                fk = b.load0 + (top - b.load0) * k / TANGENTS
+                x = fk / b.unit
+                d = 1.0 - b.f * x
+                m = b.f * (1.0 - x) / d
+                dm = b.f * (b.f - 1.0) / b.unit / (d * d)
+                hk = r * (fk - b.load0) * m
+                dh = r * m + r * (fk - b.load0) * dm
+                cuts.append((dh, hk - dh * fk))
+        cut_rows = [row(c0, math.inf) for _, c0 in cuts]
+        col(b.load0, max(b.load0, b.cap), 0.0, [(lr, 1.0)] + [(cr, -sl) for cr, (sl, _) in zip(cut_rows, cuts, strict=True)],
+            False)
+        col(0.0, math.inf, 1.0, [(lat_row, 1.0)] + [(cr, 1.0) for cr in cut_rows], False)
+    lp = _core_lp(cols_lo, cols_hi, cols_cost, entries, rlo, rhi)
+    if integer:
+        lp.integrality_ = integ
+    h: Any = core._Highs()
+    for opt, val in (("output_flag", False), ("threads", 1), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
+                     ("mip_feasibility_tolerance", MIP_TOL), ("primal_feasibility_tolerance", MIP_TOL),
+                     ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", MILP_NODES)):
+        h.setOptionValue(opt, val)
+    h.passModel(lp)
+    return h, load_rows, must_rows
 
 
 def _prices(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int) -> list[float]:
@@ -352,7 +482,8 @@ Candidate = tuple[tuple[float, float, int], list[Any], list[int], list[tuple[str
 
 
 def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, budget: list[int],
-               strict: bool | None, most: int = 0) -> tuple[list[Candidate], bool]:
+               strict: bool | None, most: int = 0, floor_l: float = 0.0, first: Sequence[int] | None = None
+               ) -> tuple[list[Candidate], bool]:
     """Feasible variants of chain `model.pw` (`model`: its `milp.RelaxedModel`) whose new instances are exactly
     `insts` and whose L_s is at most `cap_l`, scored from scratch (`RelaxedModel.realize`): all of them (`strict`
     None; not complete once more than `most` are found), or each below the one found before it (so the last is a
@@ -364,7 +495,9 @@ def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, 
     their latencies alone times its multiplier at its load so far, which only grows, or their own bounds; each
     later stage at its least bound, or a Lagrangian bound with the LP's prices of the room left) passes the cap.
     (found, complete): not complete when `budget[0]` depth-first nodes (decremented) or the deadline ran out
-    first."""
+    first. `floor_l` (`strict` False): a lower bound of the L_s of every variant with these instances; a variant found
+    at or below it (within the spec's 1e-12 of a tie) is a least one, and the search ends there (complete). `first`:
+    an opening order to search first (the walk's assignment's: where a variant that cheap is likeliest)."""
     pb, pw = model.pb, model.pw
     opts = model.opts
     topo = {s: j for j, s in enumerate(pw.llm)}
@@ -375,22 +508,31 @@ def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, 
     orders = _orders(insts)
     if orders is None:
         return out, False
+    if first is not None and tuple(first) in orders:
+        orders = [tuple(first)] + [o for o in orders if o != tuple(first)]
     cap = [min(pb.lam * (1 + 1e-9) + 1e-12, cap_l)]
+    floor = floor_l if strict is False else -INF
     for order in orders:
         bins = placed_bins(pb, pw, opts, order)
         if bins is not None and not _search_order(model, llm, topo, tool, state, bins, len(order), cap, out, strict,
-                                                  most, budget, deadline):
-            return out, False
+                                                  most, budget, deadline, floor):
+            return out, bool(out) and out[-1][0][1] <= floor * (1 + 1e-12)
     return out, True
 
 
 def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: float, state: Any, bins: list[_Bin],
                   k_new: int, cap: list[float], out: list[Candidate], strict: bool | None, most: int,
-                  budget: list[int], deadline: float) -> bool:
+                  budget: list[int], deadline: float, floor: float = -INF) -> bool:
     """`_enumerate`'s search for one opening order (`bins` its `placed_bins`, the first `k_new` of them new): the
-    variants it finds go to `out`; False when it ran out of work or time."""
+    variants it finds go to `out`; False when it ran out of work or time, or found one of L_s at most `floor`."""
     pw = model.pw
     n = len(llm)
+    # New instance i opens at its first stage, after the i instances before it opened at earlier stages: no stage
+    # before the i-th LLM stage (topological order) runs on it (`placed_bins` makes the bins afresh for each order).
+    for bi in range(1, k_new):
+        b = bins[bi]
+        for s in [s for s in b.lb if topo[s] < bi]:
+            del b.lb[s], b.alone[s]
     rem = [0.0] * (n + 1)
     for j in range(n - 1, -1, -1):
         rem[j] = rem[j + 1] + min((b.lb.get(llm[j], INF) for b in bins), default=INF)
@@ -462,6 +604,23 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
         got = occupancy(n / b.reps) if b.kind == NEW else add_offered(b.busy0, n)
         return max(b.busy0, got * (1 - _MARGIN))
 
+    def rest_ok(j: int, part: float) -> bool:
+        """Whether the stages j.. may still complete within the cap, each at its least bound on a bin that has room
+        for it now (a bin's room only shrinks); a stage that no bin has room for: no completion."""
+        lim = cap[0]
+        t = part
+        for jj in range(j, n):
+            ld = pw.load[llm[jj]]
+            for lb, bi in by_stage[jj]:
+                if fill[bi] + ld <= bins[bi].cap:
+                    t += lb
+                    break
+            else:
+                return False
+            if t > lim:
+                return False
+        return True
+
     def go(j: int, part: float) -> bool:
         budget[0] -= 1
         if budget[0] < 0 or (budget[0] & 255 == 0 and time.perf_counter() > deadline):
@@ -479,6 +638,8 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
                 if strict is None:
                     return len(out) <= most
                 cap[0] = got[0][1] * (1 - 1e-12) if strict else got[0][1]
+                if got[0][1] <= floor * (1 + 1e-12):
+                    return False  # no variant is shorter (but for the spec's 1e-12 of a tie): a least one
             return True
         room = 0.0
         for bi, b in enumerate(bins):
@@ -511,7 +672,7 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
                 c = contrib_of(bk)
                 p2 += c - contrib[bk]
                 contrib[bk] = c
-            if p2 + rem[j + 1] <= cap[0]:
+            if p2 + rem[j + 1] <= cap[0] and rest_ok(j + 1, p2):
                 used[bi] += 1
                 pen[0] -= mu[bi] * ld
                 opened[0] += b.kind == NEW and used[bi] == 1
@@ -544,14 +705,17 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
 
 
 def settle_multiset(model: Any, insts: Sequence[int], cap_cost: float, deadline: float,
-                    work: list[int] | None = None) -> tuple[Candidate | None, bool]:
+                    work: list[int] | None = None, floor: float = 0.0, first: Sequence[int] | None = None
+                    ) -> tuple[Candidate | None, bool]:
     """A least-cost feasible variant of chain `model.pw` with exactly the new instances `insts` among those of cost
     at most `cap_cost` (None: there is none), and whether that is settled: within SETTLE_NODES depth-first nodes,
-    and within the caller's `work` (NODE_WORK nodes a unit; decremented)."""
+    and within the caller's `work` (NODE_WORK nodes a unit; decremented). `floor`: a lower bound of the cost of every
+    such variant (one found that cheap is a least one); `first`: an opening order to search first."""
     m = sum(model.pb.p_mem[pi] for pi in insts)
     nodes = SETTLE_NODES if work is None else min(SETTLE_NODES, max(0, work[0]) * NODE_WORK)
     budget = [nodes]
-    got, done = _enumerate(model, insts, cap_cost / m if m > 0 else INF, deadline, budget, strict=False)
+    got, done = _enumerate(model, insts, cap_cost / m if m > 0 else INF, deadline, budget, strict=False,
+                           floor_l=floor / m if m > 0 else 0.0, first=first)
     if work is not None:
         work[0] -= (nodes - max(0, budget[0])) // NODE_WORK
     return (got[-1] if got else None), done
@@ -648,11 +812,13 @@ def _left_out(pb: Problem, model: Any) -> bool:
 
 
 def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand: Candidate | None, inc: float,
-                 cap_l: float, deadline: float, work: list[int] | None = None) -> tuple[float, Candidate | None]:
+                 cap_l: float, deadline: float, work: list[int] | None = None, first: Sequence[int] | None = None
+                 ) -> tuple[float, Candidate | None]:
     """For the chain walk (`chain.walk_chain`), a multiset `insts` whose least relaxed cost `val` its variant `cand`
     (None: it did not place) does not reach: (a lower bound of the cost of every variant with exactly these new
     instances, the best candidate known for them). First `multiset_bound`; when that leaves the multiset at or below
-    the incumbent `inc`, `settle_multiset` finds its least cost exactly (INF: none at or below `inc`)."""
+    the incumbent `inc`, `settle_multiset` finds its least cost exactly (INF: none at or below `inc`), searching first
+    the opening order `first` (the walk's assignment's) and stopping at a variant as cheap as the bound."""
     from flowmaker.selection.problem import better
 
     pb = model.pb
@@ -662,9 +828,9 @@ def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand
     val = max(val, m * multiset_bound(pb, model.pw, model.opts, insts, tool, cap_l, deadline, work))
     if val > inc * (1 + 1e-9):
         return val, cand
-    got, done = settle_multiset(model, insts, inc * (1 + 1e-9), deadline, work)
+    got, done = settle_multiset(model, insts, inc * (1 + 1e-9), deadline, work, floor=val, first=first)
     if got is not None and (cand is None or better(*got[0], cand[0])):
         cand = got
-    if done:
-        val = got[0][0] if got is not None else INF
+    if done:  # its least cost (or, found at the bound, the bound: no variant is cheaper)
+        val = min(val, got[0][0]) if got is not None and got[0][0] <= val else (got[0][0] if got is not None else INF)
     return val, cand
