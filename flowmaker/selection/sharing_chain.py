@@ -831,6 +831,6 @@ def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand
     got, done = settle_multiset(model, insts, inc * (1 + 1e-9), deadline, work, floor=val, first=first)
     if got is not None and (cand is None or better(*got[0], cand[0])):
         cand = got
-    if done:  # its least cost (or, found at the bound, the bound: no variant is cheaper)
-        val = min(val, got[0][0]) if got is not None and got[0][0] <= val else (got[0][0] if got is not None else INF)
+    if done:  # its least cost; found within 1e-12 of the bound (the search may stop there): the bound, which holds
+        val = INF if got is None else got[0][0] if got[0][0] > val * (1 + 1e-12) else min(val, got[0][0])
     return val, cand
