@@ -221,6 +221,51 @@ def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     return bins
 
 
+class _Model:
+    """A HiGHS model built a row and a column at a time: the first `ns` rows (one per LLM stage) are equalities to
+    1 (each stage on exactly one bin)."""
+
+    def __init__(self, ns: int) -> None:
+        self.rlo: list[float] = [1.0] * ns
+        self.rhi: list[float] = [1.0] * ns
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+        self.cost: list[float] = []
+        self.integ: list[bool] = []
+        self.entries: list[list[tuple[int, float]]] = []
+
+    def row(self, lo: float, hi: float) -> int:
+        self.rlo.append(lo)
+        self.rhi.append(hi)
+        return len(self.rlo) - 1
+
+    def col(self, cost: float, e: list[tuple[int, float]], lo: float = 0.0, hi: float = 1.0,
+            is_int: bool = True) -> int:
+        self.lo.append(lo)
+        self.hi.append(hi)
+        self.cost.append(cost)
+        self.integ.append(is_int)
+        self.entries.append(e)
+        return len(self.cost) - 1
+
+    def highs(self, integer: bool) -> Any:
+        """The model passed to a HiGHS instance (a MILP when `integer`), exact to MIP_TOL, within MILP_NODES."""
+        from flowmaker.selection.exact import _core_lp
+        from flowmaker.selection.milp import _CORE, MIP_TOL
+
+        lp = _core_lp(self.lo, self.hi, self.cost, self.entries, self.rlo, self.rhi)
+        if integer:
+            lp.integrality_ = [_CORE.HighsVarType.kInteger if i else _CORE.HighsVarType.kContinuous
+                               for i in self.integ]
+        h: Any = _CORE._Highs()
+        for opt, val in (("output_flag", False), ("threads", 1), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
+                         ("mip_feasibility_tolerance", MIP_TOL), ("primal_feasibility_tolerance", MIP_TOL),
+                         ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", MILP_NODES)):
+            h.setOptionValue(opt, val)
+        h.passModel(lp)
+        return h
+
+
 def _assignment_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, lat_cap: float, integer: bool,
                    state: Any = None) -> tuple[Any, list[int]]:
     """The least sum of stage latencies, each stage on one bin with a finite latency, every bin within its
@@ -229,29 +274,8 @@ def _assignment_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, 
     one of LEVELS equal bands (a binary each), and a stage there costs its latency alone times the multiplier at the
     band's lower edge (or its own bound, when higher): the multiplier grows steeply with the load once slowed, which
     the stages' own bounds do not see."""
-    from flowmaker.selection.exact import _core_lp
-    from flowmaker.selection.milp import _CORE, MIP_TOL
-
-    core = _CORE
-    ns = len(llm)
-    rlo: list[float] = [1.0] * ns
-    rhi: list[float] = [1.0] * ns
-
-    def row(lo: float, hi: float) -> int:
-        rlo.append(lo)
-        rhi.append(hi)
-        return len(rlo) - 1
-
-    cols_cost: list[float] = []
-    integ: list[Any] = []
-    entries: list[list[tuple[int, float]]] = []
-
-    def col(cost: float, e: list[tuple[int, float]]) -> int:
-        cols_cost.append(cost)
-        integ.append(core.HighsVarType.kInteger)
-        entries.append(e)
-        return len(cols_cost) - 1
-
+    mdl = _Model(len(llm))
+    row, col = mdl.row, mdl.col
     lat_row = row(-math.inf, lat_cap)
     cap_rows: list[int] = []
     for bi, b in enumerate(bins):
@@ -281,16 +305,7 @@ def _assignment_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, 
                 if must is not None:
                     e.append((must, 1.0))
                 col(lb, e)
-    lp = _core_lp([0.0] * len(cols_cost), [1.0] * len(cols_cost), cols_cost, entries, rlo, rhi)
-    if integer:
-        lp.integrality_ = integ
-    h: Any = core._Highs()
-    for opt, val in (("output_flag", False), ("threads", 1), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
-                     ("mip_feasibility_tolerance", MIP_TOL), ("primal_feasibility_tolerance", MIP_TOL),
-                     ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", MILP_NODES)):
-        h.setOptionValue(opt, val)
-    h.passModel(lp)
-    return h, cap_rows
+    return mdl.highs(integer), cap_rows
 
 
 def _least_l(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, tool: float, cap_l: float,
@@ -378,33 +393,8 @@ def _convex_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, lat_
     multiplier. Every bin within its capacity, each of the first `n_new` bins used, the sum at most `lat_cap`: HiGHS'
     model of it (a MILP when `integer`), each bin's load row (F_b - its stages' loads = its running load) and each
     bin's row "used" (the first `n_new`; None for the others)."""
-    from flowmaker.selection.exact import _core_lp
-    from flowmaker.selection.milp import _CORE, MIP_TOL
-
-    core = _CORE
-    ns = len(llm)
-    rlo: list[float] = [1.0] * ns
-    rhi: list[float] = [1.0] * ns
-
-    def row(lo: float, hi: float) -> int:
-        rlo.append(lo)
-        rhi.append(hi)
-        return len(rlo) - 1
-
-    cols_lo: list[float] = []
-    cols_hi: list[float] = []
-    cols_cost: list[float] = []
-    integ: list[Any] = []
-    entries: list[list[tuple[int, float]]] = []
-
-    def col(lo: float, hi: float, cost: float, e: list[tuple[int, float]], is_int: bool) -> int:
-        cols_lo.append(lo)
-        cols_hi.append(hi)
-        cols_cost.append(cost)
-        integ.append(core.HighsVarType.kInteger if is_int else core.HighsVarType.kContinuous)
-        entries.append(e)
-        return len(cols_cost) - 1
-
+    mdl = _Model(len(llm))
+    row = mdl.row
     lat_row = row(-math.inf, lat_cap)
     load_rows: list[int] = []
     must_rows: list[int | None] = []
@@ -423,7 +413,7 @@ def _convex_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, lat_
             ent = [(j, 1.0), (lr, -pw.load[s]), (lat_row, e)]
             if must is not None:
                 ent.append((must, 1.0))
-            col(0.0, 1.0, e, ent, True)
+            mdl.col(e, ent)
         # z_b >= r (F - load0) m(F), under its tangents; F_b in [load0, cap]
         cuts: list[tuple[float, float]] = []  # (slope, value at F = 0) of each tangent
         if b.f <= 1.0 or r <= 0.0:
@@ -440,19 +430,10 @@ def _convex_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, lat_
                 dh = r * m + r * (fk - b.load0) * dm
                 cuts.append((dh, hk - dh * fk))
         cut_rows = [row(c0, math.inf) for _, c0 in cuts]
-        col(b.load0, max(b.load0, b.cap), 0.0, [(lr, 1.0)] + [(cr, -sl) for cr, (sl, _) in zip(cut_rows, cuts, strict=True)],
-            False)
-        col(0.0, math.inf, 1.0, [(lat_row, 1.0)] + [(cr, 1.0) for cr in cut_rows], False)
-    lp = _core_lp(cols_lo, cols_hi, cols_cost, entries, rlo, rhi)
-    if integer:
-        lp.integrality_ = integ
-    h: Any = core._Highs()
-    for opt, val in (("output_flag", False), ("threads", 1), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
-                     ("mip_feasibility_tolerance", MIP_TOL), ("primal_feasibility_tolerance", MIP_TOL),
-                     ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", MILP_NODES)):
-        h.setOptionValue(opt, val)
-    h.passModel(lp)
-    return h, load_rows, must_rows
+        mdl.col(0.0, [(lr, 1.0)] + [(cr, -sl) for cr, (sl, _) in zip(cut_rows, cuts, strict=True)],
+              lo=b.load0, hi=max(b.load0, b.cap), is_int=False)
+        mdl.col(1.0, [(lat_row, 1.0)] + [(cr, 1.0) for cr in cut_rows], hi=math.inf, is_int=False)
+    return mdl.highs(integer), load_rows, must_rows
 
 
 def _prices(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int) -> list[float]:
