@@ -140,17 +140,8 @@ def test_the_placed_bound_and_the_settled_value_hold_for_every_multiset(req: Sel
         model = milp.RelaxedModel(pb, pw, usable)
         if not model.ok:
             continue
-        least: dict[tuple[int, ...], tuple[float, float]] = {}
-        for choice, slots in itertools.islice(_variants(pb, model), 4000):
-            code, places = pb.check(pw, choice, slots)
-            key = tuple(sorted(slots))
-            least.setdefault(key, (INF, INF))
-            if code != 5:
-                continue
-            cost, lat, _ = pb.score(pw, choice, slots, places)
-            least[key] = min(least[key], (cost, lat))
         tool = sum(pw.tool_lat[v] for v in range(len(pw.wf.stages)) if not pw.wf.stages[v].is_llm)
-        for key, (cost, lat) in least.items():
+        for key, (cost, lat) in _least_by_multiset(pb, model).items():
             if not key:
                 continue
             bound = sharing_chain.multiset_bound(pb, pw, model.opts, key, tool, pb.lam * (1 + 1e-9),
