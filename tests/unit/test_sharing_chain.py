@@ -128,33 +128,6 @@ def _variants(pb: Problem, model: milp.RelaxedModel):  # type: ignore[no-untyped
     yield from gen(0, [], [])
 
 
-@settings(max_examples=EXAMPLES // 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chains())
-def test_the_placed_bound_and_the_settled_value_hold_for_every_multiset(req: SelectionRequest) -> None:
-    """Per multiset of new instances: `multiset_bound` <= the least L_s of its feasible variants (INF: none within
-    the cap), and `settle_multiset` (when it finishes) finds their least cost, as every variant scored by
-    `Problem.check` / `Problem.score` says."""
-    pb = Problem(req)
-    usable = ex.usable_profiles(pb)
-    for pw in pb.workflows:
-        model = milp.RelaxedModel(pb, pw, usable)
-        if not model.ok:
-            continue
-        tool = sum(pw.tool_lat[v] for v in range(len(pw.wf.stages)) if not pw.wf.stages[v].is_llm)
-        for key, (cost, lat) in _least_by_multiset(pb, model).items():
-            if not key:
-                continue
-            bound = sharing_chain.multiset_bound(pb, pw, model.opts, key, tool, pb.lam * (1 + 1e-9),
-                                                 time.perf_counter() + 60)
-            assert bound <= lat * (1 + 1e-9), (key, bound, lat)
-            event(f"the placed bound is above the relaxed latencies: {bound > 0}")
-            got, done = sharing_chain.settle_multiset(model, key, INF, time.perf_counter() + 60)
-            if done:
-                assert (got is None) == (cost == INF), (key, got, cost)
-                if got is not None:
-                    assert abs(got[0][0] - cost) <= 1e-9 * max(1.0, cost), (key, got[0], cost)
-
-
 def _least_by_multiset(pb: Problem, model: milp.RelaxedModel) -> dict[tuple[int, ...], tuple[float, float]]:
     """Per multiset of new instances (profile indices, sorted), the least (cost, L_s) of its feasible variants among
     the walk's options (INF: none), every variant scored by `Problem.check` / `Problem.score`."""
@@ -170,13 +143,9 @@ def _least_by_multiset(pb: Problem, model: milp.RelaxedModel) -> dict[tuple[int,
     return least
 
 
-@settings(max_examples=EXAMPLES // 4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chains())
-def test_the_convex_bound_and_a_settling_stopped_at_its_floor_hold_for_every_multiset(req: SelectionRequest) -> None:
-    """`_convex_lp` (each bin's stages at the multiplier of its final load, under its tangents): its LP optimum, least
-    over the opening orders, is at most the least L_s of the multiset's feasible variants (brute force). And
-    `settle_multiset` told a floor (the least cost itself, or below it) and an opening order to search first still
-    finds the least cost: a variant found at the floor ends the search only when none is cheaper."""
+def _multisets(req: SelectionRequest):  # type: ignore[no-untyped-def]
+    """Per workflow with a walk model and per non-empty multiset of its new instances: (problem, workflow, model,
+    tool latency, multiset, least (cost, L_s) of its feasible variants by brute force)."""
     pb = Problem(req)
     usable = ex.usable_profiles(pb)
     for pw in pb.workflows:
@@ -184,33 +153,61 @@ def test_the_convex_bound_and_a_settling_stopped_at_its_floor_hold_for_every_mul
         if not model.ok:
             continue
         tool = sum(pw.tool_lat[v] for v in range(len(pw.wf.stages)) if not pw.wf.stages[v].is_llm)
+        for key, least in _least_by_multiset(pb, model).items():
+            if key:
+                yield pb, pw, model, tool, key, least
+
+
+@settings(max_examples=EXAMPLES // 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains())
+def test_the_placed_bound_and_the_settled_value_hold_for_every_multiset(req: SelectionRequest) -> None:
+    """Per multiset of new instances: `multiset_bound` <= the least L_s of its feasible variants (INF: none within
+    the cap), and `settle_multiset` (when it finishes) finds their least cost, as every variant scored by
+    `Problem.check` / `Problem.score` says."""
+    for pb, pw, model, tool, key, (cost, lat) in _multisets(req):
+        bound = sharing_chain.multiset_bound(pb, pw, model.opts, key, tool, pb.lam * (1 + 1e-9),
+                                             time.perf_counter() + 60)
+        assert bound <= lat * (1 + 1e-9), (key, bound, lat)
+        event(f"the placed bound is above the relaxed latencies: {bound > 0}")
+        got, done = sharing_chain.settle_multiset(model, key, INF, time.perf_counter() + 60)
+        if done:
+            assert (got is None) == (cost == INF), (key, got, cost)
+            if got is not None:
+                assert abs(got[0][0] - cost) <= 1e-9 * max(1.0, cost), (key, got[0], cost)
+
+
+@settings(max_examples=EXAMPLES // 4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains())
+def test_the_convex_bound_and_a_settling_stopped_at_its_floor_hold_for_every_multiset(req: SelectionRequest) -> None:
+    """`_convex_lp` (each bin's stages at the multiplier of its final load, under its tangents): its LP optimum, least
+    over the opening orders, is at most the least L_s of the multiset's feasible variants (brute force). And
+    `settle_multiset` told a floor (the least cost itself, or below it) and an opening order to search first still
+    finds the least cost: a variant found at the floor ends the search only when none is cheaper."""
+    for pb, pw, model, tool, key, (cost, lat) in _multisets(req):
         llm = [s for s in pw.llm if model.opts.get(s)]
-        for key, (cost, lat) in _least_by_multiset(pb, model).items():
-            if not key:
+        orders = sharing_chain._orders(key)
+        assert orders is not None
+        least = INF
+        for order in orders:
+            bins = sharing_chain.placed_bins(pb, pw, model.opts, order)
+            if bins is None:
                 continue
-            orders = sharing_chain._orders(key)
-            assert orders is not None
-            least = INF
-            for order in orders:
-                bins = sharing_chain.placed_bins(pb, pw, model.opts, order)
-                if bins is None:
-                    continue
-                event(f"a slowed bin: {any(b.f > 1 for b in bins)}")
-                h = sharing_chain._convex_lp(pw, llm, bins, len(order), INF, integer=False)[0]
-                h.run()
-                name = h.modelStatusToString(h.getModelStatus())
-                v = tool + h.getInfo().objective_function_value if name == "Optimal" else INF
-                assert name in ("Optimal", "Infeasible"), name
-                least = min(least, v)
-            assert least <= lat * (1 + 1e-9), (key, least, lat)
-            if cost == INF:
-                continue
-            for floor in (cost, cost * (1 - 1e-3), cost * 0.9):
-                for first in (orders[0], orders[-1]):
-                    got, done = sharing_chain.settle_multiset(model, key, INF, time.perf_counter() + 60, floor=floor,
-                                                              first=first)
-                    if done:
-                        assert got is not None and abs(got[0][0] - cost) <= 1e-9 * max(1.0, cost), (key, got, cost)
+            event(f"a slowed bin: {any(b.f > 1 for b in bins)}")
+            h = sharing_chain._convex_lp(pw, llm, bins, len(order), INF, integer=False)[0]
+            h.run()
+            name = h.modelStatusToString(h.getModelStatus())
+            v = tool + h.getInfo().objective_function_value if name == "Optimal" else INF
+            assert name in ("Optimal", "Infeasible"), name
+            least = min(least, v)
+        assert least <= lat * (1 + 1e-9), (key, least, lat)
+        if cost == INF:
+            continue
+        for floor in (cost, cost * (1 - 1e-3), cost * 0.9):
+            for first in (orders[0], orders[-1]):
+                got, done = sharing_chain.settle_multiset(model, key, INF, time.perf_counter() + 60, floor=floor,
+                                                          first=first)
+                if done:
+                    assert got is not None and abs(got[0][0] - cost) <= 1e-9 * max(1.0, cost), (key, got, cost)
 
 
 def test_a_slowed_multiset_is_bounded_above_its_relaxed_latency() -> None:
