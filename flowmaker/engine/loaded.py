@@ -146,23 +146,24 @@ def decode_queue(token_rate: float, d: float, D: float, stall: float, dispersion
     def log_w(n: int) -> float:  # generalized Poisson, up to the constant factor exp(-theta)
         return 0.0 if n == 0 else log_theta + (n - 1) * math.log(theta + n * lam) - n * lam - math.lgamma(n + 1)
 
-    # Weights relative to the largest (the law is unimodal, its mode at most its mean). Its tail falls like
+    # Weights relative to the largest. Its tail falls like
     # n^-1.5 (lam e^(1 - lam))^n: past the mean plus 40 standard deviations plus 50, plus 40 / -ln(lam e^(1 - lam))
     # more, a weight is below 1e-17 of the largest, and the sum is cut there (at most MAX_TERMS terms).
     sd = math.sqrt(a) / (1.0 - lam)
     tail = 40.0 / (-math.log(lam) - (1.0 - lam)) if lam > 0.0 else 0.0
     last = min(n0, math.ceil(a + 40.0 * sd + 50.0 + tail), MAX_TERMS)
-    top = max(log_w(n) for n in range(min(last, math.floor(a)) + 1))
+    logs = [log_w(n) for n in range(last + 1)]
+    top = max(logs)
     z = mean = w = 0.0
-    for n in range(last + 1):
-        w = math.exp(log_w(n) - top)
+    for n, lw in enumerate(logs):
+        w = math.exp(lw - top)
         z += w
         mean += n * w
     if last == n0:  # (MAX_TERMS cuts only a weight below 1e-17 of the largest)
         # Nor more steeply than the memory-bound law falls at n0 (relative to the Poisson law's a / n0 there,
         # where the plain queue goes on with ratio q): past n0 a call's life only lengthens.
         if n0 >= 1:
-            q = min(max(q, q0 * math.exp(log_w(n0) - log_w(n0 - 1)) * n0 / a), 1.0 - 1e-12)
+            q = min(max(q, q0 * math.exp(logs[n0] - logs[n0 - 1]) * n0 / a), 1.0 - 1e-12)
         # The tail from w = pi(n0): sum_{j >= 1} q^j = q / (1 - q); sum_{j >= 1} (n0 + j) q^j =
         # n0 q / (1 - q) + q / (1 - q)^2.
         z += w * q / (1.0 - q)
