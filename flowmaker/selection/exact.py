@@ -1429,6 +1429,17 @@ def make_search(pb: Problem, **kw: Any) -> _Search:
     return _Search(pb, **kw)
 
 
+def proven_infeasible(pb: Problem, strategy: str, started: float, budget: float, evaluated: int) -> SelectionResult:
+    """The answer once no variant is proven to exist: the tightest reason, as far as the grace period allows."""
+    level = tightest_reason(pb, deadline=started + GRACE_SHARE * budget)
+    if level is None:
+        # Infeasibility is proven; only which constraint is the tightest stayed open.
+        res = infeasible_result(pb, strategy, 4, started, evaluated, timed_out=True, optimal=True)
+        return replace(res, reason_detail=res.reason_detail + " (the time budget ran out before the "
+                       "tightest reason was established: it may be an earlier constraint)")
+    return infeasible_result(pb, strategy, level, started, evaluated, optimal=True)
+
+
 def finish(pb: Problem, strategy: str, search: _Search, started: float, budget: float) -> SelectionResult:
     """The answer of a branch-and-bound run under the anytime contract."""
     if search.best_at is None:
@@ -1436,13 +1447,7 @@ def finish(pb: Problem, strategy: str, search: _Search, started: float, budget: 
             raise DeadlineExceeded(f"{strategy}: no feasible variant found within the time budget of {budget:g} s "
                                    f"({search.nodes:,} search nodes; proven lower bound of the cost "
                                    f"{search.lower_bound:.6g})", reason="SELECTION_DEADLINE_EXCEEDED")
-        level = tightest_reason(pb, deadline=started + GRACE_SHARE * budget)
-        if level is None:
-            # Infeasibility is proven; only which constraint is the tightest stayed open.
-            res = infeasible_result(pb, strategy, 4, started, search.leaves, timed_out=True, optimal=True)
-            return replace(res, reason_detail=res.reason_detail + " (the time budget ran out before the "
-                           "tightest reason was established: it may be an earlier constraint)")
-        return infeasible_result(pb, strategy, level, started, search.leaves, optimal=True)
+        return proven_infeasible(pb, strategy, started, budget, search.leaves)
     at, canon = search.best_at, True
     if not search.stopped and search.best is not None:
         at, canon = canonical(pb, search.best, at, started + GRACE_SHARE * budget)
@@ -1458,4 +1463,4 @@ def select_exact(req: SelectionRequest) -> SelectionResult:
     return select_hybrid(req, "exact", first_nodes(req.options.time_budget_s or DEFAULT_BUDGET_S))
 
 
-__all__ = ["NOT_CANONICAL", "canonical", "finish", "make_search", "select_exact", "solve", "tightest_reason", "usable_profiles"]
+__all__ = ["NOT_CANONICAL", "canonical", "finish", "make_search", "proven_infeasible", "select_exact", "solve", "tightest_reason", "usable_profiles"]

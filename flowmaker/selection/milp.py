@@ -254,11 +254,15 @@ class RelaxedModel:
 
     # ---- solving
 
-    def _solve(self, objective: str, mem_cap: float, lat_cap: float, deadline: float) -> tuple[str, float, list[float]]:
-        """min M, L or new GPUs (G) subject to M <= mem_cap, L <= lat_cap. Returns (status, dual bound, solution)."""
+    def _solve(self, objective: str, mem_cap: float, lat_cap: float, deadline: float,
+               nodes: int = 0) -> tuple[str, float, list[float]]:
+        """min M, L or new GPUs (G), or any point (F), subject to M <= mem_cap, L <= lat_cap, within `nodes`
+        HiGHS nodes (0: no limit). Returns (status, dual bound, solution)."""
         h = self.h
         cost = [0.0] * self.ncol
-        if objective == "L":
+        if objective == "F":
+            pass
+        elif objective == "L":
             cost[self.L] = 1.0
         elif objective == "G":
             for pi, c in self.y.items():
@@ -278,6 +282,7 @@ class RelaxedModel:
                 h.setSolution(_core_solution(ps))
                 break
         h.setOptionValue("time_limit", max(left, 1e-3))
+        h.setOptionValue("mip_max_nodes", nodes or HIGHS_NO_LIMIT)
         h.run()
         self.solves += 1
         name = h.modelStatusToString(h.getModelStatus())
@@ -353,6 +358,13 @@ class RelaxedModel:
         if code != 5:
             return None
         return pb.score(pw, choice, slots, places), choice, slots, places
+
+    def infeasible(self, deadline: float, nodes: int = 0) -> bool:
+        """Whether the relaxation has no point at all, proven by one feasibility MILP of at most `nodes` HiGHS
+        nodes (False: a point exists, or it was not settled). No variant of the workflow exists then either."""
+        if not self.ok:
+            return True
+        return self._solve("F", INF, _tol(self.pb.lam), deadline, nodes or FEASIBILITY_NODES)[0] == "infeasible"
 
     def walk(self, deadline: float, best: tuple[float, float, int] | None, max_solves: int = 0) -> Front:
         """The Pareto walk, from the top (module docstring). `best`: the incumbent (cost, L, GPUs) across
@@ -545,6 +557,11 @@ WALK_SOLVES = 400
 CHAIN_POINTS_FIRST = 5_000  # a chain's multiset walk visits this many multisets before its MILP walk,
 CHAIN_MILPS_FIRST = 0  # or solves this many of their packings as MILPs (0: no limit)
 CHAIN_POINTS = 5_000
+# HiGHS nodes of the feasibility MILP run before a chain's multiset walk when no variant is known yet: the walk visits
+# multisets best first and cannot tell that none holds the stages (measured: chain_clones 613004, which no variant
+# meets, took 11 s of walk to end unsettled, where this MILP proves it in 12 ms)
+FEASIBILITY_NODES = 200
+HIGHS_NO_LIMIT = 2_147_483_647  # HiGHS's default mip_max_nodes (kHighsIInf)
 CHAIN_FIRST_NODES = 800  # the first branch and bound's nodes when every workflow is a chain
 CHAIN_NODES = 3_000_000  # depth-first nodes of a chain walk's packings, all multisets together
 SHARING_FIRST_NODES = 150  # the first branch and bound's nodes under GPU sharing
@@ -616,13 +633,17 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
             # Chains: the multiset walk for a bounded amount of work, then (unless it settled the workflow) the
             # MILP walk from the best variant known. Both bounds hold for every variant: the larger one is kept.
             points = CHAIN_POINTS_FIRST if best is not None or not pb.sharing else SHARING_POINTS_BLIND
-            fr = walk_chain(m, d2, best[0] if best else None, points, CHAIN_MILPS_FIRST)
+            if best is None and m.infeasible(d2):
+                fr = Front()
+                fr.lower_bound, fr.complete = INF, True
+            else:
+                fr = walk_chain(m, d2, best[0] if best else None, points, CHAIN_MILPS_FIRST)
         else:
             fr = m.walk(d2, best[0] if best else None)
         for sc, choice, slots, places in fr.candidates:
             if best is None or better(*sc, best[0]):
                 best = (sc, (pw, choice, slots, places))
-        if chain and not (fr.complete and best is not None and best[0][0] <= fr.lower_bound * (1 + 2e-9)):
+        if chain and not (fr.complete and (fr.lower_bound == INF or (best is not None and best[0][0] <= fr.lower_bound * (1 + 2e-9)))):
             fr2 = m.walk(d2, best[0] if best else None)
             fr2.candidates = fr.candidates + fr2.candidates
             fr2.lower_bound = max(fr2.lower_bound, fr.lower_bound)
@@ -673,8 +694,9 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
             s4.frontier = lb  # every variant costs at least the walk's bound (those of longer L included)
         return ex.finish(pb, strategy, s4, started, budget)
     if complete and best is None and lb == INF:
-        # Nothing is feasible even with placement relaxed: the branch and bound names the reason.
-        return ex.finish(pb, strategy, ex.solve(pb, deadline=deadline, grace=grace), started, budget)
+        # Nothing is feasible even with placement relaxed, so nothing is: the branch and bound names the tightest
+        # reason within the grace period (not the deadline: the proof is done, only the reason may stay open).
+        return ex.proven_infeasible(pb, strategy, started, budget, evaluated)
     s3 = ex.make_search(pb, deadline=deadline, grace=grace)
     if best is not None:
         s3.best, s3.best_at = best

@@ -210,3 +210,43 @@ def test_small_chains_with_clones_equal_the_brute_force_when_packings_go_bin_by_
         except AssertionError as e:
             raise AssertionError(f"chain_clones seed {seed} (FLOWMAKER_HARD_SEED={SEED0}, instance {k}): {e}") from e
     assert calls and (any(calls) if bin_nodes > 3 or quick else not all(calls))
+
+
+def test_chains_that_nothing_meets_are_proven_infeasible_by_the_relaxation_before_the_walk(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain with no incumbent after the first branch and bound gets a feasibility MILP of the relaxation before
+    its multiset walk (which cannot tell that no multiset holds the stages: a large chain_clones instance spent
+    11 s there). Small chains made tight (more load, less free memory) so that many have no variant: the answer is
+    the brute force's, proven, with the same reason; and the probe proved some of them infeasible."""
+    from test_selection_properties import brute_force_canonical
+
+    import flowmaker.selection.milp as milp
+
+    proofs: list[bool] = []
+    probe = milp.RelaxedModel.infeasible
+
+    def counted(self: milp.RelaxedModel, *a: object, **kw: object) -> bool:
+        got = probe(self, *a, **kw)  # type: ignore[arg-type]
+        proofs.append(got)
+        return got
+
+    monkeypatch.setattr(milp, "first_nodes", lambda budget: 4)
+    monkeypatch.setattr(milp.RelaxedModel, "infeasible", counted)
+    infeasible = 0
+    for k in range(3 * EXAMPLES):
+        seed = SEED0 + 300 + k
+        req = hard_instance("chain_clones", seed, "small").request
+        rng = random.Random(seed)
+        slo = dataclasses.replace(req.slo, arrival_rate_rps=req.slo.arrival_rate_rps * rng.choice((1.0, 3.0, 8.0)))
+        gpus = tuple(dataclasses.replace(g, memory_used_gb=min(g.memory_total_gb, g.memory_used_gb
+                                                               + rng.choice((0.0, 10.0, 25.0))))
+                     for g in req.cluster.gpus)
+        req = dataclasses.replace(req, slo=slo, cluster=dataclasses.replace(req.cluster, gpus=gpus))
+        if Problem(req).total_space() > MAX_SPACE:
+            continue
+        infeasible += brute_force_canonical(req)[0] is None
+        try:
+            agree(req, ("exact", "milp"), proven=True)
+        except AssertionError as e:
+            raise AssertionError(f"chain_clones seed {seed} (FLOWMAKER_HARD_SEED={SEED0}, instance {k}): {e}") from e
+    assert infeasible and any(proofs), (infeasible, proofs)
