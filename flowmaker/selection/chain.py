@@ -452,6 +452,16 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             m_ = max(m_, lack * suffix_min_ratio[q])
         return m_
 
+    # Room on the cluster (`milp.room_rows`, valid whatever the placement rule): a multiset beyond one of these rows
+    # never places, nor does any multiset above it, so neither is pushed (measured: chain_clones 653027, whose walk
+    # spent its whole budget on multisets of six tp8 instances where the cluster holds two).
+    rooms = [([pos[pi] for pi in members if pi in pos], cap_) for members, cap_ in model.room]
+    reps = [pb.p_reps[pi] for pi in profs]
+    room_of = [[r_ for r_, (members, _) in enumerate(rooms) if q in members] for q in range(P)]
+
+    def room_left(y: tuple[int, ...]) -> list[float]:
+        return [cap_ - sum(y[q] * reps[q] for q in members) for members, cap_ in rooms]
+
     def push_eval(y: tuple[int, ...]) -> None:
         nonlocal tick
         m = m_of(y)
@@ -487,8 +497,9 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 by = list(map(min, by, lat_new[q]))
         room_n = sum(y) + 1 < n_llm
         lim = inc * (1 + 1e-9)
+        left = room_left(y) if rooms else []
         for q in range(i, P):
-            if y[q] >= users[q]:
+            if y[q] >= users[q] or any(left[r_] < reps[q] for r_ in room_of[q]):
                 continue
             mz = m + mem[q]
             f = tool + agg(list(map(min, lat_new[q], by))) if gpos else \

@@ -250,3 +250,45 @@ def test_chains_that_nothing_meets_are_proven_infeasible_by_the_relaxation_befor
         except AssertionError as e:
             raise AssertionError(f"chain_clones seed {seed} (FLOWMAKER_HARD_SEED={SEED0}, instance {k}): {e}") from e
     assert infeasible and any(proofs), (infeasible, proofs)
+
+
+def test_the_chain_walk_never_packs_a_multiset_the_clusters_room_rules_out() -> None:
+    """`milp.room_rows` bound how many new instances of a kind any placement can hold; the chain walk pushes no
+    multiset beyond them (a large chain_clones instance spent its whole budget on six tp8 instances where the
+    cluster holds two). Small chains on clusters with little free memory: every assignment the walk realizes
+    keeps within every row, some rows bind, and the walk's answer still equals `exact`'s brute-force-checked one."""
+    from flowmaker.selection import exact as ex
+    from flowmaker.selection.chain import walk_chain
+    from flowmaker.selection.milp import CHAIN_POINTS_FIRST, RelaxedModel
+
+    binding = 0
+    for k in range(3 * EXAMPLES):
+        seed = SEED0 + 500 + k
+        req = hard_instance("chain_clones", seed, "small").request
+        rng = random.Random(seed)
+        gpus = tuple(dataclasses.replace(g, memory_used_gb=min(g.memory_total_gb, g.memory_used_gb
+                                                               + rng.choice((15.0, 25.0, 35.0))))
+                     for g in req.cluster.gpus)
+        req = dataclasses.replace(req, cluster=dataclasses.replace(req.cluster, gpus=gpus))
+        pb = Problem(req)
+        seen: list[list[int]] = []
+        check = pb.check
+
+        def counted(pw, choice, slots, _check=check, _seen=seen):  # type: ignore[no-untyped-def]
+            _seen.append(list(slots))
+            return _check(pw, choice, slots)
+
+        pb.check = counted  # type: ignore[method-assign]
+        usable = ex.usable_profiles(pb)
+        for pw in pb.workflows:
+            m = RelaxedModel(pb, pw, usable)
+            if not m.ok:
+                continue
+            binding += bool(m.room)
+            walk_chain(m, float("inf"), None, CHAIN_POINTS_FIRST)
+            for slots in seen:
+                for members, cap in m.room:
+                    used = sum(pb.p_reps[pi] for pi in slots if pi in members)
+                    assert used <= cap, (seed, slots, members, cap)
+        agree(req, ("exact",), proven=True)
+    assert binding, "no instance had a binding room row"
