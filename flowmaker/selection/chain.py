@@ -68,6 +68,7 @@ CHAIN_PREPS = 10  # Lagrangian bounds (one small LP each) per multiset the walk 
 CLASS_NODES = 20_000
 CLASS_NODES_MORE = 200_000
 SINGLE_BIN_NODES = 4_000  # the same when every class is one instance (the bin-by-bin search's former limit)
+FLOOR_NODES = 50  # HiGHS nodes of the least-L MILP under the walk's floors (0: no floors)
 CHEAP_FIRST = True  # a multiset's first bound uses the last LP's prices; its own LP comes when it is popped again
 BIN_NODES = 80_000  # nodes of the bin-by-bin search (`binpack`) of a packing before its MILP (0: none)
 BIN_TRIES = 1  # packings searched so before the first that it settles; none after, unless one was settled
@@ -188,6 +189,22 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             got = room_p[(pi, c)] = min(full, c * one_p[pi], max_fill(elig_p[pi], full) if c > 1 else full)
         return got
 
+    # Floors under every multiset's key, from the relaxation (`milp.RelaxedModel`): the least L of any variant,
+    # capacity counted (its MILP for a few HiGHS nodes: the dual bound holds when unsettled), and the least new
+    # memory (its LP relaxation: milliseconds). Lfast ignores capacity and a small multiset may hold no variant at
+    # all (measured: chain_clones 701032, whose walk spent its 2 s pricing multisets of 90-114 GB when every variant
+    # needs 114.4 GB: its bound at 2 s rose from 2,318 to 2,737, what the walk had reached after 60 s). A multiset
+    # below the memory floor is not pushed. Either proven infeasible: no variant at all.
+    l_floor = m_floor = 0.0
+    if FLOOR_NODES:
+        st_f, l_db, _ = model._solve("L", INF, _tol(pb.lam), deadline, FLOOR_NODES)
+        m_floor = model.least_memory_lp() if st_f != "infeasible" else INF
+        if m_floor == INF:
+            fr.lower_bound, fr.complete = INF, True
+            return fr
+        if math.isfinite(l_db):
+            l_floor = max(0.0, l_db) * (1 - 1e-9)
+    lmin_all = max(lmin_all, l_floor)
     total_load = sum(pw.load[s] for s in llm)
     n_llm = len(llm)
     P = len(profs)
@@ -467,7 +484,9 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         m = m_of(y)
         if sum(c * cp for c, cp in zip(y, cap, strict=True)) + spare_all < total_load * (1 - 1e-9):
             return  # cannot hold the load even aggregated
-        f = fast(y)
+        f = max(fast(y), l_floor)
+        if m < m_floor:
+            return
         if f < INF and leq(f, pb.lam):
             tick += 1
             heapq.heappush(heap, (m * f, tick, y, 0, False))
@@ -476,7 +495,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         nonlocal tick
         if i >= P or sum(y) >= n_llm:
             return
-        key = (m_of(y) + _more_mem(i, total_load * (1 - 1e-9) - spare_all)) * lmin_all
+        key = max(m_of(y) + _more_mem(i, total_load * (1 - 1e-9) - spare_all), m_floor) * lmin_all
         if key > inc * (1 + 1e-9):
             return  # never popped: the walk stops at the first key above the incumbent (which only falls)
         tick += 1
@@ -504,12 +523,13 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             mz = m + mem[q]
             f = tool + agg(list(map(min, lat_new[q], by))) if gpos else \
                 sum(map(min, lat_new[q], by), tool)  # = tool + each stage's least of by and q, summed in order
-            ok_eval = f < INF and leq(f, pb.lam) and mz * f <= lim \
+            f = max(f, l_floor)
+            ok_eval = f < INF and leq(f, pb.lam) and mz * f <= lim and mz >= m_floor \
                 and capsum + cap[q] >= total_load * (1 - 1e-9)
             ok_exp = False
             if room_n:
                 fs = tool + agg(list(map(min, sufmin_lat[q], by))) if gpos else sum(map(min, sufmin_lat[q], by), tool)
-                kx = (mz + _more_mem(q, total_load * (1 - 1e-9) - capsum - cap[q])) * fs
+                kx = max(mz + _more_mem(q, total_load * (1 - 1e-9) - capsum - cap[q]), m_floor) * max(fs, l_floor)
                 ok_exp = kx <= lim
             if not ok_eval and not ok_exp:
                 continue

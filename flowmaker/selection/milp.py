@@ -359,6 +359,31 @@ class RelaxedModel:
             return None
         return pb.score(pw, choice, slots, places), choice, slots, places
 
+    def least_memory_lp(self) -> float:
+        """A lower bound of the new memory M of every variant (placement relaxed): min M over the LP relaxation (no
+        integrality), within the L cap of the request. 0 when it proves nothing; INF when the LP is infeasible."""
+        if not self.ok:
+            return INF
+        h = self.h
+        cost = [0.0] * self.ncol
+        for pi, c in self.y.items():
+            cost[c] = self.pb.p_mem[pi]
+        h.changeColsCost(self.ncol, list(range(self.ncol)), cost)
+        h.changeRowBounds(self.mem_row, -math.inf, math.inf)
+        h.changeColBounds(self.L, 0.0, _tol(self.pb.lam))
+        h.setOptionValue("solve_relaxation", True)
+        try:
+            h.run()
+        finally:
+            h.setOptionValue("solve_relaxation", False)
+        name = h.modelStatusToString(h.getModelStatus())
+        if name == "Infeasible":
+            return INF
+        if name != "Optimal":
+            return 0.0
+        # (the LP's tolerances admit points a little outside its region: the floor is kept a little below)
+        return max(0.0, h.getInfo().objective_function_value) * (1 - 1e-6)
+
     def infeasible(self, deadline: float, nodes: int = 0) -> bool:
         """Whether the relaxation has no point at all, proven by one feasibility MILP of at most `nodes` HiGHS
         nodes (False: a point exists, or it was not settled). No variant of the workflow exists then either."""

@@ -292,3 +292,28 @@ def test_the_chain_walk_never_packs_a_multiset_the_clusters_room_rules_out() -> 
                     assert used <= cap, (seed, slots, members, cap)
         agree(req, ("exact",), proven=True)
     assert binding, "no instance had a binding room row"
+
+
+def test_the_relaxations_floors_are_below_the_optimums_memory_and_latency() -> None:
+    """The chain walk floors its keys with the relaxation's least L (a MILP's dual bound) and least new memory (its
+    LP): each at most what the brute force's optimum has, on small chains and fans."""
+    from test_selection_properties import brute_force
+
+    from flowmaker.selection import exact as ex
+    from flowmaker.selection.milp import FEASIBILITY_NODES, RelaxedModel, _tol
+
+    checked = 0
+    for fam in ("chain_clones", "wide_fan"):
+        for k in range(EXAMPLES):
+            req = hard_instance(fam, SEED0 + 700 + k, "small").request
+            want, _ = brute_force(req)
+            pb = Problem(req)
+            m = RelaxedModel(pb, pb.workflows[0], ex.usable_profiles(pb))
+            if want is None or not m.ok:
+                continue
+            st, l_db, _ = m._solve("L", float("inf"), _tol(pb.lam), float("inf"), FEASIBILITY_NODES)
+            assert st != "infeasible" and l_db <= want[1] * (1 + 1e-9), (fam, k, l_db, want)
+            m_floor = m.least_memory_lp()
+            assert m_floor <= want[0] / want[1] * (1 + 1e-9), (fam, k, m_floor, want)
+            checked += 1
+    assert checked >= EXAMPLES
