@@ -52,6 +52,11 @@ from flowmaker.domain import (
 from flowmaker.selection import select
 
 EXAMPLES = int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300"))
+# Hypothesis (6.170) schedules its target() optimiser differently from 1,000 examples up (several passes interleaved
+# with generation), and there its hill climb can spin inside the engine without running the test: with 1,200 examples
+# and --hypothesis-seed=23379, test_sharing_chain's chain test was still in `optimise_targets` after 380 s, and took
+# 14.6 s without the target() call. Large runs therefore generate without steering.
+TARGETING = EXAMPLES < 1000
 TIE = 1e-12  # the extension's tie tolerance ("equal within 1e-12 relative")
 KAPPAS = (1.0, 0.5, 2.0, 0.0)  # 1 first: hypothesis draws (and shrinks towards) the first more often
 ZERO = Fraction(0)
@@ -490,7 +495,8 @@ def agree(req: SelectionRequest, strategies: tuple[str, ...]) -> Outcome:
     variant re-checks."""
     want = brute_force(req)
     event(f"feasible: {want.best is not None}")
-    target(want.slow_max, label="the optimum's largest stage multiplier")
+    if TARGETING:
+        target(want.slow_max, label="the optimum's largest stage multiplier")
     event(f"optimum slowed (m > 1 on a stage): {want.slowed}")
     for item, what in ((1, "over the compute budget"), (2, "a slowed instance cannot keep up"),
                        (3, "too slow once slowed"), (4, "harms a running co-resident")):
