@@ -256,13 +256,11 @@ class RelaxedModel:
 
     def _solve(self, objective: str, mem_cap: float, lat_cap: float, deadline: float,
                nodes: int = 0) -> tuple[str, float, list[float]]:
-        """min M, L or new GPUs (G), or any point (F), subject to M <= mem_cap, L <= lat_cap, within `nodes`
-        HiGHS nodes (0: no limit). Returns (status, dual bound, solution)."""
+        """min M, L or new GPUs (G) subject to M <= mem_cap, L <= lat_cap, within `nodes` HiGHS nodes (0: no
+        limit). Returns (status, dual bound, solution)."""
         h = self.h
         cost = [0.0] * self.ncol
-        if objective == "F":
-            pass
-        elif objective == "L":
+        if objective == "L":
             cost[self.L] = 1.0
         elif objective == "G":
             for pi, c in self.y.items():
@@ -383,13 +381,6 @@ class RelaxedModel:
             return 0.0
         # (the LP's tolerances admit points a little outside its region: the floor is kept a little below)
         return max(0.0, h.getInfo().objective_function_value) * (1 - 1e-6)
-
-    def infeasible(self, deadline: float, nodes: int = 0) -> bool:
-        """Whether the relaxation has no point at all, proven by one feasibility MILP of at most `nodes` HiGHS
-        nodes (False: a point exists, or it was not settled). No variant of the workflow exists then either."""
-        if not self.ok:
-            return True
-        return self._solve("F", INF, _tol(self.pb.lam), deadline, nodes or FEASIBILITY_NODES)[0] == "infeasible"
 
     def walk(self, deadline: float, best: tuple[float, float, int] | None, max_solves: int = 0) -> Front:
         """The Pareto walk, from the top (module docstring). `best`: the incumbent (cost, L, GPUs) across
@@ -582,10 +573,6 @@ WALK_SOLVES = 400
 CHAIN_POINTS_FIRST = 5_000  # a chain's multiset walk visits this many multisets before its MILP walk,
 CHAIN_MILPS_FIRST = 0  # or solves this many of their packings as MILPs (0: no limit)
 CHAIN_POINTS = 5_000
-# HiGHS nodes of the feasibility MILP run before a chain's multiset walk when no variant is known yet: the walk visits
-# multisets best first and cannot tell that none holds the stages (measured: chain_clones 613004, which no variant
-# meets, took 11 s of walk to end unsettled, where this MILP proves it in 12 ms)
-FEASIBILITY_NODES = 200
 HIGHS_NO_LIMIT = 2_147_483_647  # HiGHS's default mip_max_nodes (kHighsIInf)
 CHAIN_FIRST_NODES = 800  # the first branch and bound's nodes when every workflow is a chain
 CHAIN_NODES = 3_000_000  # depth-first nodes of a chain walk's packings, all multisets together
@@ -658,17 +645,15 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
             # Chains: the multiset walk for a bounded amount of work, then (unless it settled the workflow) the
             # MILP walk from the best variant known. Both bounds hold for every variant: the larger one is kept.
             points = CHAIN_POINTS_FIRST if best is not None or not pb.sharing else SHARING_POINTS_BLIND
-            if best is None and m.infeasible(d2):
-                fr = Front()
-                fr.lower_bound, fr.complete = INF, True
-            else:
-                fr = walk_chain(m, d2, best[0] if best else None, points, CHAIN_MILPS_FIRST)
+            fr = walk_chain(m, d2, best[0] if best else None, points, CHAIN_MILPS_FIRST)
         else:
             fr = m.walk(d2, best[0] if best else None)
         for sc, choice, slots, places in fr.candidates:
             if best is None or better(*sc, best[0]):
                 best = (sc, (pw, choice, slots, places))
-        if chain and not (fr.complete and (fr.lower_bound == INF or (best is not None and best[0][0] <= fr.lower_bound * (1 + 2e-9)))):
+        settled_by_walk = fr.complete and (fr.lower_bound == INF  # (proven: no variant)
+                                           or (best is not None and best[0][0] <= fr.lower_bound * (1 + 2e-9)))
+        if chain and not settled_by_walk:
             fr2 = m.walk(d2, best[0] if best else None)
             fr2.candidates = fr.candidates + fr2.candidates
             fr2.lower_bound = max(fr2.lower_bound, fr.lower_bound)

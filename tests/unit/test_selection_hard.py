@@ -212,26 +212,28 @@ def test_small_chains_with_clones_equal_the_brute_force_when_packings_go_bin_by_
     assert calls and (any(calls) if bin_nodes > 3 or quick else not all(calls))
 
 
-def test_chains_that_nothing_meets_are_proven_infeasible_by_the_relaxation_before_the_walk(
+def test_chains_that_nothing_meets_are_proven_infeasible_by_the_relaxation_at_the_walks_start(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A chain with no incumbent after the first branch and bound gets a feasibility MILP of the relaxation before
-    its multiset walk (which cannot tell that no multiset holds the stages: a large chain_clones instance spent
-    11 s there). Small chains made tight (more load, less free memory) so that many have no variant: the answer is
-    the brute force's, proven, with the same reason; and the probe proved some of them infeasible."""
+    """The chain walk starts with the relaxation's least-L MILP, which proves at once that nothing is feasible where
+    the walk itself cannot tell that no multiset holds the stages (a large chain_clones instance spent 11 s there),
+    and a relaxation proven infeasible answers "infeasible", not DEADLINE_EXCEEDED. Small chains made tight (more
+    load, less free memory) so that many have no variant: the answer is the brute force's, proven, with the same
+    reason; and the walk proved some of them infeasible."""
     from test_selection_properties import brute_force_canonical
 
+    import flowmaker.selection.chain as chain
     import flowmaker.selection.milp as milp
 
     proofs: list[bool] = []
-    probe = milp.RelaxedModel.infeasible
+    walk = chain.walk_chain
 
-    def counted(self: milp.RelaxedModel, *a: object, **kw: object) -> bool:
-        got = probe(self, *a, **kw)  # type: ignore[arg-type]
-        proofs.append(got)
-        return got
+    def counted(*a: object, **kw: object) -> object:
+        fr = walk(*a, **kw)  # type: ignore[arg-type]
+        proofs.append(fr.complete and fr.lower_bound == float("inf"))
+        return fr
 
     monkeypatch.setattr(milp, "first_nodes", lambda budget: 4)
-    monkeypatch.setattr(milp.RelaxedModel, "infeasible", counted)
+    monkeypatch.setattr(chain, "walk_chain", counted)
     infeasible = 0
     for k in range(3 * EXAMPLES):
         seed = SEED0 + 300 + k
@@ -300,7 +302,8 @@ def test_the_relaxations_floors_are_below_the_optimums_memory_and_latency() -> N
     from test_selection_properties import brute_force
 
     from flowmaker.selection import exact as ex
-    from flowmaker.selection.milp import FEASIBILITY_NODES, RelaxedModel, _tol
+    from flowmaker.selection.chain import FLOOR_NODES
+    from flowmaker.selection.milp import RelaxedModel, _tol
 
     checked = 0
     for fam in ("chain_clones", "wide_fan"):
@@ -311,7 +314,7 @@ def test_the_relaxations_floors_are_below_the_optimums_memory_and_latency() -> N
             m = RelaxedModel(pb, pb.workflows[0], ex.usable_profiles(pb))
             if want is None or not m.ok:
                 continue
-            st, l_db, _ = m._solve("L", float("inf"), _tol(pb.lam), float("inf"), FEASIBILITY_NODES)
+            st, l_db, _ = m._solve("L", float("inf"), _tol(pb.lam), float("inf"), FLOOR_NODES)
             assert st != "infeasible" and l_db <= want[1] * (1 + 1e-9), (fam, k, l_db, want)
             m_floor = m.least_memory_lp()
             assert m_floor <= want[0] / want[1] * (1 + 1e-9), (fam, k, m_floor, want)
