@@ -97,6 +97,7 @@ class Front:
     candidates: list[tuple[tuple[float, float, int], list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]] = \
         field(default_factory=list)  # feasible variants found: (score, choice, slot profiles, placements)
     solves: int = 0
+    dives: int = 0  # `chain.walk_chain`: packings searched out of turn (`chain.DIVE_EVERY`)
     exact_ties: bool = False  # complete also settles the new-GPU tie-break (`chain.walk_chain`)
     # `chain.walk_chain`: each multiset of new instances (profile indices, sorted) whose packing it settled, with
     # the least relaxed cost of a variant with exactly those new instances (under GPU sharing, at least: once placed,

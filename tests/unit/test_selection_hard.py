@@ -320,3 +320,32 @@ def test_the_relaxations_floors_are_below_the_optimums_memory_and_latency() -> N
             assert m_floor <= want[0] / want[1] * (1 + 1e-9), (fam, k, m_floor, want)
             checked += 1
     assert checked >= EXAMPLES
+
+
+@pytest.mark.parametrize("family", ["chain_clones", "wide_fan"])
+def test_the_walks_dives_keep_its_answers_and_bounds(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain walk packs a waiting multiset out of turn now and then (`chain.DIVE_EVERY`, at most `chain.DIVES`);
+    here at every pop, so that small instances dive: still the brute force's answer, proven, and the dives ran."""
+    import flowmaker.selection.chain as chain
+    import flowmaker.selection.milp as milp
+
+    dived: list[int] = []
+    walk = chain.walk_chain
+
+    def counted(*a: object, **kw: object) -> object:
+        fr = walk(*a, **kw)  # type: ignore[arg-type]
+        dived.append(fr.dives)
+        return fr
+
+    monkeypatch.setattr(milp, "first_nodes", lambda budget: 4)
+    monkeypatch.setattr(chain, "DIVE_EVERY", 1)
+    monkeypatch.setattr(chain, "DIVES", 10**6)
+    monkeypatch.setattr(chain, "walk_chain", counted)
+    for k in range(EXAMPLES):
+        seed = SEED0 + 900 + k
+        req = _variant(hard_instance(family, seed, "small").request, k)
+        try:
+            agree(req, ("exact", "milp"), proven=True)
+        except AssertionError as e:
+            raise AssertionError(f"{family} seed {seed} (FLOWMAKER_HARD_SEED={SEED0}, instance {k}): {e}") from e
+    assert any(dived), dived
