@@ -496,9 +496,9 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         m = m_of(y)
         if sum(c * cp for c, cp in zip(y, cap, strict=True)) + spare_all < total_load * (1 - 1e-9):
             return  # cannot hold the load even aggregated
-        f = max(fast(y), l_floor)
         if m < m_floor:
-            return
+            return  # below the memory of every variant
+        f = max(fast(y), l_floor)
         if f < INF and leq(f, pb.lam):
             tick += 1
             heapq.heappush(heap, (m * f, tick, y, 0, False))
@@ -668,7 +668,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             if pr is not None:
                 tick += 1
                 heapq.heappush(heap, (max(key, m * pr[2]), tick, y, 1, False))
-                if DIVE_EVERY:
+                if DIVE_EVERY and fr.dives < DIVES:  # (no queue kept once the dives are spent)
                     heapq.heappush(ready, (max(key, m * pr[2]), tick, y))
             continue
         if i == 1:
