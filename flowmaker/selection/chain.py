@@ -69,6 +69,7 @@ CLASS_NODES = 20_000
 CLASS_NODES_MORE = 200_000
 SINGLE_BIN_NODES = 4_000  # the same when every class is one instance (the bin-by-bin search's former limit)
 FLOOR_NODES = 50  # HiGHS nodes of the least-L MILP under the walk's floors (0: no floors)
+FLOOR_PRESOLVE = False  # the floor without HiGHS presolve: 0.7-1 s of presolve on large sharing models (chain_clones, 757008), its solve 0.04 s without
 # A dive: every DIVE_EVERY pops, at most DIVES times a walk, the waiting multiset of least bound has its packing
 # searched out of turn, without the HiGHS probe (`dive`). The walk orders multisets by bound, and where thousands of
 # near-identical clone multisets share a bound it prices them all before it packs one, so its incumbent fell only
@@ -207,7 +208,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     # which no variant meets, took 11 s of walk to end unsettled; the least-L MILP proves it in 12 ms).
     l_floor = m_floor = 0.0
     if FLOOR_NODES:
-        st_f, l_db, _ = model._solve("L", INF, _tol(pb.lam), deadline, FLOOR_NODES)
+        st_f, l_db, _ = model._solve("L", INF, _tol(pb.lam), deadline, FLOOR_NODES, FLOOR_PRESOLVE)
         m_floor = model.least_memory_lp() if st_f != "infeasible" else INF
         if m_floor == INF:
             fr.lower_bound, fr.complete = INF, True

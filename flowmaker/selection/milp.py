@@ -66,7 +66,9 @@ from flowmaker.selection.problem import (
     leq,
 )
 from flowmaker.selection.registry import register
+from flowmaker.selection.sharing_bound import compute_room, compute_share
 
+COMPUTE_ROWS = True
 MIP_TOL = 1e-9  # feasibility tolerances handed to HiGHS
 CUT_K = 3  # bin-packing cuts: the dual feasible functions u^(k), k = 1..CUT_K (4 measured no better)
 MEM_ROWS = True
@@ -180,6 +182,15 @@ class RelaxedModel:
                 for pi in profs:
                     entries[self.y[pi]].append((mem_u[s], pb.p_mem[pi]))
         spare_row = {r: row(-big, _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r] if check_cap else big) for r in reus}
+        # GPU sharing: the cluster's compute room (`compute_room`). Each stage adds its load / capacity to every
+        # GPU of its instance (Feasibility 5.1 keeps each GPU the variant touches within u), so the variant's added
+        # compute, summed over GPUs, is at most the room the touchable GPUs have left.
+        j_rows: list[int] = []
+        k_rows: dict[int, int] = {}
+        if pb.sharing and check_cap and COMPUTE_ROWS:
+            room_j, room_k = compute_room(pb, profs, reus)
+            j_rows = [row(-big, v) for v in room_j]
+            k_rows = {k: row(-big, v) for k, v in room_k.items()}
         # Room on the cluster: new instances that no placement can hold at once are ruled out (`room_rows`).
         self.room = room_rows(pb, profs, len(llm))
         for members, cap in self.room:
@@ -213,6 +224,12 @@ class RelaxedModel:
                 e.append((a, 1.0))
                 for r_ in path_rows[s]:
                     e.append((r_, -lat))
+                if j_rows:
+                    kk, share = compute_share(pb, k, ref, ld)
+                    for j, r_ in enumerate(j_rows[:kk]):
+                        e.append((r_, (kk - j) * share))
+                    if k == NEW:
+                        e.append((k_rows[kk], share))
                 if k == REUSE:
                     e.append((spare_row[ref], ld))
                 else:
@@ -256,7 +273,7 @@ class RelaxedModel:
     # ---- solving
 
     def _solve(self, objective: str, mem_cap: float, lat_cap: float, deadline: float,
-               nodes: int = 0) -> tuple[str, float, list[float]]:
+               nodes: int = 0, presolve: bool = True) -> tuple[str, float, list[float]]:
         """min M, L or new GPUs (G) subject to M <= mem_cap, L <= lat_cap, within `nodes` HiGHS nodes (0: no
         limit). Returns (status, dual bound, solution)."""
         h = self.h
@@ -282,6 +299,7 @@ class RelaxedModel:
                 break
         h.setOptionValue("time_limit", max(left, 1e-3))
         h.setOptionValue("mip_max_nodes", nodes or HIGHS_NO_LIMIT)
+        h.setOptionValue("presolve", "choose" if presolve else "off")
         h.run()
         self.solves += 1
         name = h.modelStatusToString(h.getModelStatus())

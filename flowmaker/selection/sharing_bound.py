@@ -187,3 +187,56 @@ def completion_bound(pb: Problem, pw: PWorkflow, choice: Sequence[Choice], slots
             return INF, extra
         lat[s] = best
     return Problem.longest_path(pw, lat), extra
+
+
+def compute_share(pb: Problem, kind: str, ref: int, load: float) -> tuple[int, float]:
+    """GPU sharing: (k, s) for a stage of this load on a new instance of profile `ref` (kind NEW) or on
+    reusable instance `ref`: k the GPUs of one instance (replica), s the compute share it adds, summed over
+    the replicas (each of r replicas carries load / r); s a little low, never high."""
+    from flowmaker.selection.problem import REUSE
+
+    if kind == REUSE:
+        k, unit = len(pb.reusable[ref].gpu_ids), pb.r_unit[ref]
+    else:
+        k, unit = pb.p_k[ref], pb.profiles[ref].max_output_tokens_per_s
+    return k, (busy_share(load, unit) * (1 - _MARGIN) if unit > 0.0 else INF)
+
+
+def compute_room(pb: Problem, profs: Iterable[int], reus: Iterable[int]) -> tuple[list[float], dict[int, float]]:
+    """GPU sharing: bounds of the compute shares a variant's stages add (`compute_share`), from the room
+    `r_g = u (1 + 1e-9) - U0_g` (at least 0) that Feasibility 5.1 leaves each GPU a variant touches (shares only
+    add), over the GPUs where one of these profiles' instances fits (free memory) or one of these reusable
+    instances runs. An instance adds its share s to each of its k GPUs, all on one node; on a node whose rooms
+    sorted are r_1 >= r_2 >= ..., at most j of them are among the j roomiest, so the instances' (k - j)^+ x s
+    sum to at most r_{j+1} + r_{j+2} + ... Returns (per j >= 0, that bound summed over nodes; per k, a bound of
+    the new k-GPU instances' shares alone: per node, min over j < k of (r_{j+1} + ...) / (k - j), summed).
+    A little high, never low."""
+    comp0 = pb._fast_totals()[0]
+    budget = pb.u * (1 + 1e-9)
+
+    def room(g: str) -> float:
+        return max(0.0, budget - comp0.get(g, 0.0))
+
+    need_k: dict[int, int] = {}
+    for pi in profs:
+        k = pb.p_k[pi]
+        need_k[k] = min(need_k.get(k, pb.p_need[pi]), pb.p_need[pi])
+    touch = {g for r in reus for g in pb.reusable[r].gpu_ids}
+    if need_k:
+        least = min(need_k.values())
+        touch.update(g for g, f in pb.free0.items() if f >= least)
+    top = max([*need_k, *(len(pb.reusable[r].gpu_ids) for r in reus), 1])
+    by_j = [0.0] * top
+    for gids in pb.layout.gpus_by_node:
+        rs = sorted((room(g) for g in gids if g in touch), reverse=True)
+        for j in range(top):
+            by_j[j] += sum(rs[j:])
+    per_k: dict[int, float] = {}
+    for k, need in need_k.items():
+        got = 0.0
+        for gids in pb.layout.gpus_by_node:
+            rs = sorted((room(g) for g in gids if pb.free0.get(g, 0) >= need), reverse=True)
+            if len(rs) >= k:
+                got += min(sum(rs[j:]) / (k - j) for j in range(k))
+        per_k[k] = got * (1 + 1e-7) + 1e-9
+    return [x * (1 + 1e-7) + 1e-9 for x in by_j], per_k

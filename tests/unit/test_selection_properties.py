@@ -784,10 +784,10 @@ def test_an_interrupted_walk_keeps_a_valid_lower_bound(req: SelectionRequest, so
 
     saved = milp.RelaxedModel._solve
 
-    def limited(self, objective, mem_cap, lat_cap, deadline, nodes=0):  # type: ignore[no-untyped-def]
+    def limited(self, objective, mem_cap, lat_cap, deadline, nodes=0, presolve=True):  # type: ignore[no-untyped-def]
         if self.solves >= solves:
             return "time", -_m.inf, []
-        return saved(self, objective, mem_cap, lat_cap, deadline, nodes)
+        return saved(self, objective, mem_cap, lat_cap, deadline, nodes, presolve)
 
     want, level = brute_force(req)
     milp.RelaxedModel._solve = limited  # type: ignore[method-assign]
