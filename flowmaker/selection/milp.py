@@ -730,7 +730,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         if len(settled) == len(pb.workflows):
             # Every workflow a chain whose walk settled it: the variants that may tie are looked for among those
             # multisets only (`sharing_chain.tie_break`); the canonical pass when they are many.
-            won = tie_break(pb, models, multisets, best, grace)
+            won = tie_break(pb, models, multisets, best, grace, settled)
             if won is not None and won[1]:
                 return pb.result(strategy, won[0][1], started, evaluated, optimal=True)
             if won is not None:

@@ -706,7 +706,8 @@ Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Any], list[int], li
 
 
 def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Sequence[tuple[int, ...]]],
-              best: Best, deadline: float) -> tuple[Best, bool] | None:
+              best: Best, deadline: float, values: Mapping[int, Mapping[tuple[int, ...], float]] | None = None
+              ) -> tuple[Best, bool] | None:
     """Once the chain walks proved the cost of `best` (every workflow a chain, `multisets` the multisets of new
     instances each walk settled within that cost): the spec's answer. First every variant that may tie it
     (`_enumerate` up to that cost), when they are at most TIE_FOUND: then the spec's order picks among them,
@@ -715,7 +716,12 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
     L_s, new GPUs) is looked for, with each multiset's latency cap at what a better one needs (a shorter L_s at this
     cost, fewer new GPUs at this cost and L_s, or a lower cost), so that no tie is visited, and the second value is
     False: the canonical order among the ties is then `exact.canonical`'s. None when that search runs out of its
-    TIE_NODES depth-first nodes or the deadline passes."""
+    TIE_NODES depth-first nodes or the deadline passes. `values`: per workflow, each multiset's value in the walk
+    (`milp.Front.settled`: a proven lower bound of the cost of its variants); a multiset that can hold a better
+    variant only by a lower cost or a shorter L_s, whose value is within half the tie tolerance of the best's cost
+    and whose memory is no more than the best's, holds none (every variant of it costs at least that, so it is no
+    cheaper by more than the tolerance, and with no more memory no shorter), and is not searched (measured: the
+    best's own multiset, settled at its cost, took the whole budget to search again on chain_clones 761003)."""
     from flowmaker.selection.exact import _encoding
     from flowmaker.selection.problem import better
 
@@ -758,6 +764,9 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
             elif m * lat > c * (1 + 1e-12) or g < gpus:  # a tie of cost may be better: shorter, or fewer GPUs
                 cap = c * (1 + 1e-12) / m
             else:  # only a lower cost, or this cost with a shorter L_s
+                v = values.get(idx, {}).get(insts, 0.0) if values is not None else 0.0
+                if v >= c * (1 - 0.5e-12) and m <= sum(pb.p_mem[pi] for pi in best[1][2]):
+                    continue  # its variants cost at least v: none is better (docstring)
                 cap = max(c * (1 - 1e-12) / m, lat * (1 - 1e-12))
             got, done = _enumerate(model, insts, cap, deadline, budget, strict=True)
             if not done:

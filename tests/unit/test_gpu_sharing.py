@@ -663,6 +663,7 @@ def with_clone(req: SelectionRequest) -> SelectionRequest:
                                profiles=(*req.profiles, *clones))
 
 
+ROOM_ROWS_SEED = 4  # a hypothesis seed whose draw has a variant on a compute-room row's bound (0.9999999 of it)
 WALK_PROOF_SEED = 0  # a hypothesis seed whose draw reaches the walk's proof under sharing
 _SHARING_PROOFS = [0]  # how often the walk proved a sharing optimum's cost (the restricted branch and bound ran)
 
@@ -747,9 +748,13 @@ def test_the_relaxations_compute_rows_hold_for_every_variant_that_passes_feasibi
 
         brute_force(req, prune=False, visit=visit)
 
-    check()
+    check()  # a fresh draw each run: it looks for counterexamples
     assert rows_seen[0] > 0
-    assert tight[0] > 0.5, tight[0]  # (0.74-0.9 measured over draws of 150)
+    if tight[0] <= 0.8:
+        # This draw never came near a row's bound (most draws do, 0.74-0.9 over 150 examples): a fixed draw that does, so
+        # that the check cannot pass only because nothing binds.
+        seed(ROOM_ROWS_SEED)(check)()
+        assert tight[0] > 0.8, tight[0]
 
 
 def test_the_sharing_families_exercise_slowdown_and_feasibility_5() -> None:

@@ -98,6 +98,35 @@ def test_chains_under_sharing_equal_the_brute_force_through_the_chain_paths() ->
     assert _CALLS["settled"] > 0 and _CALLS["placed_value"] > 0, _CALLS
 
 
+def test_the_tie_break_skips_multisets_their_walk_value_settles_and_equals_the_brute_force() -> None:
+    """With TIE_FOUND = 0 the enumeration of ties never settles, so the tie-break looks for better variants only; it
+    skips a multiset whose walk value (a proven lower bound of its variants' costs) is the best's cost, with no more
+    memory than the best's. The answers still equal the brute force's, and the skip happened."""
+    real_tb, real_en, real_found = sharing_chain.tie_break, sharing_chain._enumerate, sharing_chain.TIE_FOUND
+    strict_calls = [0]
+    skipped = [0]
+
+    def en(*a: object, **kw: object) -> object:
+        if (a[5] if len(a) > 5 else kw.get("strict")) is True:
+            strict_calls[0] += 1
+        return real_en(*a, **kw)  # type: ignore[arg-type]
+
+    def tb(pb: object, models: object, multisets: dict, best: object, deadline: float,  # type: ignore[type-arg]
+           values: object = None) -> object:
+        before = strict_calls[0]
+        got = real_tb(pb, models, multisets, best, deadline, values)  # type: ignore[arg-type]
+        if got is not None:
+            skipped[0] += sum(len(v) for v in multisets.values()) - (strict_calls[0] - before)
+        return got
+
+    sharing_chain.tie_break, sharing_chain._enumerate, sharing_chain.TIE_FOUND = tb, en, 0  # type: ignore[assignment]
+    try:
+        _chains_equal_the_brute_force()
+    finally:
+        sharing_chain.tie_break, sharing_chain._enumerate, sharing_chain.TIE_FOUND = real_tb, real_en, real_found
+    assert skipped[0] > 0
+
+
 def _variants(pb: Problem, model: milp.RelaxedModel):  # type: ignore[no-untyped-def]
     """Every choice of the chain's stages among the walk's options (a running instance, an instance opened before,
     or a new one of an option's profile), with its slots."""
