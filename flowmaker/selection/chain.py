@@ -69,7 +69,7 @@ CLASS_NODES = 20_000
 CLASS_NODES_MORE = 200_000
 SINGLE_BIN_NODES = 4_000  # the same when every class is one instance (the bin-by-bin search's former limit)
 FLOOR_NODES = 50  # HiGHS nodes of the least-L MILP under the walk's floors (0: no floors)
-FLOOR_PRESOLVE = False  # the floor without HiGHS presolve: 0.7-1 s of presolve on large sharing models (chain_clones, 757008), its solve 0.04 s without
+FLOOR_PRESOLVE = False  # HiGHS presolve took 0.7-1 s on large sharing models (chain_clones 757008: 0.06 s without)
 # A dive: every DIVE_EVERY pops, at most DIVES times a walk, the waiting multiset of least bound has its packing
 # searched out of turn, without the HiGHS probe (`dive`). The walk orders multisets by bound, and where thousands of
 # near-identical clone multisets share a bound it prices them all before it packs one, so its incumbent fell only
