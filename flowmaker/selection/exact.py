@@ -298,7 +298,8 @@ class _Search:
     def __init__(self, pb: Problem, *, check_cap: bool = True, check_place: bool = True,
                  stop_first: bool = False, deadline: float = INF, grace: float = INF,
                  max_nodes: int | None = None, canonical: tuple[float, float, int] | None = None,
-                 lat_cap: float | None = None, multisets: dict[int, list[tuple[int, ...]]] | None = None) -> None:
+                 lat_cap: float | None = None, multisets: dict[int, list[tuple[int, ...]]] | None = None,
+                 max_work: int | None = None) -> None:
         self.pb = pb
         # Per workflow index, the only multisets of new instances (profile indices, sorted) to look among (GPU
         # sharing's tie-break search, from the chain walk: `milp.Front.settled`); a workflow not named: any.
@@ -312,6 +313,10 @@ class _Search:
         self.deadline = deadline
         self.grace = grace
         self.max_nodes = max_nodes  # a deterministic deadline (tests): stop after this many nodes
+        # The same in nodes plus GPU-sharing prefix checks (each a child placed and checked: a node with hundreds of
+        # children that fail the check costs hundreds of times a node's work). None: no such limit.
+        self.max_work = max_work
+        self.checks = 0
         # The canonical pass: `canonical` is the proven optimum's (cost, L, new GPUs); the search visits the
         # variants in the spec's canonical order and stops at the first that ties it (`_canonical`).
         self.canonical = canonical
@@ -325,6 +330,11 @@ class _Search:
         self.done = False  # stop_first found its variant
         self.stopped = False  # the deadline passed: only bounds are computed from now on
         self.frontier = INF  # least bound of the subtrees left unexplored
+
+    def over_work(self) -> bool:
+        """Whether the node limit (`max_nodes`) or the work limit (`max_work`) is spent."""
+        return (self.max_nodes is not None and self.nodes > self.max_nodes) or (
+            self.max_work is not None and self.nodes + self.checks > self.max_work)
 
     @property
     def lower_bound(self) -> float:
@@ -358,8 +368,7 @@ class _Search:
         for root_lb, _, go in searches:
             if self.done:
                 break
-            if self.stopped or time.perf_counter() > self.deadline or (
-                    self.max_nodes is not None and self.nodes > self.max_nodes):
+            if self.stopped or time.perf_counter() > self.deadline or self.over_work():
                 self.stopped = True
                 self.frontier = min(self.frontier, root_lb)
                 continue
@@ -894,6 +903,7 @@ class _Search:
             first (`Problem.sharing_factors_fast`): a prefix that passes every check clearly is kept without the
             exact arithmetic, which decides every prefix that fails or is close."""
             best = search.best
+            search.checks += 1
             fast = pb.sharing_factors_fast(pw, choice, slots, places)
             if fast is False:
                 return False
@@ -998,8 +1008,7 @@ class _Search:
             if j == nd:
                 leaf()
                 return
-            if not search.stopped and (perf() > search.deadline or (search.max_nodes is not None
-                                                                    and search.nodes > search.max_nodes)):
+            if not search.stopped and (perf() > search.deadline or search.over_work()):
                 search.stopped = True
             depth[0] = j
             if search.stopped:
@@ -1393,9 +1402,10 @@ def _encoding(choice: list[Choice], slots: list[int]) -> tuple[tuple[int, int], 
 
 
 def solve(pb: Problem, *, deadline: float = INF, grace: float = INF, max_nodes: int | None = None,
-          check_cap: bool = True, check_place: bool = True, stop_first: bool = False) -> _Search:
+          check_cap: bool = True, check_place: bool = True, stop_first: bool = False,
+          max_work: int | None = None) -> _Search:
     s = _Search(pb, deadline=deadline, grace=grace, max_nodes=max_nodes, check_cap=check_cap,
-                check_place=check_place, stop_first=stop_first)
+                check_place=check_place, stop_first=stop_first, max_work=max_work)
     s.run()
     return s
 

@@ -615,6 +615,10 @@ HIGHS_NO_LIMIT = 2_147_483_647  # HiGHS's default mip_max_nodes (kHighsIInf)
 CHAIN_FIRST_NODES = 800  # the first branch and bound's nodes when every workflow is a chain
 CHAIN_NODES = 3_000_000  # depth-first nodes of a chain walk's packings, all multisets together
 SHARING_FIRST_NODES = 150  # the first branch and bound's nodes under GPU sharing
+# ... and its nodes plus prefix checks (children placed and checked): on fresh chain_clones under sharing the median
+# first search made 55 checks and 90% under 700, but some made 3,000-11,000 in 0.13-1.45 s (150 nodes, each with
+# hundreds of children that fail the check) and found nothing (seed 769000: 5 of 100); capped, the walk starts sooner.
+SHARING_FIRST_WORK = 2_000
 # GPU sharing, a chain walk with no incumbent yet: the multisets it visits (measured: on the adversarial `reuse` 2002
 # the walk keeps finding multisets that do not place, and the branch and bound after it proves that none does)
 SHARING_POINTS_BLIND = 600
@@ -655,7 +659,8 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         first = min(first, SHARING_FIRST_NODES)
     if first > 0:
         # `grace=started`: a search stopped for its node count leaves its frontier as is (the walk follows).
-        search = ex.solve(pb, deadline=deadline, grace=started, max_nodes=first)
+        search = ex.solve(pb, deadline=deadline, grace=started, max_nodes=first,
+                          max_work=SHARING_FIRST_WORK if pb.sharing else None)
         if not search.stopped:
             return ex.finish(pb, strategy, search, started, budget)
     best: Best | None = None

@@ -17,6 +17,7 @@ from test_selection_properties import agree
 
 from flowmaker.bench.selector_hard import HARD_FAMILIES, NON_DYADIC_GB, hard_instance
 from flowmaker.domain import CapacityModel, SelectionRequest
+from flowmaker.selection import select
 from flowmaker.selection.problem import Problem
 
 _SEED_ENV = os.environ.get("FLOWMAKER_HARD_SEED", "24000")
@@ -349,3 +350,25 @@ def test_the_walks_dives_keep_its_answers_and_bounds(family: str, monkeypatch: p
         except AssertionError as e:
             raise AssertionError(f"{family} seed {seed} (FLOWMAKER_HARD_SEED={SEED0}, instance {k}): {e}") from e
     assert any(dived), dived
+
+
+def test_the_first_search_under_sharing_stops_by_its_work_nodes_and_prefix_checks_together() -> None:
+    """Under GPU sharing a node of the branch and bound may place and check hundreds of children that fail: the first
+    search's limit counts those checks with its nodes (`milp.SHARING_FIRST_WORK`); stopped past its grace, it checks
+    no more children. On chain_clones 769004 under sharing (as measured: 151 nodes made 10,964 checks), the limit binds;
+    the subtrees left unexplored keep a valid bound (at most the cost of the variant `exact` finds)."""
+    from flowmaker.domain import GpuSharing
+    from flowmaker.selection import exact as ex
+    from flowmaker.selection.milp import SHARING_FIRST_NODES
+
+    inst = hard_instance("chain_clones", 769004, "large")
+    req = dataclasses.replace(inst.request, options=dataclasses.replace(inst.request.options,
+                                                                        gpu_sharing=GpuSharing.INTERFERENCE))
+    pb = Problem(req)
+    free = ex.solve(pb, max_nodes=SHARING_FIRST_NODES, grace=0.0)
+    assert free.checks > 2_000  # without the work limit the node limit alone lets it check far more
+    capped = ex.solve(pb, max_nodes=SHARING_FIRST_NODES, grace=0.0, max_work=500)
+    assert capped.stopped and capped.checks <= 500 + 1 and capped.nodes <= free.nodes
+    found = select(dataclasses.replace(req, options=dataclasses.replace(req.options, time_budget_s=5.0)), "exact")
+    assert found.variant is not None
+    assert capped.lower_bound <= found.variant.cost * (1 + 1e-9)
