@@ -116,6 +116,7 @@ class RelaxedModel:
     def __init__(self, pb: Problem, pw: PWorkflow, usable: list[bool], check_cap: bool = True) -> None:
         self.pb, self.pw = pb, pw
         self.ok = True
+        self.share_rows: list[tuple[int, float]] = []  # GPU sharing: (row, its upper bound) of the compute-room rows
         core = _CORE
         lam = pb.lam
         llm = pw.llm
@@ -303,7 +304,10 @@ class RelaxedModel:
         h.setOptionValue("time_limit", max(left, 1e-3))
         h.setOptionValue("mip_max_nodes", nodes or HIGHS_NO_LIMIT)
         h.setOptionValue("presolve", "choose" if presolve else "off")
-        h.run()
+        try:
+            h.run()
+        finally:
+            h.setOptionValue("presolve", "choose")  # (`least_memory_lp` runs this model with h.run() directly)
         self.solves += 1
         name = h.modelStatusToString(h.getModelStatus())
         info = h.getInfo()
@@ -384,7 +388,7 @@ class RelaxedModel:
         """The model without its compute-room rows (GPU sharing) for a while: they make each HiGHS node several times
         dearer (measured: a 50-node least-L MILP of chain_clones 757014, 0.06 s without them, 1.3 s with), so the
         MILPs that the LP relaxation's rows do not need leave them out."""
-        if not self.ok or not self.share_rows:
+        if not self.share_rows:
             yield
             return
         for r_, _ in self.share_rows:
