@@ -36,6 +36,10 @@ class OrchestratorSettings(ServiceSettings):
     default_gpu_sharing: Literal["IGNORE", "INTERFERENCE"] = Field(
         default="INTERFERENCE", description="options.gpu_sharing when unset: INTERFERENCE plans with co-residents "
         "slowing each other (measured busy shares, co-residents' tolerated slowdown); IGNORE is the base contract.")
+    default_utilization_cap: float = Field(
+        default=0.85, gt=0, le=1.0, description="options.utilization_cap (u) when unset: an instance is planned busy "
+        "at most this share of its time. The spec's default, 1, plans mean latencies within the SLO whose p95 is not "
+        "(an instance 96% busy); the headroom keeps the tail within it.")
     default_interference: float = Field(
         default=-1.0, ge=-1.0, le=4.0, description="options.interference (kappa) when unset, under INTERFERENCE; "
         "negative = the kappa the profiler stored for the cluster's GPU type (flowmaker profiles "

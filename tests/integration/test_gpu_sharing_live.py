@@ -258,6 +258,7 @@ async def test_defaults_reach_the_selector_and_explicit_options_win(stack: Stack
     assert o.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE
     assert o.capacity_model == selection_pb2.CAPACITY_MODEL_BUSY_TIME
     assert o.HasField("interference") and o.interference == pytest.approx(KAPPA)
+    assert o.utilization_cap == pytest.approx(OrchestratorSettings().default_utilization_cap) and o.utilization_cap < 1
     assert a.variant.assignments[0].model_id == MODEL
     # Options that leave these unset get them too (and keep what they set).
     b = await stack.deploy("partial", Slo(0.1, 3.5, 0.5),
@@ -281,11 +282,13 @@ async def test_defaults_reach_the_selector_and_explicit_options_win(stack: Stack
     assert "GPU_SHARING_IGNORE" in TaskRecord.from_json(kv.value).options_json
     # The operator's switch: with IGNORE as the default, a task without options gets the paper's contract.
     stack.core.settings = stack.core.settings.model_copy(update={"default_gpu_sharing": "IGNORE",
-                                                                 "default_capacity_model": "OUTPUT_TOKENS"})
+                                                                 "default_capacity_model": "OUTPUT_TOKENS",
+                                                                 "default_utilization_cap": 1.0})
     await stack.deploy("switched", Slo(0.1, 3.5, 0.5))
     o = stack.last_request().options
     assert (o.gpu_sharing, o.capacity_model) == (selection_pb2.GPU_SHARING_IGNORE,
                                                  selection_pb2.CAPACITY_MODEL_OUTPUT_TOKENS)
+    assert o.utilization_cap == 1.0
     assert b.state == ACTIVE
 
 
