@@ -123,11 +123,12 @@ def test_prediction_is_the_engine_load_model_on_the_planned_calls_and_rises_for_
     b0 = Instance("b0", B_MODEL, 1, 1, ("g0",), v.new_instances[0].load_output_tokens_per_s)
     b = _task("B", v, {"ask": "b0", "say": "b0"}, rate_b)
     preds = predict_on_placement([a, b], [a0, b0], PROFILES, KAPPA)
-    # Both solved together: each slowed by the other's busy share, f = 1 + kappa x it.
+    # Both solved together: each slowed to 1 / (1 + kappa) while the other is busy, f = 1 / its mean speed.
     both = _solve(lambda d: {"a0": InstanceLoad(PA, ("g0",), _calls("A", rate_a, "ask", "say", say=d["A"])),
                              "b0": InstanceLoad(PB, ("g0",), _calls("B", rate_b, "ask", "say", say=d["B"]))},
                   {"A": ("a0",), "B": ("b0",)}, KAPPA)
-    assert both["a0"].f == pytest.approx(1 + KAPPA * both["b0"].busy_share, abs=1e-8)
+    share = both["b0"].busy_share
+    assert both["a0"].f == pytest.approx(1 / (1 - share + share / (1 + KAPPA)), abs=1e-8)
     for tid, iid in (("A", "a0"), ("B", "b0")):
         lat = {s: both[iid].latency_s[(tid, s)] for s in ("ask", "say")}
         assert preds[tid].stage_latency_s == pytest.approx(lat, rel=1e-6)
@@ -154,7 +155,7 @@ def test_prediction_replicas_overload_unknown_and_who_is_predicted() -> None:
                                                 + _calls("A", 1.0, "say", say=d["A"])),
                              "a1": InstanceLoad(PA, ("g1",), _calls("A", 1.0, "ask", share=0.5))},
                   {"A": ("a0", "a1")}, 1.0, fixed_busy={"z": (("g1",), 0.5)})
-    assert want["a1"].f == 1.5 and want["a0"].f == 1.0
+    assert want["a1"].f == pytest.approx(1 / (0.5 + 0.5 / 2)) and want["a0"].f == 1.0
     assert p.stage_latency_s["ask"] == pytest.approx(want["a1"].latency_s[("A", "ask")], rel=1e-6)
     assert want["a1"].latency_s[("A", "ask")] > want["a0"].latency_s[("A", "ask")]
     assert p.stage_latency_s["say"] == pytest.approx(want["a0"].latency_s[("A", "say")], rel=1e-6)

@@ -14,12 +14,14 @@ import pytest
 from flowmaker.domain import Profile
 from flowmaker.engine import EngineModel
 from flowmaker.engine.loaded import (
+    MAX_EXACT_CORESIDENTS,
     Arrivals,
     Call,
     InstanceLoad,
     decode_queue,
     instance_latencies,
     placement_latencies,
+    speed_factor,
 )
 
 # Memory-bound whatever the batch (d x D is huge): every decode step lasts d exactly.
@@ -115,15 +117,47 @@ def test_co_residents_slow_each_other_by_their_solved_busy_shares() -> None:
     a, b = _one(1.0), replace(_one(1.0), gpu_ids=("g0", "g1"))
     solo = instance_latencies(a, 1.0)
     got = placement_latencies({"a": a, "b": b, "c": replace(_one(1.0), gpu_ids=("g2",))}, 0.5)
-    # Symmetric: the same busy share s each, f = 1 + 0.5 s, and each is its own instance_latencies at that f.
+    # Symmetric: the same busy share s each; each runs at speed 1 while the other is idle and 1 / 1.5 while it is
+    # busy, so f = 1 / (1 - s + s / 1.5); and each is its own instance_latencies at that f.
     s = got["a"].busy_share
+    f = 1 / (1 - s + s / 1.5)
     assert got["b"].busy_share == pytest.approx(s, abs=1e-12) and s > solo.busy_share
-    assert got["a"].f == pytest.approx(1 + 0.5 * s, abs=1e-8)
-    assert got["a"].latency_s["c"] == pytest.approx(instance_latencies(a, 1 + 0.5 * s).latency_s["c"], rel=1e-7)
+    assert got["a"].f == pytest.approx(f, abs=1e-8) and got["a"].f < 1 + 0.5 * s  # under the selector's bound
+    assert got["a"].latency_s["c"] == pytest.approx(instance_latencies(a, f).latency_s["c"], rel=1e-7)
     assert got["c"].f == 1.0 and got["c"].latency_s == solo.latency_s  # alone on g2
-    # A co-resident of a given busy share (not solved): f = 1 + kappa x it.
+    # A co-resident of a given busy share (not solved): busy a quarter of the time at speed 1 / 3.
     fixed = placement_latencies({"a": a}, 2.0, fixed_busy={"z": (("g0",), 0.25)})
-    assert fixed["a"].f == 1.5 and fixed["a"].latency_s == instance_latencies(a, 1.5).latency_s
+    assert fixed["a"].f == pytest.approx(1 / (0.75 + 0.25 / 3), rel=1e-12)
+    assert fixed["a"].latency_s == instance_latencies(a, fixed["a"].f).latency_s
+
+
+@pytest.mark.parametrize("b1,b2,kappa", [(0.3, 0.46, 1.0), (0.9, 0.1, 0.5), (1.0, 0.5, 2.0), (0.2, 0.2, 1.0)])
+def test_the_speed_factor_is_one_over_the_mean_speed_of_independent_co_residents(b1: float, b2: float,
+                                                                                 kappa: float) -> None:
+    busy = {"x": b1, "y": b2}
+    # On different GPUs of a tp2 instance: slowed to 1 / (1 + kappa) while either is busy (its slowest GPU).
+    apart = speed_factor(("g0", "g1"), "a", busy, {"g0": ["a", "x"], "g1": ["a", "y"]}, kappa)
+    none = (1 - b1) * (1 - b2)
+    assert apart == pytest.approx(1 / (none + (1 - none) / (1 + kappa)), rel=1e-12)
+    # On the same GPU: 1 / (1 + 2 kappa) while both are.
+    both = speed_factor(("g0",), "a", busy, {"g0": ["a", "x", "y"]}, kappa)
+    one = b1 * (1 - b2) + b2 * (1 - b1)
+    assert both == pytest.approx(1 / (none + one / (1 + kappa) + b1 * b2 / (1 + 2 * kappa)), rel=1e-12)
+    # Between 1 and 1 + kappa x all its co-residents' busy shares (Jensen); on one GPU that is the selector's f,
+    # on two it may exceed the selector's (the busiest GPU's alone): either co-resident slows it.
+    assert 1.0 <= apart <= 1 + kappa * (b1 + b2) + 1e-12 and 1.0 <= both <= 1 + kappa * (b1 + b2) + 1e-12
+    assert both >= apart - 1e-12
+    # Beyond MAX_EXACT_CORESIDENTS it is that bound.
+    many = {f"z{i}": 0.5 for i in range(MAX_EXACT_CORESIDENTS + 1)}
+    assert speed_factor(("g0",), "a", many, {"g0": ["a", *many]}, kappa) == 1 + kappa * 0.5 * len(many)
+
+
+def test_calls_that_arrive_together_keep_the_instance_busy_for_the_longest_of_them() -> None:
+    # Two parallel calls per arrival: busy while either is in flight, 1 - exp(-rate x the longer one), not the sum.
+    pair = InstanceLoad(FLAT, ("g0",), (Arrivals(0.5, (Call("s", 100.0, 10.0), Call("l", 100.0, 40.0))),))
+    got = instance_latencies(pair, 1.0)
+    assert got.latency_s["l"] > got.latency_s["s"]
+    assert got.busy_share == pytest.approx(-math.expm1(-0.5 * got.latency_s["l"]), rel=1e-9)
 
 
 def _simulate(profile: Profile, arrivals: list[tuple[float, tuple[tuple[str, int, int], ...]]], speed: float,
