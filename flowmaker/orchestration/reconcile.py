@@ -117,6 +117,17 @@ class Action:
     detail: str = ""
 
 
+def to_probe(obs: Observed) -> dict[str, str]:
+    """Instance id -> engine endpoint of the instances whose engines the reconciler probes (`Memory.answering`):
+    READY ones on a node out of the live cluster (a stalled agent, a lease lost to an etcd outage), and LOST ones
+    wherever their node is. A node that comes back is in the live cluster before its agent has taken its instances
+    back (LOST -> READY, at its next resync): an answer forgotten in between made the instance look dead, and its
+    task was re-selected off an engine that never stopped serving (tests/e2e/test_liveness.py's stall test, now and
+    then)."""
+    return {iid: r.endpoint for iid, r in obs.instances.items() if r.endpoint and (
+        r.state is InstanceState.LOST or (r.state is InstanceState.READY and r.node not in obs.nodes))}
+
+
 def _restart_due(mem: Memory, iid: str, now: float, p: Policy) -> tuple[bool, bool]:
     """(may restart now, restarts exhausted)."""
     done = mem.restarts_in_window(iid, now, p.restart_window_s)

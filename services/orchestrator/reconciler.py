@@ -19,8 +19,7 @@ from typing import Any
 from flowmaker import metrics
 from flowmaker.errors import FlowMakerError
 from flowmaker.orchestration.adapt import LoadPolicy, drifted
-from flowmaker.orchestration.reconcile import Action, Kind, Memory, Observed, Policy, plan
-from flowmaker.state.records import InstanceState
+from flowmaker.orchestration.reconcile import Action, Kind, Memory, Observed, Policy, plan, to_probe
 from services.orchestrator.cache import RoutingCache
 from services.orchestrator.engines import EngineClient
 from services.orchestrator.follower import LoadFollower
@@ -135,8 +134,7 @@ class Reconciler:
         agent, a lease lost to an etcd outage): an engine that still answers keeps serving its tasks while they
         move off it (`Kind.MOVE_OFF_LOST`). Probing starts when the node goes missing, well before the grace
         after which its instances are marked LOST, so the answer is known by then."""
-        cut_off = {iid: r.endpoint for iid, r in obs.instances.items() if r.node not in obs.nodes and r.endpoint
-                   and r.state in (InstanceState.READY, InstanceState.LOST)}
+        cut_off = to_probe(obs)
         for iid in list(self.memory.answering):
             if iid not in cut_off:
                 del self.memory.answering[iid]

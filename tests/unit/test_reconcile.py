@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from flowmaker.domain import Slo, Stage, Workflow
-from flowmaker.orchestration.reconcile import Action, Kind, Memory, Observed, Policy, plan
+from flowmaker.orchestration.reconcile import Action, Kind, Memory, Observed, Policy, plan, to_probe
 from flowmaker.orchestration.task import Healing, TaskRecord, TaskState
 from flowmaker.state.records import InstanceRecord, InstanceState
 
@@ -173,3 +173,22 @@ def test_lost_instance_that_still_answers_keeps_serving_and_is_moved_off_make_be
     # An answer older than the freshness no longer counts.
     assert _kinds(plan(_obs([t], [lost], nodes=()), mem, 995.0 + P.lost_answer_fresh_s + 1, P)) == [
         (Kind.RESELECT, "t1")]
+
+
+def test_a_lost_instance_is_probed_until_its_agent_takes_it_back_even_once_its_node_is_live() -> None:
+    """The node's record comes back before its agent's resync turns its LOST instances READY: they stay probed, so
+    their answers still count and their tasks are not re-selected in between."""
+    ep = {"endpoint": "http://127.0.0.1:1"}
+    lost_back = replace(_inst("a", state=InstanceState.LOST), **ep)  # node n0 live again
+    cut_off = replace(_inst("b", node="n1"), **ep)  # READY on a missing node
+    fine = replace(_inst("c"), **ep)  # READY on a live node
+    unknown = _inst("d", state=InstanceState.LOST)  # no endpoint: nothing to probe
+    failed = replace(_inst("e", state=InstanceState.FAILED, node="n1"), **ep)
+    obs = _obs([], [lost_back, cut_off, fine, unknown, failed])
+    assert to_probe(obs) == {"a": ep["endpoint"], "b": ep["endpoint"]}
+    # And what the plan makes of a recent answer there: the task keeps being served, moved off make-before-break.
+    mem = Memory()
+    mem.answering["i1"] = 995.0
+    back = replace(_inst(state=InstanceState.LOST), **ep)
+    assert "i1" in to_probe(_obs([_task()], [back]))
+    assert _kinds(plan(_obs([_task()], [back]), mem, 1000.0, P)) == [(Kind.MOVE_OFF_LOST, "t1")]
