@@ -125,8 +125,9 @@ class Selections:
     async def options(self, t: TaskRecord, cluster: Cluster) -> selection_pb2.SelectionOptions:
         """The approval's options (`t.options_json`) with what they leave unset taken from the settings:
         `utilization_cap` (DEFAULT_UTILIZATION_CAP, 0.85: headroom for the tail), `capacity_model`
-        (DEFAULT_CAPACITY_MODEL, BUSY_TIME), `gpu_sharing` (DEFAULT_GPU_SHARING, INTERFERENCE) and, under INTERFERENCE, `interference` (DEFAULT_INTERFERENCE, or when that is negative the kappa the
-        profiler stored for the cluster's GPU type; 1 when none is). Explicit options always win."""
+        (DEFAULT_CAPACITY_MODEL, BUSY_TIME), `gpu_sharing` (DEFAULT_GPU_SHARING, INTERFERENCE) and, under
+        INTERFERENCE, `interference` (DEFAULT_INTERFERENCE, or when that is negative the kappa the profiler stored
+        for the cluster's GPU type; 1 when none is). Explicit options always win."""
         s = self.settings
         o = convert.selection_options_from_json(t.options_json) if t.options_json else selection_pb2.SelectionOptions()
         if not o.utilization_cap:
