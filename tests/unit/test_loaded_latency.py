@@ -70,21 +70,15 @@ def test_decode_queue_by_hand() -> None:
     assert decode_queue(0.0, 0.01, 150.0, 0.2) == (0.0, 0.01 / 0.8)
 
 
-def test_loaded_latency_is_the_fixed_point_of_the_docstring_equations() -> None:
-    # FLAT at 1 call/s of 100 in / 10 out: rho_p = 0.1, step d = 0.01, admission step 0.1 + 0.01. With busy share b:
-    # R = (1 x 0.11^2 + (b - 0.11) x 0.01) / 2, latency = 0.1 + R + (0.1 + 0.1 x 2R + 10 x 0.01) / 0.9 =: L(b),
-    # b = 1 - exp(-1 x L(b)). Solved here by bisection, independently of the code's iteration.
-    def lat(b: float) -> float:
-        r = (0.11 ** 2 + max(0.0, b - 0.11) * 0.01) / 2
-        return 0.1 + r + (0.1 + 0.1 * 2 * r + 0.1) / 0.9
-
-    lo, hi = 0.0, 1.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if -math.expm1(-lat(mid)) > mid else (lo, mid)
+def test_loaded_latency_follows_the_docstring_equations() -> None:
+    # FLAT at 1 call/s of 100 in / 10 out: rho_p = 0.1, step d = 0.01, admission step 0.1 + 0.01. Busy: stalls 0.1 of
+    # the time, and in the rest an M/G/inf queue of arrivals at 1/s decoding 10 x 0.01 s: b = 1 - 0.9 exp(-0.1).
+    # R = (1 x 0.11^2 + (b - 0.11) x 0.01) / 2, latency = 0.1 + R + (0.1 + 0.1 x 2R + 10 x 0.01) / 0.9.
+    b = 1 - 0.9 * math.exp(-0.1)
+    r = (0.11 ** 2 + (b - 0.11) * 0.01) / 2
     got = instance_latencies(_one(1.0), 1.0)
-    assert got.latency_s["c"] == pytest.approx(lat(lo), rel=1e-7)
-    assert got.busy_share == pytest.approx(lo, abs=1e-7)
+    assert got.busy_share == pytest.approx(b, rel=1e-12)
+    assert got.latency_s["c"] == pytest.approx(0.1 + r + (0.1 + 0.1 * 2 * r + 0.1) / 0.9, rel=1e-12)
     assert got.prefill_share == pytest.approx(0.1, rel=1e-12)
     # The decode batch is Little's: 10 tokens/s x d / (1 - rho_p).
     assert got.batch == pytest.approx(10 * 0.01 / 0.9, rel=1e-12)
@@ -153,11 +147,12 @@ def test_the_speed_factor_is_one_over_the_mean_speed_of_independent_co_residents
 
 
 def test_calls_that_arrive_together_keep_the_instance_busy_for_the_longest_of_them() -> None:
-    # Two parallel calls per arrival: busy while either is in flight, 1 - exp(-rate x the longer one), not the sum.
+    # Two parallel calls per arrival: prefilled together (0.2 s per arrival, rho_p = 0.1), then decoding side by side
+    # while the longer one does, 40 steps of 0.01 s: busy 1 - 0.9 exp(-0.5 x 0.4), not the sum of the two.
     pair = InstanceLoad(FLAT, ("g0",), (Arrivals(0.5, (Call("s", 100.0, 10.0), Call("l", 100.0, 40.0))),))
     got = instance_latencies(pair, 1.0)
     assert got.latency_s["l"] > got.latency_s["s"]
-    assert got.busy_share == pytest.approx(-math.expm1(-0.5 * got.latency_s["l"]), rel=1e-9)
+    assert got.busy_share == pytest.approx(1 - 0.9 * math.exp(-0.5 * 40 * 0.01), rel=1e-12)
 
 
 def _simulate(profile: Profile, arrivals: list[tuple[float, tuple[tuple[str, int, int], ...]]], speed: float,
@@ -232,6 +227,50 @@ def test_the_model_matches_the_engine_model_it_stands_for(profile: Profile, stre
     sim = _simulate(profile, _poisson(streams, 4000.0, seed=7), speed, warm_s=400.0)
     for key, v in sim.items():
         assert pred[key] == pytest.approx(v, rel=within), key
+
+
+P7 = Profile("q7", 4, 1, memory_gb_per_gpu=1.0, fixed_s=0.01926, prefill_s_per_token=6.843e-05,
+             decode_s_per_token=0.009822, max_output_tokens_per_s=1385.2, decode_tokens_per_s=2231.3)
+P1 = Profile("q1", 2, 1, memory_gb_per_gpu=1.0, fixed_s=0.01377, prefill_s_per_token=2.478e-05,
+             decode_s_per_token=0.004306, max_output_tokens_per_s=3244.3, decode_tokens_per_s=4781.9)
+
+
+def _busy_fraction(profile: Profile, arrivals: list[tuple[float, tuple[tuple[str, int, int], ...]]], speed: float,
+                   warm_s: float) -> float:
+    """EngineModel's busy seconds (a non-empty batch) per second after warm_s, at a fixed speed."""
+    m = EngineModel(profile)
+    m.set_speed(speed, 0.0)
+    start: tuple[float, float] | None = None
+    for n, (t, calls) in enumerate(arrivals):
+        while (nt := m.next_event_time()) is not None and nt <= t:
+            m.advance(nt)
+        m.advance(t)
+        if start is None and t >= warm_s:
+            start = (m.busy_s, t)
+        for i, (_, tin, tout) in enumerate(calls):
+            m.submit(f"r{n}-{i}", tin, tout, t)
+    assert start is not None
+    return (m.busy_s - start[0]) / (arrivals[-1][0] - start[1])
+
+
+@pytest.mark.parametrize(("profile", "streams", "speed"), [
+    # Prompt-heavy code completions beside a co-resident busy all the time: stalls 0.15-0.46 of the time, and calls
+    # that wait for each other's prompts overlap (1 - exp(-rate x latency) said 0.39 and 0.93).
+    (P7, [(0.963, (("c", 1519, 13),))], 0.5),
+    (P7, [(3.0, (("c", 1519, 13),))], 0.5),
+    (P1, [(3.0, (("e", 1549, 16), ("r", 1549, 16)))], 0.5),
+    (P3, [(2.0, (("x", 3000, 20),))], 1.0),
+    (P3, [(0.2, (("x", 3000, 20),))], 1.0),
+    # Decode-heavy: long lives side by side, and near the compute-bound knee.
+    (P3, [(0.3, (("x", 100, 300),))], 1.0),
+    (P14_2, [(1.0, (("a", 1064, 48),))], 0.8),
+    (P14, [(0.5, (("s", 555, 254),))], 1.0),
+])
+def test_the_busy_share_is_the_engine_model_s(profile: Profile, streams: list, speed: float) -> None:
+    arrivals = [Arrivals(rate, tuple(Call(k, tin, tout) for k, tin, tout in calls)) for rate, calls in streams]
+    pred = instance_latencies(InstanceLoad(profile, ("g0",), tuple(arrivals)), 1.0 / speed).busy_share
+    sim = _busy_fraction(profile, _poisson(streams, 3000.0, seed=11), speed, warm_s=300.0)
+    assert pred == pytest.approx(sim, abs=0.02)
 
 
 def _departures(profile: Profile, times: list[float], tin: int, tout: int, speed: float = 1.0) -> list[float]:
