@@ -510,7 +510,7 @@ async def test_a_tasks_prediction_rises_with_a_co_resident_and_falls_back_when_i
         assert a.variant.latency_s == pytest.approx(ALONE_S)  # alone on its GPU when selected
         want, want_b = _predicted(KAPPA)
         alone, _ = _predicted(KAPPA, with_b=False)
-        assert want > 1.15 * alone > 1.15 * ALONE_S
+        assert want > 1.05 * alone > 1.05 * ALONE_S
 
         def at(task_id: str, x: float) -> Callable[[], Awaitable[Any]]:
             async def check() -> Any:
@@ -534,10 +534,10 @@ async def test_a_tasks_prediction_rises_with_a_co_resident_and_falls_back_when_i
 async def test_a_prediction_past_the_slo_makes_the_load_follower_reselect(etcd_store: Any, start_service: Any) -> None:
     await _put_profile(etcd_store, BETTER)
     async with _stack(etcd_store, start_service, gpus=1, follow_load=True, load_hold_down_s=1.0) as stack:
-        # Tolerates B beside it at KAPPA (1.37x its latency alone), not at 4 (4.95x).
-        a, _ = await _share_one_gpu(stack, Slo(0.1, 1.6 * ALONE_S, 2.0))
+        # Tolerates B beside it at KAPPA (1.24x its latency alone), not at 4 (1.36x: B is busy 0.22 of the time).
+        a, _ = await _share_one_gpu(stack, Slo(0.1, 1.3 * ALONE_S, 2.0))
         iid = a.stage_instances["answer"]
-        assert _predicted(4.0)[0] > 1.6 * ALONE_S > _predicted(KAPPA)[0]
+        assert _predicted(4.0)[0] > 1.3 * ALONE_S > _predicted(KAPPA)[0]
         # The profiler measures the GPUs interfering far more than planned: A's prediction passes its SLO, and the
         # follower re-selects it with no traffic metered at all. Here it moves A onto B's instance (reuse: the
         # better model, no co-resident left on the GPU), whose prediction is within the SLO again.
@@ -553,4 +553,4 @@ async def test_a_prediction_past_the_slo_makes_the_load_follower_reselect(etcd_s
         assert got.last_reselection.outcome == "DONE", got.last_reselection.reason
         assert f"predicted latency {_predicted(4.0)[0]:.3g}s" in got.last_reselection.reason
         assert got.stage_instances["answer"] != iid and got.state == ACTIVE
-        assert got.predicted_latency_s <= 1.6 * ALONE_S
+        assert got.predicted_latency_s <= 1.3 * ALONE_S
