@@ -199,7 +199,8 @@ def instance_latencies(load: InstanceLoad, f: float) -> Loaded:
     # arrivals, empty a fraction exp(-sum(rate x that)) of that time. Not 1 - exp(-rate x latency): calls that wait
     # for each other's prompts overlap, and fixed_s is spent outside the batch (that over-counted a 7B tp4's busy
     # share, 0.46 against 0.37 measured, and the 14B beside it was predicted at 14.6 s against 10.2 s measured;
-    # against EngineModel within 0.015 from busy 0.05 to 0.999, tests/unit/test_loaded_latency.py).
+    # against EngineModel's busy seconds within 0.015 from busy 0.05 to 0.999, and within 0.023 on random instances,
+    # where that had up to 0.14: tests/unit/test_loaded_latency.py).
     busy = -math.expm1(math.log1p(-rho_p) - sum(
         a.rate_rps * max((c.output_tokens for c in a.calls), default=0.0) * step for a in load.arrivals))
     # Admission steps (an arrival's prompts, then a decode step) and decode steps in the rest of the busy time:
