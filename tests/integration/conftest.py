@@ -15,6 +15,47 @@ from flowmaker.settings import ServiceSettings
 
 StartService = Callable[..., Awaitable[RunningServer]]
 
+# How long the tasks a test left running get to end once cancelled.
+LEFT_TASKS_GRACE_S = 20.0
+
+
+def _await_chain(task: asyncio.Task[Any]) -> str:
+    """Where a task is suspended: its coroutine and each coroutine it awaits, outermost first (Task.get_stack gives
+    only the outermost frame of a suspended coroutine)."""
+    lines, obj = [], task.get_coro()
+    while obj is not None:
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        nxt = getattr(obj, "cr_await", None) or getattr(obj, "gi_yieldfrom", None)
+        if nxt is None and frame is None:
+            lines.append(f"  awaiting {obj!r}")
+        obj = nxt
+    return "\n".join(lines) or "  (no frames)"
+
+
+@pytest.fixture(autouse=True)
+async def _no_task_left_running() -> AsyncIterator[None]:
+    """After a test and all its fixtures (autouse: set up first, so torn down last), the tasks still running on its
+    loop are cancelled here and given LEFT_TASKS_GRACE_S to end. One that does not end would freeze the loop's own
+    teardown, which waits for every task with no limit and no alarm left to stop it: such a task fails the test
+    instead, named with where it is stuck, and is detached from the loop so the run goes on."""
+    yield
+    me = asyncio.current_task()
+    left = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for t in left:
+        t.cancel()
+    if not left:
+        return
+    _, stuck = await asyncio.wait(left, timeout=LEFT_TASKS_GRACE_S)
+    if stuck:
+        report = "\n".join(f"STUCK TASK {t.get_name()} ({t.get_coro()!r}):\n{_await_chain(t)}" for t in stuck)
+        print(report, file=sys.stderr, flush=True)
+        for t in stuck:
+            asyncio.tasks._unregister_task(t)  # the loop's teardown would wait for it for ever
+        pytest.fail(f"{len(stuck)} task(s) did not end within {LEFT_TASKS_GRACE_S:.0f}s of being cancelled after "
+                    f"the test:\n{report}")
+
 
 @pytest.fixture
 async def start_service() -> AsyncIterator[StartService]:
