@@ -293,7 +293,7 @@ def selection_options_to_proto(o: SelectionOptions) -> selection_pb2.SelectionOp
                                                               _enum_to_proto(o.capacity_model, _CAPACITY_MODEL)),
                                           gpu_sharing=cast(selection_pb2.GpuSharing,
                                                            _enum_to_proto(o.gpu_sharing, _GPU_SHARING)),
-                                          interference=o.interference)
+                                          interference=o.interference, gpu_price_gb=o.gpu_price_gb)
 
 
 def selection_options_from_proto(m: selection_pb2.SelectionOptions) -> SelectionOptions:
@@ -307,6 +307,7 @@ def selection_options_from_proto(m: selection_pb2.SelectionOptions) -> Selection
         gpu_sharing=_enum_from_proto(m.gpu_sharing, _GPU_SHARING, GpuSharing, "options.gpu_sharing")
         or GpuSharing.IGNORE,
         interference=m.interference if m.HasField("interference") else 1.0,
+        gpu_price_gb=m.gpu_price_gb,  # 0 (absent) = the base contract
     )
 
 

@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from flowmaker.catalog import default_models, get_gpu_type, make_cluster
-from flowmaker.domain import Cluster, GpuType, Model, Profile, StageKind
+from flowmaker.domain import Cluster, GpuType, Model, Profile, StageKind, default_gpu_price
+from flowmaker.domain.selection import MAX_GPU_PRICE_GB
 from flowmaker.errors import InvalidSpec
 from flowmaker.eval.bound import goodput_upper_bound
 from flowmaker.eval.experiment import Experiment, load_experiment
@@ -240,7 +241,8 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
                       langchain_rule: str = "smallest", experiment: Experiment | None = None,
                       segment_requests: int | None = None, baseline_workflow: str = "fixed",
                       baseline_sharing: bool = True, quiet: bool = False,
-                      burst_headroom: bool = True, max_instance_gpus: int = 0) -> dict[str, Any]:
+                      burst_headroom: bool = True, max_instance_gpus: int = 0,
+                      gpu_price_gb: float = 0.0) -> dict[str, Any]:
     """Run the matrix, write `serving.json` (+ PNG plots) into `out_dir`, print the tables; return the report.
 
     `experiment`: the declared experiment (default: `flowmaker/eval/data/paper-scale.toml`): tasks' accuracy
@@ -254,7 +256,9 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     declared setting) or sharing-blind (a sensitivity run). `burst_headroom`: FlowMaker's policies plan for the
     bursts seen before each deploy (default) or at the measured rate (the published system; sensitivity).
     `max_instance_gpus`: the selector-based policies choose configurations of at most this many GPUs (0: any;
-    a sensitivity). `langchain_rule`: how the LangChain baseline picks its model (`LANGCHAIN_MODEL_RULES`).
+    a sensitivity). `gpu_price_gb`: the selector-based policies price each GPU a new instance spans at this many
+    GB (docs/selection-spec.md, priced GPUs; 0: memory only, negative: one GPU's memory; a sensitivity).
+    `langchain_rule`: how the LangChain baseline picks its model (`LANGCHAIN_MODEL_RULES`).
     Every setup choice is recorded in the JSON's "setup", with the experiment file's SHA-256.
     """
     t_start = time.perf_counter()
@@ -278,11 +282,15 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
                           field="baseline_workflow")
     if max_instance_gpus < 0:
         raise InvalidSpec(f"must be >= 0 (0: any), got {max_instance_gpus}", field="max_instance_gpus")
+    if not -1.0 <= gpu_price_gb <= MAX_GPU_PRICE_GB:
+        raise InvalidSpec(f"must be within [-1, {MAX_GPU_PRICE_GB:g}] (negative: one GPU's memory), got {gpu_price_gb}",
+                          field="gpu_price_gb")
     n_req = exp.segment_requests if segment_requests is None else segment_requests
     if n_req < 1:
         raise InvalidSpec(f"must be >= 1, got {n_req}", field="segment_requests")
     con = console or Console(width=200)
     models, gpu, profiles, cluster, by_id = bench_cluster(exp.gpu_type, exp.gpus)
+    gpu_price_gb = default_gpu_price(gpu_price_gb, cluster)
     rows: list[dict[str, Any]] = []
     ablation: list[dict[str, Any]] = []
     sources: dict[str, str] = {}
@@ -323,6 +331,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
                                 plan_tokens=plan_tokens, workload=wl, langchain_model=langchain_rule,
                                 utilization_cap=exp.utilization_cap, baseline_sharing=baseline_sharing,
                                 burst_headroom=burst_headroom, max_instance_gpus=max_instance_gpus,
+                                gpu_price_gb=gpu_price_gb,
                                 routellm_rate="declared", routellm_gpu_budget_gb=exp.routellm_gpu_budget_gb)
             for pol in pols:
                 t0 = time.perf_counter()
@@ -384,7 +393,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
         "experiment": {"name": exp.name, "sha256": exp.sha256, "source": exp.source, "settings": exp.as_json()},
         "plan_tokens": plan_tokens, "colocation": colocation, "utilization_cap": exp.utilization_cap,
         "segment_requests": n_req, "baseline_workflow": baseline_workflow, "baseline_sharing": baseline_sharing,
-        "burst_headroom": burst_headroom, "max_instance_gpus": max_instance_gpus,
+        "burst_headroom": burst_headroom, "max_instance_gpus": max_instance_gpus, "gpu_price_gb": gpu_price_gb,
         "monitor_window_fraction": exp.monitor_window_fraction,
         "deploy_span_fraction": exp.deploy_span_fraction, "segments": segments,
         "slo_reference_deployment": {"model": exp.reference_model, "tp": exp.reference_tp, "pp": 1,

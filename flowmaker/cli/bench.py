@@ -175,6 +175,9 @@ def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output fol
                                                      "at the measured rate (the published system)."),
             max_instance_gpus: int = typer.Option(0, help="Sensitivity: the selector-based policies choose "
                                                           "configurations of at most this many GPUs (0: any)."),
+            gpu_price_gb: float = typer.Option(0.0, help="Sensitivity: the selector-based policies price each GPU "
+                                                         "a new instance spans at this many GB (0: memory only, "
+                                                         "-1: one GPU's memory)."),
             json_out: bool = typer.Option(False, "--json", help="Print the JSON instead of tables.")) -> None:
     """Trace-driven simulation of every policy on 8xA6000: every published comparison per trace and load."""
     from flowmaker.bench.serving import run_serving_bench
@@ -189,7 +192,8 @@ def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output fol
                                loads=[float(x) for x in loads.split(",") if x.strip()] or None,
                                policies=[x.strip() for x in policies.split(",") if x.strip()] or None,
                                traces=[x.strip() for x in trace_kinds.split(",") if x.strip()],
-                               burst_headroom=burst_headroom, max_instance_gpus=max_instance_gpus)
+                               burst_headroom=burst_headroom, max_instance_gpus=max_instance_gpus,
+                               gpu_price_gb=gpu_price_gb)
     if json_out:
         import json
 

@@ -12,6 +12,7 @@ from flowmaker.domain.selection import (
     SelectionResult,
     StageAssignment,
     Variant,
+    default_gpu_price,
 )
 from flowmaker.domain.workflow import Slo, Stage, StageKind, TaskSpec, Workflow
 
@@ -39,4 +40,5 @@ __all__ = [
     "TaskSpec",
     "Variant",
     "Workflow",
+    "default_gpu_price",
 ]

@@ -26,6 +26,7 @@ class GpuSharing(enum.Enum):
 
 # Replicas per new instance the selection extension allows (docs/selection-spec.md).
 MAX_REPLICAS = 16
+MAX_GPU_PRICE_GB = 10_000.0  # options.gpu_price_gb: a GPU priced above 10 TB of memory is a typo, not a price
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,7 @@ class SelectionOptions:
     capacity_model: CapacityModel = CapacityModel.OUTPUT_TOKENS
     gpu_sharing: GpuSharing = GpuSharing.IGNORE
     interference: float = 1.0  # kappa of the INTERFERENCE model (flowmaker.sharing)
+    gpu_price_gb: float = 0.0  # priced GPUs (docs/selection-spec.md extension): each new GPU costs this much memory more
 
     def validate(self, path: str = "options") -> SelectionOptions:
         if not 0.0 < self.utilization_cap <= 1.0:
@@ -52,7 +54,19 @@ class SelectionOptions:
                               field=f"{path}.max_replicas")
         if not 0.0 <= self.interference <= 4.0:
             raise InvalidSpec(f"must be within [0, 4], got {self.interference}", field=f"{path}.interference")
+        if not 0.0 <= self.gpu_price_gb <= MAX_GPU_PRICE_GB:
+            raise InvalidSpec(f"must be within [0, {MAX_GPU_PRICE_GB:g}] GB, got {self.gpu_price_gb}",
+                              field=f"{path}.gpu_price_gb")
         return self
+
+
+def default_gpu_price(setting: float, cluster: Cluster) -> float:
+    """`options.gpu_price_gb` for a deployment setting: the setting when >= 0, else (negative: "one GPU") the
+    memory of the cluster's largest GPU, so that a GPU an instance spans is charged as if its whole memory were
+    taken (0 on a cluster without GPUs)."""
+    if setting >= 0:
+        return setting
+    return min(MAX_GPU_PRICE_GB, max((g.memory_total_gb for g in cluster.gpus), default=0.0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,6 +136,9 @@ class PolicyContext:
     # instance (0: any). The selection objective (memory x latency) favours wide tensor parallelism, which
     # takes the compute of many GPUs for one task; this measures what that costs when the cluster is loaded.
     max_instance_gpus: int = 0
+    # FlowMaker's selector-based policies price every GPU a new instance spans at this many GB more
+    # (docs/selection-spec.md, priced GPUs; 0: the paper's memory-only objective).
+    gpu_price_gb: float = 0.0
 
     def deploy_time(self, task: EvalTask) -> float:
         return self.workload.deploy_time(task.name) if self.workload is not None else 0.0
@@ -394,7 +397,7 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                                    utilization_cap=ctx.utilization_cap, allow_reuse=allow_reuse, seed=ctx.seed,
                                    capacity_model=capacity_model or ctx.capacity_model,
                                    gpu_sharing=GpuSharing.INTERFERENCE if sharing else GpuSharing.IGNORE,
-                                   interference=ctx.interference))
+                                   interference=ctx.interference, gpu_price_gb=ctx.gpu_price_gb))
         res = select(req, strategy)
         for r2 in tries[1:]:
             if res.variant is not None:

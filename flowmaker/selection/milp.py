@@ -16,7 +16,7 @@ where f_k are Fekete and Schepers' dual feasible functions (`_dff`: what one ins
 under any placement rule: a point whose instances never fit is not a point of the relaxation.
 
 Profiles that another one dominates in this workflow (no more memory or GPUs, at least the capacity, no
-slower on any stage) are left out. The walk (`RelaxedModel.walk`) first solves for the least L (Lmin) and
+slower on any stage, no harder to place) are left out. The walk (`RelaxedModel.walk`) first solves for the least L (Lmin) and
 the least M (Mmin), then keeps memory intervals [a, b] not yet proven, least bound a * (least L there)
 first, starting from [Mmin, incumbent / Lmin]. For an interval it solves min L subject to M <= m (m the
 midpoint, or b for an interval just above a proven part) and L <= incumbent / a:
@@ -567,7 +567,8 @@ def room_rows(pb: Problem, profs: list[int], most: int) -> list[tuple[list[int],
 
 def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
     """Profiles that another one dominates in this workflow with placement relaxed: no more memory, at least
-    the capacity, no more GPUs, no slower on any LLM stage (ties: the lower index stays). Any instance of a dominated
+    the capacity, no more GPUs, no slower on any LLM stage (ties: the lower index stays), and no harder to place (no
+    more GPUs an instance, no more memory on each, no more replicas). Any instance of a dominated
     profile can be swapped for one of the other without raising M or L or breaking capacity. Under GPU sharing, on a
     chain (whose walk bounds its multisets once placed), only a profile placed alike (GPUs, memory per GPU, replicas)
     and no slower alone dominates: the swap then leaves the placement as it was and no instance busier or slower."""
@@ -586,6 +587,12 @@ def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
                            or any(a > b for a, b in zip(alone[q], alone[p], strict=True))):
                 # placed elsewhere, or slower alone somewhere (so less busy), p's variants may be the cheaper ones:
                 # the placed bounds (`sharing_chain`) of q's multisets would not hold for them
+                continue
+            if not (pb.p_k[q] <= pb.p_k[p] and pb.p_need[q] <= pb.p_need[p] and pb.p_reps[q] <= pb.p_reps[p]):
+                # q would be harder to place: more GPUs, or more memory on each, than p. The relaxation's room rows
+                # (`room_rows`, per GPUs and memory per GPU) may then hold p's instances and not q's, so the swap
+                # could leave it (measured: a tp1 of 30 GB dominated a tp2 of 16 GB a GPU by total memory, and
+                # `milp` claimed NO_GPU_MEMORY, proven, where a variant on both existed).
                 continue
             if pb.p_mem[q] <= pb.p_mem[p] and pb.p_cap[q] >= pb.p_cap[p] and pb.p_gpus[q] <= pb.p_gpus[p] and all(
                     a <= b for a, b in zip(lat[q], lat[p], strict=True)):

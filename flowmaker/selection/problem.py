@@ -101,7 +101,13 @@ class Problem:
         # Running instances are single instances: their key maps to the r = 1 entry.
         self.prof_by_key = {p.key: i for i, p in reversed(list(enumerate(self.profiles)))}
         self.p_acc = tuple(self.models[p.model_id].accuracy for p in self.profiles)
-        self.p_mem = tuple(r * p.total_memory_gb for p, r in zip(self.profiles, self.p_reps, strict=True))
+        # The memory a group holds (the response's new_memory_gb), and what the objective charges for it: under the
+        # priced-GPUs extension every GPU it runs on costs gpu_price_gb more (0: the same figure, the base
+        # contract). Every strategy and bound takes the objective's M from p_mem alone, so it stays additive.
+        self.p_gb = tuple(r * p.total_memory_gb for p, r in zip(self.profiles, self.p_reps, strict=True))
+        price = req.options.gpu_price_gb
+        self.p_mem = self.p_gb if not price else tuple(
+            r * p.tp * p.pp * (p.memory_gb_per_gpu + price) for p, r in zip(self.profiles, self.p_reps, strict=True))
         self.p_cap = tuple(r * self.u * p.max_output_tokens_per_s
                            for p, r in zip(self.profiles, self.p_reps, strict=True))
         self.p_k = tuple(p.tp * p.pp for p in self.profiles)  # GPUs of ONE replica (what placement needs)
@@ -532,7 +538,7 @@ class Problem:
         return Variant(
             workflow_id=pw.wf.id, assignments=tuple(assigns), new_instances=tuple(news),
             reuse=tuple((self.reusable[i].id, ld) for i, ld in sorted(reuse_load.items())),
-            latency_s=L, accuracy=min(accs), cost=mem * L, new_memory_gb=mem,
+            latency_s=L, accuracy=min(accs), cost=mem * L, new_memory_gb=sum(self.p_gb[pi] for pi in slot_prof),
             new_gpus=sum(self.p_gpus[pi] for pi in slot_prof))
 
     def slot_offsets(self, slot_prof: Sequence[int]) -> list[int]:

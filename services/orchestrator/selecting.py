@@ -15,7 +15,7 @@ from flowmaker import convert
 from flowmaker.api.common.v1 import selection_pb2
 from flowmaker.api.selector.v1 import selector_pb2
 from flowmaker.catalog import default_models
-from flowmaker.domain import Cluster, Model, Variant
+from flowmaker.domain import Cluster, Model, Variant, default_gpu_price
 from flowmaker.errors import FlowMakerError, InvalidSpec, NotFound
 from flowmaker.orchestration.cluster import (
     cluster_gpu_type,
@@ -125,9 +125,11 @@ class Selections:
     async def options(self, t: TaskRecord, cluster: Cluster) -> selection_pb2.SelectionOptions:
         """The approval's options (`t.options_json`) with what they leave unset taken from the settings:
         `utilization_cap` (DEFAULT_UTILIZATION_CAP, 0.85: headroom for the tail), `capacity_model`
-        (DEFAULT_CAPACITY_MODEL, BUSY_TIME), `gpu_sharing` (DEFAULT_GPU_SHARING, INTERFERENCE) and, under
-        INTERFERENCE, `interference` (DEFAULT_INTERFERENCE, or when that is negative the kappa the profiler stored
-        for the cluster's GPU type; 1 when none is). Explicit options always win."""
+        (DEFAULT_CAPACITY_MODEL, BUSY_TIME), `gpu_sharing` (DEFAULT_GPU_SHARING, INTERFERENCE), under
+        INTERFERENCE `interference` (DEFAULT_INTERFERENCE, or when that is negative the kappa the profiler stored
+        for the cluster's GPU type; 1 when none is) and `gpu_price_gb` (DEFAULT_GPU_PRICE_GB, or when that is
+        negative one GPU's memory: `default_gpu_price`). Explicit options always win; an explicit 0 cannot be told
+        from unset in proto3, so the base contract's memory-only objective is chosen by DEFAULT_GPU_PRICE_GB=0."""
         s = self.settings
         o = convert.selection_options_from_json(t.options_json) if t.options_json else selection_pb2.SelectionOptions()
         if not o.utilization_cap:
@@ -140,6 +142,8 @@ class Selections:
                 f"GPU_SHARING_{s.default_gpu_sharing}"))
         if o.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE and not o.HasField("interference"):
             o.interference = await self.kappa(cluster_gpu_type(cluster, ""))
+        if not o.gpu_price_gb:
+            o.gpu_price_gb = default_gpu_price(s.default_gpu_price_gb, cluster)
         return o
 
     async def kappa(self, gpu_type: str) -> float:

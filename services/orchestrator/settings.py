@@ -44,6 +44,11 @@ class OrchestratorSettings(ServiceSettings):
         default=-1.0, ge=-1.0, le=4.0, description="options.interference (kappa) when unset, under INTERFERENCE; "
         "negative = the kappa the profiler stored for the cluster's GPU type (flowmaker profiles "
         "measure-interference), 1 (full processor sharing) when none is stored.")
+    default_gpu_price_gb: float = Field(
+        default=-1.0, ge=-1.0, le=10_000.0, description="options.gpu_price_gb when unset (docs/selection-spec.md, "
+        "priced GPUs): each GPU a new instance spans costs this many GB more in the objective, for the compute it "
+        "takes. Negative = the memory of one of the cluster's GPUs (the largest), so a GPU spanned is charged as if "
+        "its whole memory were taken; 0 = the base contract (memory only).")
     commit_retries: int = Field(default=5, ge=1, le=100, description="Select-and-commit attempts when the cluster changed "
                                                              "between selection and commit.")
     select_timeout_s: float = Field(default=60.0, gt=0, description="Deadline of one SelectVariant call.")

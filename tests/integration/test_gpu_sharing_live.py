@@ -259,11 +259,15 @@ async def test_defaults_reach_the_selector_and_explicit_options_win(stack: Stack
     assert o.capacity_model == selection_pb2.CAPACITY_MODEL_BUSY_TIME
     assert o.HasField("interference") and o.interference == pytest.approx(KAPPA)
     assert o.utilization_cap == pytest.approx(OrchestratorSettings().default_utilization_cap) and o.utilization_cap < 1
+    # priced GPUs: by default one GPU's memory (the stack's emulated GPUs have 48 GB)
+    assert o.gpu_price_gb == max(g.memory_total_gb for g in stack.last_request().cluster.gpus) == 48.0
     assert a.variant.assignments[0].model_id == MODEL
     # Options that leave these unset get them too (and keep what they set).
     b = await stack.deploy("partial", Slo(0.1, 3.5, 0.5),
-                           selection_pb2.SelectionOptions(allow_reuse=True, utilization_cap=0.9, interference=0.25))
+                           selection_pb2.SelectionOptions(allow_reuse=True, utilization_cap=0.9, interference=0.25,
+                                                          gpu_price_gb=7.5))
     o = stack.last_request().options
+    assert o.gpu_price_gb == 7.5
     assert (o.gpu_sharing, o.capacity_model) == (selection_pb2.GPU_SHARING_INTERFERENCE,
                                                  selection_pb2.CAPACITY_MODEL_BUSY_TIME)
     assert o.interference == pytest.approx(0.25) and o.utilization_cap == pytest.approx(0.9)
@@ -283,12 +287,13 @@ async def test_defaults_reach_the_selector_and_explicit_options_win(stack: Stack
     # The operator's switch: with IGNORE as the default, a task without options gets the paper's contract.
     stack.core.settings = stack.core.settings.model_copy(update={"default_gpu_sharing": "IGNORE",
                                                                  "default_capacity_model": "OUTPUT_TOKENS",
-                                                                 "default_utilization_cap": 1.0})
+                                                                 "default_utilization_cap": 1.0,
+                                                                 "default_gpu_price_gb": 0.0})
     await stack.deploy("switched", Slo(0.1, 3.5, 0.5))
     o = stack.last_request().options
     assert (o.gpu_sharing, o.capacity_model) == (selection_pb2.GPU_SHARING_IGNORE,
                                                  selection_pb2.CAPACITY_MODEL_OUTPUT_TOKENS)
-    assert o.utilization_cap == 1.0
+    assert o.utilization_cap == 1.0 and o.gpu_price_gb == 0.0
     assert b.state == ACTIVE
 
 

@@ -205,6 +205,14 @@ def test_camel_case_names_are_accepted_too() -> None:
     assert convert.selection_request_from_json(json.dumps(d)).slo == Slo(0.25, 2.0)
 
 
+def test_gpu_price_round_trips_and_absent_is_the_base_contract() -> None:
+    req, _ = convert.select_variant_request_from_json(json.dumps(_minimal(options={"gpu_price_gb": 48})))
+    assert req.options.gpu_price_gb == 48.0
+    assert convert.selection_options_from_proto(convert.selection_options_to_proto(req.options)) == req.options
+    req, _ = convert.select_variant_request_from_json(json.dumps(_minimal()))
+    assert req.options.gpu_price_gb == 0.0
+
+
 def test_null_means_default() -> None:
     d = _minimal(options=None, cluster={"gpus": None})
     req = convert.selection_request_from_json(json.dumps(d))
@@ -242,6 +250,9 @@ def test_null_means_default() -> None:
     (_minimal(workflows=[{"id": "w", "stages": [{"id": "a", "input_tokens": 0, "output_tokens": 1}]}]),
      "workflows[0].stages[0].input_tokens", "must be > 0"),
     (_minimal(slo={"min_accuracy": 30, "max_latency_s": 5}), "slo.min_accuracy", "fraction"),
+    (_minimal(options={"gpu_price_gb": -1}), "options.gpu_price_gb", "must be within [0, 10000] GB"),
+    (_minimal(options={"gpu_price_gb": 1e5}), "options.gpu_price_gb", "must be within [0, 10000] GB"),
+    (_minimal(options={"gpu_price_gb": "NaN"}), "options.gpu_price_gb", "must be within [0, 10000] GB"),
 ])
 def test_bad_request_json_names_the_field(doc: dict[str, Any], field: str, words: str) -> None:
     with pytest.raises(InvalidSpec) as ei:

@@ -337,7 +337,7 @@ def brute_force(req: SelectionRequest, prune: bool = True,
             if not ok:
                 continue
             out.level = max(out.level, 4)
-            M = sum(n * p.memory_gb_per_gpu * p.tp * p.pp for p, n in groups)
+            M = sum(n * p.tp * p.pp * (p.memory_gb_per_gpu + o.gpu_price_gb) for p, n in groups)
             if prune and out.best is not None and M * L > out.best[0] * (1 + 1e-9) + 1e-12:
                 continue
             # 4. placement, replica by replica, in order of the groups' first stages
@@ -492,7 +492,8 @@ def recheck(req: SelectionRequest, v: Variant) -> dict[str, float]:
     Ls = longest(wf, lat)
     assert close(Ls, v.latency_s) and within_lambda(req, Ls), (Ls, v.latency_s, req.slo.max_latency_s)
     mem = sum(n.memory_gb_per_gpu * n.tp * n.pp for n in v.new_instances)
-    assert close(mem, v.new_memory_gb) and close(mem * Ls, v.cost), (mem, Ls, v.cost)
+    priced = sum((n.memory_gb_per_gpu + req.options.gpu_price_gb) * n.tp * n.pp for n in v.new_instances)
+    assert close(mem, v.new_memory_gb) and close(priced * Ls, v.cost), (mem, priced, Ls, v.cost)
     assert v.new_gpus == sum(n.tp * n.pp for n in v.new_instances)
     assert close(v.accuracy, min(acc[a.model_id] for a in v.assignments))
     return mult
@@ -603,7 +604,8 @@ def shared_requests(draw: st.DrawFn) -> SelectionRequest:
     slo = Slo(draw(st.sampled_from([0.0, 0.0, 0.35])), draw(st.sampled_from([3.0, 5.0, 8.0, 15.0])),
               draw(st.sampled_from([0.25, 0.5, 0.1, 1.0, 2.0, 0.0])))
     opts = SelectionOptions(utilization_cap=draw(st.sampled_from([1.0, 1.0, 0.8, 0.6])),
-                            allow_reuse=draw(st.booleans()))
+                            allow_reuse=draw(st.booleans()),
+                            gpu_price_gb=draw(st.sampled_from([0.0, 0.0, 0.0, 24.0, 48.0])))
     return SelectionRequest(slo, tuple(workflows), tuple(models), tuple(profiles),
                             Cluster(gpus, tuple(instances)), opts)
 
@@ -631,6 +633,18 @@ def test_exact_exhaustive_and_milp_equal_the_brute_force_with_busy_co_residents(
 @settings(max_examples=EXAMPLES // 2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(under_sharing(dense_requests()))
 def test_exact_and_milp_equal_the_brute_force_on_dense_requests_under_sharing(req: SelectionRequest) -> None:
+    agree(req, ("exact", "milp"))
+
+
+def priced(req: SelectionRequest, price: float) -> SelectionRequest:
+    return dataclasses.replace(req, options=dataclasses.replace(req.options, gpu_price_gb=price))
+
+
+@settings(max_examples=EXAMPLES // 2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.builds(priced, under_sharing(st.one_of(requests(), shared_requests(), dense_requests())),
+                 st.sampled_from([4.0, 24.0, 48.0, 300.0])))
+def test_priced_gpus_under_sharing_equal_the_brute_force(req: SelectionRequest) -> None:
+    """The priced-GPUs extension under sharing: M charges every new GPU its memory plus gpu_price_gb."""
     agree(req, ("exact", "milp"))
 
 

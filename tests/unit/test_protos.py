@@ -126,7 +126,7 @@ def test_select_variant_request_has_the_spec_field_names() -> None:
         cluster["instances"].message_type)
     opts = f["options"].message_type
     assert {"utilization_cap", "allow_reuse", "time_budget_s", "max_trials", "seed", "max_replicas", "capacity_model",
-            "gpu_sharing", "interference"} == _names(opts)
+            "gpu_sharing", "interference", "gpu_price_gb"} == _names(opts)
     # "default true" needs presence: absence must be distinguishable from false.
     assert opts.fields_by_name["allow_reuse"].has_presence
 

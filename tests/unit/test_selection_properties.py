@@ -92,7 +92,8 @@ def requests(draw: st.DrawFn) -> SelectionRequest:
         workflows.append(Workflow(f"w{w}", tuple(stages)))
     slo = Slo(draw(st.sampled_from([0.0, 0.15, 0.25, 0.35, 0.5])), draw(st.sampled_from([0.5, 2.0, 5.0, 20.0])),
               draw(st.sampled_from([0.0, 0.1, 0.5, 2.0])))
-    opts = SelectionOptions(utilization_cap=draw(st.sampled_from([1.0, 0.7])), allow_reuse=draw(st.booleans()))
+    opts = SelectionOptions(utilization_cap=draw(st.sampled_from([1.0, 0.7])), allow_reuse=draw(st.booleans()),
+                            gpu_price_gb=draw(st.sampled_from([0.0, 0.0, 0.0, 10.0, 48.0, 0.1])))
     return SelectionRequest(slo, tuple(workflows), tuple(models), tuple(profiles), Cluster(tuple(gpus),
                             tuple(instances)), opts)
 
@@ -265,7 +266,8 @@ def brute_force_canonical(req: SelectionRequest) -> tuple[tuple[float, float, in
             if not ok:
                 continue
             level = 5
-            cost = sum(n * p.memory_gb_per_gpu * p.tp * p.pp for p, n in groups) * L
+            # the priced-GPUs extension: each GPU charged its memory plus gpu_price_gb (0: the base contract)
+            cost = sum(n * p.tp * p.pp * (p.memory_gb_per_gpu + req.options.gpu_price_gb) for p, n in groups) * L
             gpus = sum(n * p.tp * p.pp for p, n in groups)
             key = (cost, L, gpus)
             enc = tuple((0, pos_i[reuse[ref].id]) if kind == "R" else (1, ref) if kind == "J"
@@ -364,7 +366,8 @@ def recheck(req: SelectionRequest, v: Variant) -> None:
         for g in pl[1]:
             free[g] -= units(n.memory_gb_per_gpu)
     mem = sum(n.memory_gb_per_gpu * n.tp * n.pp for n in v.new_instances)
-    assert close(mem, v.new_memory_gb) and close(mem * L, v.cost)
+    priced = sum((n.memory_gb_per_gpu + req.options.gpu_price_gb) * n.tp * n.pp for n in v.new_instances)
+    assert close(mem, v.new_memory_gb) and close(priced * L, v.cost)
     assert v.new_gpus == sum(n.tp * n.pp for n in v.new_instances)
 
 
@@ -400,6 +403,54 @@ def agree(req: SelectionRequest, strategies: tuple[str, ...] = ("exact", "exhaus
 @given(requests())
 def test_exact_equals_exhaustive_equals_brute_force(req: SelectionRequest) -> None:
     agree(req)
+
+
+def test_a_profile_harder_to_place_is_not_dominated_by_one_of_less_memory() -> None:
+    """A tp1 of 30 GB has less memory, fewer GPUs and the latency and capacity of a tp2 of 16 GB a GPU, but only one
+    GPU has 30 GB free: the two stages (each too heavy to share an instance) need one of each. `milp`'s relaxation
+    used to drop the tp2 as dominated and then claim NO_GPU_MEMORY, proven (its room rows hold one tp1)."""
+    wf = Workflow("w", (Stage("a", input_tokens=50, output_tokens=100), Stage("b", input_tokens=50, output_tokens=100)))
+    profiles = (Profile("m", 1, 1, 30.0, 0.0, 1e-5, 0.005, 200.0), Profile("m", 2, 1, 16.0, 0.0, 1e-5, 0.005, 200.0))
+    gpus = (Gpu("g0", "n0", 48.0, 0.0), *(Gpu(f"g{i}", "n0", 48.0, 28.0) for i in range(1, 4)))
+    req = SelectionRequest(Slo(0.1, 2.0, 1.5), (wf,), (Model("m", 0.5, 7.0, 7.0),), profiles, Cluster(gpus))
+    for name in ("exact", "milp", "exhaustive"):
+        v = select(req, name).variant
+        assert v is not None and sorted(a.tp for a in v.assignments) == [1, 2], name
+    agree(req, ("exact", "milp", "exhaustive"), proven=True)
+
+
+def _priced(req: SelectionRequest, price: float) -> SelectionRequest:
+    return dataclasses.replace(req, options=dataclasses.replace(req.options, gpu_price_gb=price))
+
+
+@settings(max_examples=int(os.environ.get("FLOWMAKER_PROPERTY_EXAMPLES", "300")) // 2, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.builds(_priced, requests(), st.sampled_from([0.5, 8.0, 48.0, 80.0, 400.0])))
+def test_priced_gpus_exact_milp_and_exhaustive_equal_the_brute_force(req: SelectionRequest) -> None:
+    """The priced-GPUs extension: every new GPU adds gpu_price_gb to the memory the objective charges."""
+    agree(req, ("exact", "milp", "exhaustive"))
+
+
+def test_a_priced_gpu_turns_the_choice_from_wide_to_narrow() -> None:
+    """One stage of 100 output tokens, a 14B-like model as tp1 (38 GB, 6.0 s) or tp4 (11 GB per GPU, 1.8 s).
+    Memory x latency prefers the tp4 (44 x 1.8 = 79.2 against 38 x 6.0 = 228). Priced at P GB a GPU the tp4 costs
+    (44 + 4P) x 1.8 and the tp1 (38 + P) x 6.0: they cross at P = (228 - 79.2) / (7.2 - 6.0) = 124 GB, above which
+    the tp1 wins. The answer reports the memory it holds either way."""
+    wf = Workflow("w", (Stage("a", input_tokens=1, output_tokens=100),))  # prefill costs nothing here
+    models = (Model("m", 0.5, 14.0, 14.0),)
+    profiles = (Profile("m", 1, 1, 38.0, 0.0, 0.0, 0.060, 1000.0), Profile("m", 4, 1, 11.0, 0.0, 0.0, 0.018, 1000.0))
+    gpus = tuple(Gpu(f"g{i}", "n0", 48.0) for i in range(4))
+    base = SelectionRequest(Slo(0.1, 100.0, 0.0), (wf,), models, profiles, Cluster(gpus))
+    crossing = (38 * 6.0 - 44 * 1.8) / (4 * 1.8 - 6.0)
+    for price, tp in ((0.0, 4), (48.0, 4), (crossing * 0.99, 4), (crossing * 1.01, 1), (400.0, 1)):
+        req = _priced(base, price)
+        for name in ("exact", "milp", "exhaustive"):
+            res = select(req, name)
+            v = res.variant
+            assert v is not None and res.optimal and v.assignments[0].tp == tp, (price, name)
+            assert close(v.new_memory_gb, 38.0 if tp == 1 else 44.0)
+            assert close(v.cost, (v.new_memory_gb + price * tp) * v.latency_s), (price, name, v.cost)
+        agree(req, ("exact", "milp", "exhaustive"), proven=True)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -39,7 +39,7 @@ INFEASIBILITY_NO_CAPACITY: Infeasibility
 INFEASIBILITY_NO_GPU_MEMORY: Infeasibility
 
 class SelectionOptions(_message.Message):
-    __slots__ = ("utilization_cap", "allow_reuse", "time_budget_s", "max_trials", "seed", "max_replicas", "capacity_model", "gpu_sharing", "interference")
+    __slots__ = ("utilization_cap", "allow_reuse", "time_budget_s", "max_trials", "seed", "max_replicas", "capacity_model", "gpu_sharing", "interference", "gpu_price_gb")
     UTILIZATION_CAP_FIELD_NUMBER: _ClassVar[int]
     ALLOW_REUSE_FIELD_NUMBER: _ClassVar[int]
     TIME_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class SelectionOptions(_message.Message):
     CAPACITY_MODEL_FIELD_NUMBER: _ClassVar[int]
     GPU_SHARING_FIELD_NUMBER: _ClassVar[int]
     INTERFERENCE_FIELD_NUMBER: _ClassVar[int]
+    GPU_PRICE_GB_FIELD_NUMBER: _ClassVar[int]
     utilization_cap: float
     allow_reuse: bool
     time_budget_s: float
@@ -58,7 +59,8 @@ class SelectionOptions(_message.Message):
     capacity_model: CapacityModel
     gpu_sharing: GpuSharing
     interference: float
-    def __init__(self, utilization_cap: _Optional[float] = ..., allow_reuse: _Optional[bool] = ..., time_budget_s: _Optional[float] = ..., max_trials: _Optional[int] = ..., seed: _Optional[int] = ..., max_replicas: _Optional[int] = ..., capacity_model: _Optional[_Union[CapacityModel, str]] = ..., gpu_sharing: _Optional[_Union[GpuSharing, str]] = ..., interference: _Optional[float] = ...) -> None: ...
+    gpu_price_gb: float
+    def __init__(self, utilization_cap: _Optional[float] = ..., allow_reuse: _Optional[bool] = ..., time_budget_s: _Optional[float] = ..., max_trials: _Optional[int] = ..., seed: _Optional[int] = ..., max_replicas: _Optional[int] = ..., capacity_model: _Optional[_Union[CapacityModel, str]] = ..., gpu_sharing: _Optional[_Union[GpuSharing, str]] = ..., interference: _Optional[float] = ..., gpu_price_gb: _Optional[float] = ...) -> None: ...
 
 class NewInstance(_message.Message):
     __slots__ = ("key", "model_id", "tp", "pp", "node", "gpu_ids", "memory_gb_per_gpu", "load_output_tokens_per_s")
