@@ -94,6 +94,9 @@ class LiveSharingConfig:
     gpu_type: str = "A6000"
     seed: int = 0
     follow_load: bool = False  # let the orchestrator re-select during the run (off: the variant stays measured)
+    # The orchestrator's options.gpu_price_gb (None: its default, one GPU's memory). Priced GPUs avoid sharing where
+    # they can; 0 (memory only, the paper's objective) shares GPUs at these rates, which this bench measures.
+    gpu_price_gb: float | None = None
     sample_s: float = 1.0  # wall seconds between two scrapes of every engine's /metrics
     # Open-loop clients: each task's requests are spread over this many callers (a distinct bearer token each,
     # which is what the orchestrator's per-caller concurrency limit keys on without TLS: 64 running at once
@@ -807,6 +810,8 @@ def run_live_sharing(cfg: LiveSharingConfig, out: Path, *, progress: ProgressFn 
     extra = {"FLOWMAKER_ORCHESTRATOR_HTTP_POOL_SIZE": str(cfg.http_pool_size)}
     if not cfg.follow_load:
         extra["FLOWMAKER_ORCHESTRATOR_FOLLOW_LOAD"] = "false"
+    if cfg.gpu_price_gb is not None:
+        extra["FLOWMAKER_ORCHESTRATOR_DEFAULT_GPU_PRICE_GB"] = repr(float(cfg.gpu_price_gb))
     stack = LocalStack(StackConfig(gpus=cfg.gpus, gpu_type=cfg.gpu_type, time_scale=cfg.time_scale,
                                    log_level="WARNING", work_dir=cfg.work_dir, keep_work_dir=cfg.work_dir is not None,
                                    extra_env=extra),

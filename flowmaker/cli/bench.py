@@ -273,6 +273,10 @@ def live_sharing(out: Path = typer.Option(Path("out/bench-live-sharing"), help="
                  seed: int = typer.Option(0, help="Seed of the arrival times."),
                  follow_load: bool = typer.Option(False, help="Let the orchestrator re-select for load during the "
                                                               "run (off: the deployed variants are what is measured)."),
+                 gpu_price_gb: float | None = typer.Option(None, min=-1.0, max=10_000.0, help="The orchestrator's "
+                                                           "default options.gpu_price_gb (absent: its own default, "
+                                                           "one GPU's memory; 0: memory only, which shares GPUs at "
+                                                           "the declared rates)."),
                  work_dir: Path | None = typer.Option(None, help="Keep the stack's work dir (logs) here."),
                  json_out: bool = typer.Option(False, "--json", help="Print the full JSON instead of the tables.")
                  ) -> None:
@@ -292,7 +296,7 @@ def live_sharing(out: Path = typer.Option(Path("out/bench-live-sharing"), help="
     cfg = LiveSharingConfig(tasks=names, load=load,
                             time_scale=time_scale, duration_s=duration, warmup_s=min(warmup, duration / 2),
                             drain_s=drain, gpus=gpus, gpu_type=gpu_type, seed=seed, follow_load=follow_load,
-                            work_dir=work_dir)
+                            gpu_price_gb=gpu_price_gb, work_dir=work_dir)
     console = Console(stderr=True, width=max(200, Console().width))
     try:
         res = run_live_sharing(cfg, out, progress=lambda m: console.print(f"  {m}", highlight=False, markup=False))

@@ -225,7 +225,8 @@ async def _stack(etcd_store: Any, start_service: Any, *, gpus: int = 2, **orches
     sel = await start_service("selector", add_selector, sset)
     oset = OrchestratorSettings(host="127.0.0.1", port=0, grace_s=0.5, selector_address=sel.address,
                                 deploy_timeout_s=60, tool_time_scale=20.0, reconcile_interval_s=0.5,
-                                **{"follow_load": False, **orchestrator})
+                                # memory x latency, as PROFILE's premise says, unless a test asks for priced GPUs
+                                **{"follow_load": False, "default_gpu_price_gb": 0.0, **orchestrator})
     clients = Clients(oset.selector_address, timeout_s=30)
     orch = Orchestrator(oset, etcd_store, clients)
 
@@ -251,7 +252,13 @@ async def stack(etcd_store: Any, start_service: Any) -> AsyncIterator[Stack]:
         yield s
 
 
-async def test_defaults_reach_the_selector_and_explicit_options_win(stack: Stack) -> None:
+async def test_defaults_reach_the_selector_and_explicit_options_win(etcd_store: Any, start_service: Any) -> None:
+    product = OrchestratorSettings().default_gpu_price_gb
+    async with _stack(etcd_store, start_service, default_gpu_price_gb=product) as stack:
+        await _defaults_reach_the_selector(stack)
+
+
+async def _defaults_reach_the_selector(stack: Stack) -> None:
     # No options at all: the orchestrator's defaults, with the kappa stored for the cluster's GPU type.
     a = await stack.deploy("plain", Slo(0.1, 3.5, 0.5))
     o = stack.last_request().options
