@@ -31,6 +31,13 @@ from services.orchestrator.settings import OrchestratorSettings
 log = logging.getLogger(__name__)
 
 
+def kept_cost(exclusive: list[InstanceRecord], latency_s: float, gpu_price_gb: float) -> float:
+    """What keeping the current variant costs in the selector's objective: the instances only this task uses,
+    as if new (their memory, each GPU priced at `gpu_price_gb`: docs/selection-spec.md), x its latency. Reckoned
+    otherwise than the fresh variant it is compared with, a keep would win or lose for the arithmetic alone."""
+    return sum((r.memory_gb_per_gpu + gpu_price_gb) * r.tp * r.pp for r in exclusive) * latency_s
+
+
 class LoadFollower:
     def __init__(self, settings: OrchestratorSettings, store: StateStore, *, deployers: Deployers,
                  selections: Selections, cache: RoutingCache, inflight: Callable[[str], int]) -> None:
@@ -54,7 +61,8 @@ class LoadFollower:
         which says whether the current variant still fits; (B) the instances only it uses are not offered
         (they would be released), which says what a fresh variant costs. Reuse is free in the spec's cost,
         so without (B) a task would never give back capacity it no longer needs. The current variant is
-        kept when it fits and costs no more (its exclusive memory x its latency) than (B)'s."""
+        kept when it fits and costs no more (its exclusive memory x its latency, each GPU priced as the options
+        price it) than (B)'s."""
         _, t = await self.tasks.get(task_id)
         if t.state is not TaskState.ACTIVE or t.healing is not None or t.next_variant is not None:
             return
@@ -66,10 +74,12 @@ class LoadFollower:
         exclusive = set(refs) - shared
         note = Reselection(time.time(), why, rate_rps, previous_shares=refs)
         capacity_model: selection_pb2.CapacityModel | None = None
+        gpu_price = 0.0  # the options' priced GPUs: the kept variant's cost is reckoned as the selector's
         for attempt in range(1, self.settings.commit_retries + 1):
             view = await read_live_cluster(self.store)
             if capacity_model is None:
-                capacity_model = (await self.selections.options(t, view.cluster)).capacity_model
+                opts = await self.selections.options(t, view.cluster)
+                capacity_model, gpu_price = opts.capacity_model, opts.gpu_price_gb
             seen = excluding_task(view, refs)
             reps = self.settings.load_max_replicas  # scaling a stage out is one of the answers
             a = await self.selections.select_at(t, rate_rps, seen.cluster, max_replicas=reps)
@@ -85,8 +95,7 @@ class LoadFollower:
             same = False
             if fits and a is not None:
                 mem = {i.id: i for i in view.instances.values()}
-                keep_cost = sum(mem[i].memory_gb_per_gpu * mem[i].tp * mem[i].pp for i in exclusive if i in mem) \
-                    * a.latency_s
+                keep_cost = kept_cost([mem[i] for i in exclusive if i in mem], a.latency_s, gpu_price)
                 chosen, same = (a, True) if b is None or keep_cost <= b.cost else (b, False)
             if chosen is None:
                 await self._note_reselection(task_id, replace(
