@@ -307,7 +307,7 @@ def selection_options_from_proto(m: selection_pb2.SelectionOptions) -> Selection
         gpu_sharing=_enum_from_proto(m.gpu_sharing, _GPU_SHARING, GpuSharing, "options.gpu_sharing")
         or GpuSharing.IGNORE,
         interference=m.interference if m.HasField("interference") else 1.0,
-        gpu_price_gb=m.gpu_price_gb,  # 0 (absent) = the base contract
+        gpu_price_gb=m.gpu_price_gb if m.HasField("gpu_price_gb") else 0.0,  # absent = the base contract
     )
 
 

@@ -128,8 +128,8 @@ class Selections:
         (DEFAULT_CAPACITY_MODEL, BUSY_TIME), `gpu_sharing` (DEFAULT_GPU_SHARING, INTERFERENCE), under
         INTERFERENCE `interference` (DEFAULT_INTERFERENCE, or when that is negative the kappa the profiler stored
         for the cluster's GPU type; 1 when none is) and `gpu_price_gb` (DEFAULT_GPU_PRICE_GB, or when that is
-        negative one GPU's memory: `default_gpu_price`). Explicit options always win; an explicit 0 cannot be told
-        from unset in proto3, so the base contract's memory-only objective is chosen by DEFAULT_GPU_PRICE_GB=0."""
+        negative one GPU's memory: `default_gpu_price`). Explicit options always win (an explicit gpu_price_gb 0:
+        memory only, the paper's objective)."""
         s = self.settings
         o = convert.selection_options_from_json(t.options_json) if t.options_json else selection_pb2.SelectionOptions()
         if not o.utilization_cap:
@@ -142,7 +142,7 @@ class Selections:
                 f"GPU_SHARING_{s.default_gpu_sharing}"))
         if o.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE and not o.HasField("interference"):
             o.interference = await self.kappa(cluster_gpu_type(cluster, ""))
-        if not o.gpu_price_gb:
+        if not o.HasField("gpu_price_gb"):
             o.gpu_price_gb = default_gpu_price(s.default_gpu_price_gb, cluster)
         return o
 

@@ -280,8 +280,10 @@ async def _defaults_reach_the_selector(stack: Stack) -> None:
     assert o.interference == pytest.approx(0.25) and o.utilization_cap == pytest.approx(0.9)
     # The paper's contract on request: explicit IGNORE / OUTPUT_TOKENS win, and no co-resident bound is sent.
     c = await stack.deploy("paper", Slo(0.1, 3.5, 0.5), selection_pb2.SelectionOptions(
-        gpu_sharing=selection_pb2.GPU_SHARING_IGNORE, capacity_model=selection_pb2.CAPACITY_MODEL_OUTPUT_TOKENS))
+        gpu_sharing=selection_pb2.GPU_SHARING_IGNORE, capacity_model=selection_pb2.CAPACITY_MODEL_OUTPUT_TOKENS,
+        gpu_price_gb=0.0))
     req = stack.last_request()
+    assert req.options.HasField("gpu_price_gb") and req.options.gpu_price_gb == 0.0  # memory only, as asked
     assert req.options.gpu_sharing == selection_pb2.GPU_SHARING_IGNORE
     assert req.options.capacity_model == selection_pb2.CAPACITY_MODEL_OUTPUT_TOKENS
     assert not req.options.HasField("interference")

@@ -211,6 +211,8 @@ def test_gpu_price_round_trips_and_absent_is_the_base_contract() -> None:
     assert convert.selection_options_from_proto(convert.selection_options_to_proto(req.options)) == req.options
     req, _ = convert.select_variant_request_from_json(json.dumps(_minimal()))
     assert req.options.gpu_price_gb == 0.0
+    assert not convert.selection_options_from_json("{}").HasField("gpu_price_gb")  # absent: the caller's default
+    assert convert.selection_options_from_json('{"gpu_price_gb": 0}').HasField("gpu_price_gb")  # explicit 0 kept
 
 
 def test_null_means_default() -> None:

@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#flowmaker/common/v1/selection.proto\x12\x13\x66lowmaker.common.v1\"\xd8\x02\n\x10SelectionOptions\x12\x17\n\x0futilization_cap\x18\x01 \x01(\x01\x12\x18\n\x0b\x61llow_reuse\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\rtime_budget_s\x18\x03 \x01(\x01\x12\x12\n\nmax_trials\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x14\n\x0cmax_replicas\x18\x06 \x01(\x05\x12:\n\x0e\x63\x61pacity_model\x18\x07 \x01(\x0e\x32\".flowmaker.common.v1.CapacityModel\x12\x34\n\x0bgpu_sharing\x18\x08 \x01(\x0e\x32\x1f.flowmaker.common.v1.GpuSharing\x12\x19\n\x0cinterference\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x0cgpu_price_gb\x18\n \x01(\x01\x42\x0e\n\x0c_allow_reuseB\x0f\n\r_interference\"\xa0\x01\n\x0bNewInstance\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\n\n\x02tp\x18\x03 \x01(\x05\x12\n\n\x02pp\x18\x04 \x01(\x05\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x0f\n\x07gpu_ids\x18\x06 \x03(\t\x12\x19\n\x11memory_gb_per_gpu\x18\x07 \x01(\x01\x12 \n\x18load_output_tokens_per_s\x18\x08 \x01(\x01\"\xdf\x01\n\x0fStageAssignment\x12\x10\n\x08stage_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\n\n\x02tp\x18\x03 \x01(\x05\x12\n\n\x02pp\x18\x04 \x01(\x05\x12\x0e\n\x06reused\x18\x05 \x01(\x08\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\x0f\n\x07new_key\x18\x07 \x01(\t\x12\x0f\n\x07gpu_ids\x18\x08 \x03(\t\x12\x11\n\tlatency_s\x18\t \x01(\x01\x12 \n\x18load_output_tokens_per_s\x18\n \x01(\x01\x12\x14\n\x0creplica_keys\x18\x0b \x03(\t\"G\n\x0eReusedInstance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12 \n\x18load_output_tokens_per_s\x18\x02 \x01(\x01\"\xa2\x02\n\x07Variant\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x39\n\x0b\x61ssignments\x18\x02 \x03(\x0b\x32$.flowmaker.common.v1.StageAssignment\x12\x37\n\rnew_instances\x18\x03 \x03(\x0b\x32 .flowmaker.common.v1.NewInstance\x12\x32\n\x05reuse\x18\x04 \x03(\x0b\x32#.flowmaker.common.v1.ReusedInstance\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x12\x10\n\x08\x61\x63\x63uracy\x18\x06 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x07 \x01(\x01\x12\x15\n\rnew_memory_gb\x18\x08 \x01(\x01\x12\x10\n\x08new_gpus\x18\t \x01(\x05*_\n\nGpuSharing\x12\x1b\n\x17GPU_SHARING_UNSPECIFIED\x10\x00\x12\x16\n\x12GPU_SHARING_IGNORE\x10\x01\x12\x1c\n\x18GPU_SHARING_INTERFERENCE\x10\x02*o\n\rCapacityModel\x12\x1e\n\x1a\x43\x41PACITY_MODEL_UNSPECIFIED\x10\x00\x12 \n\x1c\x43\x41PACITY_MODEL_OUTPUT_TOKENS\x10\x01\x12\x1c\n\x18\x43\x41PACITY_MODEL_BUSY_TIME\x10\x02*\xb7\x01\n\rInfeasibility\x12\x1d\n\x19INFEASIBILITY_UNSPECIFIED\x10\x00\x12)\n%INFEASIBILITY_NO_MODEL_MEETS_ACCURACY\x10\x01\x12\x1c\n\x18INFEASIBILITY_NO_LATENCY\x10\x02\x12\x1d\n\x19INFEASIBILITY_NO_CAPACITY\x10\x03\x12\x1f\n\x1bINFEASIBILITY_NO_GPU_MEMORY\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#flowmaker/common/v1/selection.proto\x12\x13\x66lowmaker.common.v1\"\xee\x02\n\x10SelectionOptions\x12\x17\n\x0futilization_cap\x18\x01 \x01(\x01\x12\x18\n\x0b\x61llow_reuse\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\rtime_budget_s\x18\x03 \x01(\x01\x12\x12\n\nmax_trials\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x14\n\x0cmax_replicas\x18\x06 \x01(\x05\x12:\n\x0e\x63\x61pacity_model\x18\x07 \x01(\x0e\x32\".flowmaker.common.v1.CapacityModel\x12\x34\n\x0bgpu_sharing\x18\x08 \x01(\x0e\x32\x1f.flowmaker.common.v1.GpuSharing\x12\x19\n\x0cinterference\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cgpu_price_gb\x18\n \x01(\x01H\x02\x88\x01\x01\x42\x0e\n\x0c_allow_reuseB\x0f\n\r_interferenceB\x0f\n\r_gpu_price_gb\"\xa0\x01\n\x0bNewInstance\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\n\n\x02tp\x18\x03 \x01(\x05\x12\n\n\x02pp\x18\x04 \x01(\x05\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x0f\n\x07gpu_ids\x18\x06 \x03(\t\x12\x19\n\x11memory_gb_per_gpu\x18\x07 \x01(\x01\x12 \n\x18load_output_tokens_per_s\x18\x08 \x01(\x01\"\xdf\x01\n\x0fStageAssignment\x12\x10\n\x08stage_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\n\n\x02tp\x18\x03 \x01(\x05\x12\n\n\x02pp\x18\x04 \x01(\x05\x12\x0e\n\x06reused\x18\x05 \x01(\x08\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\x0f\n\x07new_key\x18\x07 \x01(\t\x12\x0f\n\x07gpu_ids\x18\x08 \x03(\t\x12\x11\n\tlatency_s\x18\t \x01(\x01\x12 \n\x18load_output_tokens_per_s\x18\n \x01(\x01\x12\x14\n\x0creplica_keys\x18\x0b \x03(\t\"G\n\x0eReusedInstance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12 \n\x18load_output_tokens_per_s\x18\x02 \x01(\x01\"\xa2\x02\n\x07Variant\x12\x13\n\x0bworkflow_id\x18\x01 \x01(\t\x12\x39\n\x0b\x61ssignments\x18\x02 \x03(\x0b\x32$.flowmaker.common.v1.StageAssignment\x12\x37\n\rnew_instances\x18\x03 \x03(\x0b\x32 .flowmaker.common.v1.NewInstance\x12\x32\n\x05reuse\x18\x04 \x03(\x0b\x32#.flowmaker.common.v1.ReusedInstance\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x12\x10\n\x08\x61\x63\x63uracy\x18\x06 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x07 \x01(\x01\x12\x15\n\rnew_memory_gb\x18\x08 \x01(\x01\x12\x10\n\x08new_gpus\x18\t \x01(\x05*_\n\nGpuSharing\x12\x1b\n\x17GPU_SHARING_UNSPECIFIED\x10\x00\x12\x16\n\x12GPU_SHARING_IGNORE\x10\x01\x12\x1c\n\x18GPU_SHARING_INTERFERENCE\x10\x02*o\n\rCapacityModel\x12\x1e\n\x1a\x43\x41PACITY_MODEL_UNSPECIFIED\x10\x00\x12 \n\x1c\x43\x41PACITY_MODEL_OUTPUT_TOKENS\x10\x01\x12\x1c\n\x18\x43\x41PACITY_MODEL_BUSY_TIME\x10\x02*\xb7\x01\n\rInfeasibility\x12\x1d\n\x19INFEASIBILITY_UNSPECIFIED\x10\x00\x12)\n%INFEASIBILITY_NO_MODEL_MEETS_ACCURACY\x10\x01\x12\x1c\n\x18INFEASIBILITY_NO_LATENCY\x10\x02\x12\x1d\n\x19INFEASIBILITY_NO_CAPACITY\x10\x03\x12\x1f\n\x1bINFEASIBILITY_NO_GPU_MEMORY\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flowmaker.api.common.v1.selection_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GPUSHARING']._serialized_start=1162
-  _globals['_GPUSHARING']._serialized_end=1257
-  _globals['_CAPACITYMODEL']._serialized_start=1259
-  _globals['_CAPACITYMODEL']._serialized_end=1370
-  _globals['_INFEASIBILITY']._serialized_start=1373
-  _globals['_INFEASIBILITY']._serialized_end=1556
+  _globals['_GPUSHARING']._serialized_start=1184
+  _globals['_GPUSHARING']._serialized_end=1279
+  _globals['_CAPACITYMODEL']._serialized_start=1281
+  _globals['_CAPACITYMODEL']._serialized_end=1392
+  _globals['_INFEASIBILITY']._serialized_start=1395
+  _globals['_INFEASIBILITY']._serialized_end=1578
   _globals['_SELECTIONOPTIONS']._serialized_start=61
-  _globals['_SELECTIONOPTIONS']._serialized_end=405
-  _globals['_NEWINSTANCE']._serialized_start=408
-  _globals['_NEWINSTANCE']._serialized_end=568
-  _globals['_STAGEASSIGNMENT']._serialized_start=571
-  _globals['_STAGEASSIGNMENT']._serialized_end=794
-  _globals['_REUSEDINSTANCE']._serialized_start=796
-  _globals['_REUSEDINSTANCE']._serialized_end=867
-  _globals['_VARIANT']._serialized_start=870
-  _globals['_VARIANT']._serialized_end=1160
+  _globals['_SELECTIONOPTIONS']._serialized_end=427
+  _globals['_NEWINSTANCE']._serialized_start=430
+  _globals['_NEWINSTANCE']._serialized_end=590
+  _globals['_STAGEASSIGNMENT']._serialized_start=593
+  _globals['_STAGEASSIGNMENT']._serialized_end=816
+  _globals['_REUSEDINSTANCE']._serialized_start=818
+  _globals['_REUSEDINSTANCE']._serialized_end=889
+  _globals['_VARIANT']._serialized_start=892
+  _globals['_VARIANT']._serialized_end=1182
 # @@protoc_insertion_point(module_scope)
