@@ -30,6 +30,11 @@ for part in "${parts[@]}"; do
       pkill -KILL -f "$PWD/$PY" 2>/dev/null || true
       pkill -KILL -f "$base" 2>/dev/null || true
     fi
+    if grep -q "STUCK TASK" "$log"; then
+      # tasks a test left that would not end (tests/integration/conftest.py detached them): where each was stuck
+      echo "== $part: tasks left by a test that did not end when cancelled (detached; see the warnings summary):"
+      grep -A4 "STUCK TASK" "$log" | head -n 40
+    fi
     rm -f "$log"
     if [ "$rc" -eq 0 ]; then rm -rf "$base"; else echo "== $part: its temporary files are in $base"; fi
     if [ "$attempt" -eq 1 ] && { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; }; then

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -14,6 +15,10 @@ from flowmaker.rpc.server import AddServicers, RunningServer, start_server
 from flowmaker.settings import ServiceSettings
 
 StartService = Callable[..., Awaitable[RunningServer]]
+
+class StuckTaskWarning(UserWarning):
+    """A task left running by a test did not end once cancelled (see `_no_task_left_running`)."""
+
 
 # How long the tasks a test left running get to end once cancelled.
 LEFT_TASKS_GRACE_S = 20.0
@@ -38,8 +43,11 @@ def _await_chain(task: asyncio.Task[Any]) -> str:
 async def _no_task_left_running() -> AsyncIterator[None]:
     """After a test and all its fixtures (autouse: set up first, so torn down last), the tasks still running on its
     loop are cancelled here and given LEFT_TASKS_GRACE_S to end. One that does not end would freeze the loop's own
-    teardown, which waits for every task with no limit and no alarm left to stop it: such a task fails the test
-    instead, named with where it is stuck, and is detached from the loop so the run goes on."""
+    teardown, which waits for every task with no limit and no alarm left to stop it (CI lost 25 minutes so, twice,
+    then ran the part again): such a task is detached from the loop so the run goes on, and reported with where it
+    is stuck, as a warning in the test summary and a `STUCK TASK` line that scripts/run_tests.sh repeats at the end.
+    A warning, not a failure: the test's own assertions passed, and what hangs in a teardown (most often a library's
+    shutdown) is a finding for the log, not a verdict on the test."""
     yield
     me = asyncio.current_task()
     left = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
@@ -53,8 +61,8 @@ async def _no_task_left_running() -> AsyncIterator[None]:
         print(report, file=sys.stderr, flush=True)
         for t in stuck:
             asyncio.tasks._unregister_task(t)  # the loop's teardown would wait for it for ever
-        pytest.fail(f"{len(stuck)} task(s) did not end within {LEFT_TASKS_GRACE_S:.0f}s of being cancelled after "
-                    f"the test:\n{report}")
+        warnings.warn(StuckTaskWarning(f"{len(stuck)} task(s) did not end within {LEFT_TASKS_GRACE_S:.0f}s of being "
+                                       f"cancelled after the test (detached):\n{report}"), stacklevel=1)
 
 
 @pytest.fixture
