@@ -13,6 +13,7 @@ from flowmaker.domain.selection import (
     StageAssignment,
     Variant,
     default_gpu_price,
+    priced_memory_gb,
 )
 from flowmaker.domain.workflow import Slo, Stage, StageKind, TaskSpec, Workflow
 
@@ -41,4 +42,5 @@ __all__ = [
     "Variant",
     "Workflow",
     "default_gpu_price",
+    "priced_memory_gb",
 ]

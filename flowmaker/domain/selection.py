@@ -60,6 +60,12 @@ class SelectionOptions:
         return self
 
 
+def priced_memory_gb(memory_gb_per_gpu: float, gpus: int, gpu_price_gb: float) -> float:
+    """What the objective charges for an instance (or a group) on `gpus` GPUs: its memory, each GPU priced
+    `gpu_price_gb` more (docs/selection-spec.md, priced GPUs; 0: the memory alone, the base contract)."""
+    return gpus * (memory_gb_per_gpu + gpu_price_gb)
+
+
 def default_gpu_price(setting: float, cluster: Cluster) -> float:
     """`options.gpu_price_gb` for a deployment setting: the setting when >= 0, else (negative: "one GPU") the
     memory of the cluster's largest GPU, so that a GPU an instance spans is charged as if its whole memory were

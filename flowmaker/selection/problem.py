@@ -26,6 +26,7 @@ from flowmaker.domain import (
     StageAssignment,
     Variant,
     Workflow,
+    priced_memory_gb,
 )
 from flowmaker.selection.placement import (
     NodeGpus,
@@ -107,7 +108,8 @@ class Problem:
         self.p_gb = tuple(r * p.total_memory_gb for p, r in zip(self.profiles, self.p_reps, strict=True))
         price = req.options.gpu_price_gb
         self.p_mem = self.p_gb if not price else tuple(
-            r * p.tp * p.pp * (p.memory_gb_per_gpu + price) for p, r in zip(self.profiles, self.p_reps, strict=True))
+            priced_memory_gb(p.memory_gb_per_gpu, r * p.tp * p.pp, price)
+            for p, r in zip(self.profiles, self.p_reps, strict=True))
         self.p_cap = tuple(r * self.u * p.max_output_tokens_per_s
                            for p, r in zip(self.profiles, self.p_reps, strict=True))
         self.p_k = tuple(p.tp * p.pp for p in self.profiles)  # GPUs of ONE replica (what placement needs)

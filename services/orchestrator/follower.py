@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from flowmaker.api.common.v1 import selection_pb2
-from flowmaker.domain import Variant
+from flowmaker.domain import Variant, priced_memory_gb
 from flowmaker.errors import NoCapacity, NotFound
 from flowmaker.orchestration.cluster import excluding_task, read_live_cluster
 from flowmaker.orchestration.commit import ReleaseAction, commit_ops, plan_commit
@@ -35,7 +35,7 @@ def kept_cost(exclusive: list[InstanceRecord], latency_s: float, gpu_price_gb: f
     """What keeping the current variant costs in the selector's objective: the instances only this task uses,
     as if new (their memory, each GPU priced at `gpu_price_gb`: docs/selection-spec.md), x its latency. Reckoned
     otherwise than the fresh variant it is compared with, a keep would win or lose for the arithmetic alone."""
-    return sum((r.memory_gb_per_gpu + gpu_price_gb) * r.tp * r.pp for r in exclusive) * latency_s
+    return sum(priced_memory_gb(r.memory_gb_per_gpu, r.tp * r.pp, gpu_price_gb) for r in exclusive) * latency_s
 
 
 class LoadFollower:
