@@ -291,21 +291,28 @@ def with_planned_busy(cluster: Cluster, planned: Mapping[str, float]) -> Cluster
         replace(i, busy_share=min(1.0, max(i.busy_share, planned.get(i.id, 0.0)))) for i in cluster.instances))
 
 
+async def read_tolerating_tasks(store: StateStore, *, exclude: str = "") -> list[TaskRecord]:
+    """The stored task records that hold a committed variant (TOLERATING_STATES), but `exclude`; an unreadable record
+    is skipped with a warning (one must not break selections)."""
+    tasks: list[TaskRecord] = []
+    for kv in (await store.get_prefix(keys.TASKS)).items:
+        try:
+            t = TaskRecord.from_json(kv.value)
+        except Exception as e:
+            log.warning("ignoring unreadable task record %s: %s", kv.key, e)
+            continue
+        if t.state in TOLERATING_STATES and t.id != exclude:
+            tasks.append(t)
+    return tasks
+
+
 async def read_task_uses(store: StateStore, gpu_type: str, models: Sequence[Model], *,
                          exclude: str = "") -> list[TaskUse]:
     """`task_uses` over the stored task records, with the profiles the selector sees for `models` on `gpu_type`
     (`read_profiles`: stored MEASURED first, else analytic). A model outside `models`, or a GPU type the catalog
     does not know (no analytic profiles) leaves the tasks using it with an unknown latency alone and nothing
     offered."""
-    tasks: list[TaskRecord] = []
-    for kv in (await store.get_prefix(keys.TASKS)).items:
-        try:
-            t = TaskRecord.from_json(kv.value)
-        except Exception as e:  # one unreadable record must not break selections
-            log.warning("ignoring unreadable task record %s: %s", kv.key, e)
-            continue
-        if t.state in TOLERATING_STATES and t.id != exclude:
-            tasks.append(t)
+    tasks = await read_tolerating_tasks(store, exclude=exclude)
     used = {(a.model_id, a.tp, a.pp) for t in tasks for v in (t.variant, t.next_variant) if v is not None
             for a in v.assignments}
     if not used:

@@ -168,6 +168,36 @@ def predict_on_placement(tasks: Iterable[TaskRecord], instances: Iterable[Instan
     return out
 
 
+def slo_breaks(tasks: Iterable[TaskRecord], instances: Iterable[Instance], profiles: Mapping[Key, Profile],
+               kappa: float, moved: TaskRecord, new_instances: Iterable[Instance] = (), released: Iterable[str] = (),
+               *, only: frozenset[str] | None = None) -> dict[str, tuple[float, float]]:
+    """The tasks a move would push past their latency SLO: by id, (prediction before, after), for every task other
+    than `moved.id` (of `only`, when given) that `predict_on_placement` puts within its SLO on the placement as it
+    stands and past it once `moved` (the moving task's record with its new variant, stage map and planned rate)
+    replaces the task's record, `new_instances` are placed and the instances in `released` (what only the old
+    variant used) are gone. The load follower asks it before a switch: the selector's sharing bound and this
+    prediction are different models, and the second is the one the follower later acts on (a move the bound
+    admits but the prediction rejects would otherwise make the co-residents re-select in turn). A task already
+    past its SLO, or with no prediction before, is not counted: the move did not break it."""
+    tasks = list(tasks)
+    insts = list(instances)
+    gone = set(released)
+    before = predict_on_placement(tasks, insts, profiles, kappa, only=only)
+    after = predict_on_placement([moved if t.id == moved.id else t for t in tasks],
+                                 [i for i in insts if i.id not in gone] + list(new_instances), profiles, kappa,
+                                 only=only)
+    slo = {t.id: t.slo.max_latency_s for t in tasks}
+    out: dict[str, tuple[float, float]] = {}
+    for tid, p in sorted(after.items()):
+        b = before.get(tid)
+        if tid == moved.id or b is None:
+            continue
+        lim = slo[tid] * (1 + 1e-9)
+        if b.latency_s <= lim < p.latency_s:
+            out[tid] = (b.latency_s, p.latency_s)
+    return out
+
+
 def placement_key(tasks: Iterable[TaskRecord], instances: Iterable[Instance]) -> tuple[object, ...]:
     """What `predict_on_placement` depends on besides profiles and kappa, as one comparable value: the committed
     variants (workflow, stage -> instance maps, planned rates) and the instances (GPUs, profile, planned load). The

@@ -580,3 +580,42 @@ async def test_a_prediction_past_the_slo_makes_the_load_follower_reselect(etcd_s
             return t if abs(t.predicted_latency_s - moved) <= 1e-9 * moved else None
 
         await _eventually(settled, timeout_s=15.0)
+
+
+async def test_the_load_follower_keeps_a_task_where_it_is_when_its_move_would_break_a_co_residents_slo(
+        etcd_store: Any, start_service: Any) -> None:
+    """The selector admits a move under its sharing bound; the follower then predicts the placement it would make
+    (`predict.slo_breaks`, the model it acts on afterwards) and keeps the task where it is when that puts a
+    co-resident that meets its SLO past it. Here the two models disagree by construction: A is selected with a
+    kappa of 0 of its own (its options), so the selector sees no interference in A's moves, while the prediction
+    runs at the cluster's stored 0.6."""
+    await _put_profile(etcd_store, BETTER)
+    # B beside A (A at 2 req/s): what B is predicted at on the placement as it is.
+    b_before = placement_latencies({"a": InstanceLoad(PROFILE, ("g",), (Arrivals(2.0, (Call("A", 50, 10),)),)),
+                                    "b": InstanceLoad(BETTER, ("g",), (Arrivals(8.0, (Call("B", 50, 10),)),))},
+                                   KAPPA)["b"].latency_s["B"]
+    async with _stack(etcd_store, start_service, gpus=1) as stack:
+        a = await stack.deploy("first", Slo(0.1, 3.5, 2.0), selection_pb2.SelectionOptions(
+            gpu_sharing=selection_pb2.GPU_SHARING_INTERFERENCE, interference=0.0))
+        # B tolerates 2% more than it gets beside A: any busy newcomer on the one GPU breaks it.
+        b = await stack.deploy("second", Slo(0.16, 1.02 * b_before, 8.0))
+        iid = a.stage_instances["answer"]
+        assert b.stage_instances["answer"] != iid
+
+        async def predicted_b() -> Any:
+            t = await _get(stack, b.id)
+            return t if abs(t.predicted_latency_s - b_before) <= 1e-9 * b_before else None
+
+        await _eventually(predicted_b, timeout_s=15.0)  # B meets its SLO on the placement as it is
+        # 30 req/s: more than A's instance can carry (0.035 s busy a call), so A must move, onto new instances
+        # beside B's (the selector, at kappa 0, sees no harm in that).
+        await stack.core.follower.reselect_for_load(a.id, 30.0, "a test asked")
+        got = await _get(stack, a.id)
+        r = got.last_reselection
+        assert r.outcome == "FAILED" and "kept the current variant" in r.reason, r.reason
+        assert f"{b.id} ({b_before:.3g}s -> " in r.reason
+        assert got.stage_instances["answer"] == iid and got.state == ACTIVE
+        assert (await _get(stack, b.id)).stage_instances["answer"] == b.stage_instances["answer"]
+        # Nothing was started for the move.
+        ids = {keys.parse_instance(kv.key) for kv in (await stack.store.get_prefix(keys.INSTANCES)).items}
+        assert ids == {iid, b.stage_instances["answer"]}

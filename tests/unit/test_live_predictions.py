@@ -34,7 +34,7 @@ from flowmaker.domain import (
 )
 from flowmaker.engine.loaded import Arrivals, Call, InstanceLoad, Loaded, placement_latencies
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad, demand, drifted, peak_window_count
-from flowmaker.orchestration.predict import placement_key, predict_on_placement
+from flowmaker.orchestration.predict import placement_key, predict_on_placement, slo_breaks
 from flowmaker.orchestration.task import Reselection, TaskRecord, TaskState, selected_prediction
 from flowmaker.selection.registry import select
 from flowmaker.sharing import occupancy
@@ -181,6 +181,52 @@ def test_prediction_replicas_overload_unknown_and_who_is_predicted() -> None:
     got = predict_on_placement([a, deploying], [a0, replace(other, gpu_ids=("g0",))], PROFILES, 1.0)
     assert set(got) == {"A"} and got["A"].latency_s > predict_on_placement([a], [a0], PROFILES, 1.0)["A"].latency_s
     assert predict_on_placement([a], [a0], PROFILES, 1.0, only=frozenset()) == {}
+
+
+
+def _on_b(gpu: str, iid: str) -> Variant:
+    """Both of WF's LLM stages on one new instance `iid` of PB on `gpu`."""
+    return Variant("w", tuple(StageAssignment(s.id, B_MODEL, 1, 1, False, new_key="new-0", gpu_ids=(gpu,),
+                                              latency_s=_alone(PB, s)) for s in WF.stages if s.is_llm),
+                   (), (), latency_s=0.5, accuracy=0.4, cost=0.0, new_memory_gb=3.0, new_gpus=1)
+
+
+def test_slo_breaks_names_the_co_residents_a_move_would_push_past_their_slo() -> None:
+    a, a0 = _running_a(3.0)
+    # B serves on its own GPU g1 at 1 req/s; the load follower moves it, at 4 req/s, to a new instance.
+    b = _task("B", _on_b("g1", "b0"), {"ask": "b0", "say": "b0"}, 1.0)
+    b0 = Instance("b0", B_MODEL, 1, 1, ("g1",), 30.0)
+    a_alone = predict_on_placement([a, b], [a0, b0], PROFILES, KAPPA)["A"].latency_s
+
+    def moved_to(gpu: str) -> tuple[TaskRecord, Instance]:
+        rec = replace(b, variant=_on_b(gpu, "b1"), stage_instances={"ask": "b1", "say": "b1"}, planned_rate_rps=4.0)
+        return rec, Instance("b1", B_MODEL, 1, 1, (gpu,), 120.0)
+
+    rec, b1 = moved_to("g0")  # beside A's instance
+    beside = predict_on_placement([a, rec], [a0, b1], PROFILES, KAPPA)["A"].latency_s
+    assert beside > 1.05 * a_alone  # what the test rests on: B's calls slow A
+    # A's SLO between the two: the move breaks it; B itself (the task moved) is never named.
+    a_tight = replace(a, slo=replace(a.slo, max_latency_s=(a_alone + beside) / 2))
+    got = slo_breaks([a_tight, b], [a0, b0], PROFILES, KAPPA, rec, [b1], ["b0"])
+    assert set(got) == {"A"} and got["A"] == pytest.approx((a_alone, beside), rel=1e-9)
+    b_before = predict_on_placement([a, b], [a0, b0], PROFILES, KAPPA)["B"].latency_s
+    b_after = predict_on_placement([a, rec], [a0, b1], PROFILES, KAPPA)["B"].latency_s
+    assert b_after > 1.05 * b_before
+    b_slo = replace(b.slo, max_latency_s=(b_before + b_after) / 2)
+    assert set(slo_breaks([a_tight, replace(b, slo=b_slo)], [a0, b0], PROFILES, KAPPA, replace(rec, slo=b_slo),
+                          [b1], ["b0"])) == {"A"}
+    # The old instance released: with b0 left in place (as a stranger with a planned load on g1) nothing changes
+    # for A, on g0; put on g0, that stranger would count as busy beside A after the move.
+    assert slo_breaks([a_tight, b], [a0, b0], PROFILES, KAPPA, rec, [b1]) == got
+    # To an idle GPU: nothing breaks; an SLO that holds after the move too: nothing; A already past it: not counted.
+    rec2, b2 = moved_to("g2")
+    assert slo_breaks([a_tight, b], [a0, b0], PROFILES, KAPPA, rec2, [b2], ["b0"]) == {}
+    loose = replace(a, slo=replace(a.slo, max_latency_s=1.01 * beside))
+    assert slo_breaks([loose, b], [a0, b0], PROFILES, KAPPA, rec, [b1], ["b0"]) == {}
+    past = replace(a, slo=replace(a.slo, max_latency_s=0.99 * a_alone))
+    assert slo_breaks([past, b], [a0, b0], PROFILES, KAPPA, rec, [b1], ["b0"]) == {}
+    # Only the tasks asked about: A left out, nothing named.
+    assert slo_breaks([a_tight, b], [a0, b0], PROFILES, KAPPA, rec, [b1], ["b0"], only=frozenset({"B"})) == {}
 
 
 # ---- the burst meter -------------------------------------------------------------------------------
