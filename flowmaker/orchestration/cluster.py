@@ -284,6 +284,13 @@ def with_tolerances(cluster: Cluster, tolerated: Mapping[str, float]) -> Cluster
                                             for i in cluster.instances))
 
 
+def capped_tolerances(cluster: Cluster, caps: Mapping[str, float]) -> Cluster:
+    """The cluster with the `max_slowdown` of each instance in `caps` at most its cap (0, unbounded, becomes it)."""
+    return replace(cluster, instances=tuple(
+        replace(i, max_slowdown=min(caps[i.id], i.max_slowdown) if i.max_slowdown else caps[i.id])
+        if i.id in caps else i for i in cluster.instances))
+
+
 def with_planned_busy(cluster: Cluster, planned: Mapping[str, float]) -> Cluster:
     """The cluster with each running instance's `busy_share` = max(its planned busy share (`planned_busy_shares`;
     0 when absent), the one it carries: the measured share when fresh, else 0)."""

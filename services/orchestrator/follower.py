@@ -77,7 +77,9 @@ class LoadFollower:
         (they would be released), which says what a fresh variant costs. Reuse is free in the spec's cost,
         so without (B) a task would never give back capacity it no longer needs. The current variant is
         kept when it fits and costs no more (its exclusive memory x its latency, each GPU priced as the options
-        price it) than (B)'s."""
+        price it) than (B)'s. Under GPU sharing a move is then checked with the live prediction (`_breaks`): if it
+        would push a co-resident that meets its SLO past it, both are selected again with that co-resident's
+        instances tolerating no slowdown; if that choice breaks one too, or there is none, the task stays."""
         _, t = await self.tasks.get(task_id)
         if t.state is not TaskState.ACTIVE or t.healing is not None or t.next_variant is not None:
             return
@@ -97,36 +99,50 @@ class LoadFollower:
                 capacity_model, gpu_price = opts.capacity_model, opts.gpu_price_gb
             seen = excluding_task(view, refs)
             reps = self.settings.load_max_replicas  # scaling a stage out is one of the answers
-            a = await self.selections.select_at(t, rate_rps, seen.cluster, max_replicas=reps)
             fresh = replace(seen.cluster, instances=tuple(i for i in seen.cluster.instances if i.id not in exclusive))
-            b = await self.selections.select_at(t, rate_rps, fresh, max_replicas=reps) if exclusive else None
-            tkv, cur = await self.tasks.get(task_id)
-            if cur.state is not TaskState.ACTIVE or cur.next_variant is not None:
-                return
-            fits = a is not None and a.workflow_id == (cur.variant.workflow_id if cur.variant else "") and \
-                not a.new_instances and {x.stage_id: x.instance_id for x in a.assignments if x.reused} == \
-                cur.stage_instances
-            chosen: Variant | None = a or b
-            same = False
-            if fits and a is not None:
-                mem = {i.id: i for i in view.instances.values()}
-                keep_cost = kept_cost([mem[i] for i in exclusive if i in mem], a.latency_s, gpu_price)
-                chosen, same = (a, True) if b is None or keep_cost <= b.cost else (b, False)
-            if chosen is None:
-                await self._note_reselection(task_id, replace(
-                    note, outcome="FAILED", reason=f"{why}; no feasible variant at {rate_rps:.3g} req/s"))
-                return
-            v = chosen
-            scale = await self.selections.load_scale(t, v, view.cluster, capacity_model, await self.selections.models())
-            plan = plan_commit(task_id, v, [new_instance_id(n.model_id) for n in v.new_instances], load_scale=scale)
-            if not same and self.selections.shares_gpus(cur):
-                broken = await self._breaks(cur, v, plan, rate_rps, view, exclusive)
-                if broken:
-                    names = ", ".join(f"{tid} ({b:.3g}s -> {x:.3g}s)" for tid, (b, x) in sorted(broken.items()))
-                    await self._note_reselection(task_id, replace(note, outcome="FAILED", reason=(
-                        f"{why}; kept the current variant: the live prediction puts co-resident task(s) {names} "
-                        f"past their latency SLO on the variant selected at {rate_rps:.3g} req/s")))
+            # Co-residents the first choice would push past their SLO (by the live prediction) are protected in a
+            # second selection: their instances tolerate no slowdown, so it neither reuses them nor places beside them.
+            protect: dict[str, float] = {}
+            broke = ""  # who the first choice broke, for the note
+            for check in (1, 2):
+                a = await self.selections.select_at(t, rate_rps, seen.cluster, max_replicas=reps, protect=protect)
+                b = await self.selections.select_at(t, rate_rps, fresh, max_replicas=reps, protect=protect) \
+                    if exclusive else None
+                tkv, cur = await self.tasks.get(task_id)
+                if cur.state is not TaskState.ACTIVE or cur.next_variant is not None:
                     return
+                fits = a is not None and a.workflow_id == (cur.variant.workflow_id if cur.variant else "") and \
+                    not a.new_instances and {x.stage_id: x.instance_id for x in a.assignments if x.reused} == \
+                    cur.stage_instances
+                chosen: Variant | None = a or b
+                same = False
+                if fits and a is not None:
+                    mem = {i.id: i for i in view.instances.values()}
+                    keep_cost = kept_cost([mem[i] for i in exclusive if i in mem], a.latency_s, gpu_price)
+                    chosen, same = (a, True) if b is None or keep_cost <= b.cost else (b, False)
+                if chosen is None:
+                    await self._note_reselection(task_id, replace(note, outcome="FAILED", reason=(
+                        f"{why}; no feasible variant at {rate_rps:.3g} req/s" + (
+                            f" that keeps {broke}" if protect else ""))))
+                    return
+                v = chosen
+                scale = await self.selections.load_scale(t, v, view.cluster, capacity_model,
+                                                          await self.selections.models())
+                plan = plan_commit(task_id, v, [new_instance_id(n.model_id) for n in v.new_instances],
+                                   load_scale=scale)
+                if same or not self.selections.shares_gpus(cur):
+                    break
+                broken, used = await self._breaks(cur, v, plan, rate_rps, view, exclusive)
+                if not broken:
+                    break
+                broke = "co-resident task(s) " + ", ".join(
+                    f"{tid} ({x:.3g}s -> {y:.3g}s)" for tid, (x, y) in sorted(broken.items())) + \
+                    " within their latency SLO by the live prediction"
+                if check == 2 or not used:
+                    await self._note_reselection(task_id, replace(note, outcome="FAILED", reason=(
+                        f"{why}; kept the current variant: none selected at {rate_rps:.3g} req/s keeps {broke}")))
+                    return
+                protect = dict.fromkeys(sorted(used), 1.0)
             now = time.time()
             if same:
                 # The current variant still fits the new rate and costs no more: only its shares move.
@@ -153,15 +169,15 @@ class LoadFollower:
                                                       reason=f"{why}; the cluster kept changing"))
 
     async def _breaks(self, cur: TaskRecord, v: Variant, plan: CommitPlan, rate_rps: float, view: ClusterView,
-                      exclusive: set[str]) -> dict[str, tuple[float, float]]:
+                      exclusive: set[str]) -> tuple[dict[str, tuple[float, float]], set[str]]:
         """The tasks the switch to `v` would push past their latency SLO by the live prediction
-        (`predict.slo_breaks`: the task's new variant and instances in, what only its old one used out); {} when
-        no prediction can be made (no GPU type, no profiles). The selector admitted `v` under its sharing bound;
-        this is the model the follower acts on afterwards, so a move it rejects would make the co-residents
-        re-select in their turn."""
+        (`predict.slo_breaks`: the task's new variant and instances in, what only its old one used out), and the
+        instances they use; nothing when no prediction can be made (no GPU type, no profiles). The selector
+        admitted `v` under its sharing bound; this is the model the follower acts on afterwards, so a move it
+        rejects would make the co-residents re-select in their turn."""
         gpu_type = cluster_gpu_type(view.cluster, "")
         if not gpu_type:
-            return {}
+            return {}, set()
         tasks = await read_tolerating_tasks(self.store)
         moved = replace(cur, variant=v, stage_instances=plan.stage_instances, planned_rate_rps=rate_rps,
                         next_variant=None, next_stage_instances={}, next_new_instances=(), last_reselection=None)
@@ -177,10 +193,13 @@ class LoadFollower:
         except (NotFound, InvalidSpec) as e:
             log.warning("task %s: no profiles on GPU type %r to check the co-residents of a move: %s", cur.id,
                         gpu_type, e)
-            return {}
+            return {}, set()
         only = frozenset(t.id for t in tasks if t.state is TaskState.ACTIVE and self.selections.shares_gpus(t))
-        return slo_breaks(tasks, instances, profiles, await self.selections.kappa(gpu_type), moved, new,
-                          exclusive - set(plan.stage_instances.values()), only=only)
+        broken = slo_breaks(tasks, instances, profiles, await self.selections.kappa(gpu_type), moved, new,
+                            exclusive - set(plan.stage_instances.values()), only=only)
+        theirs = {i for t in tasks if t.id in broken for m in (t.stage_instances, t.next_stage_instances)
+                  for i in m.values()}
+        return broken, theirs
 
     async def switch_variant(self, task_id: str) -> None:
         """Deploy the task's next variant, route requests to it, drain and release what only the old one used.

@@ -7,7 +7,7 @@ An approval's selection, a healing re-selection and the load follower's all ask 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -18,6 +18,7 @@ from flowmaker.catalog import default_models
 from flowmaker.domain import Cluster, Model, Variant, default_gpu_price
 from flowmaker.errors import FlowMakerError, InvalidSpec, NotFound
 from flowmaker.orchestration.cluster import (
+    capped_tolerances,
     cluster_gpu_type,
     planned_busy_shares,
     read_task_uses,
@@ -63,17 +64,18 @@ class Selections:
         self.contexts.update({m.id: m.arch.max_ctx for m in registered if m.arch is not None and m.arch.max_ctx > 0})
         return tuple(by_id.values())
 
-    async def select_at(self, t: TaskRecord, rate_rps: float, cluster: Cluster, *, max_replicas: int = 1
-                        ) -> Variant | None:
+    async def select_at(self, t: TaskRecord, rate_rps: float, cluster: Cluster, *, max_replicas: int = 1,
+                        protect: Mapping[str, float] | None = None) -> Variant | None:
         """The selector's variant for `t`'s approved workflows at `rate_rps` on `cluster` (None: infeasible),
-        with at least `max_replicas` replicas per new instance allowed."""
-        req = await self.request(t, cluster, rate_rps=rate_rps, max_replicas=max_replicas)
+        with at least `max_replicas` replicas per new instance allowed; `protect` as in `request`."""
+        req = await self.request(t, cluster, rate_rps=rate_rps, max_replicas=max_replicas, protect=protect)
         result = convert.selection_result_from_proto(await call(self.clients.selector.SelectVariant(
             req, timeout=self.settings.select_timeout_s)))
         return result.variant
 
     async def request(self, t: TaskRecord, cluster: Cluster, *, rate_rps: float | None = None,
-                      max_replicas: int = 0) -> selector_pb2.SelectVariantRequest:
+                      max_replicas: int = 0, protect: Mapping[str, float] | None = None
+                      ) -> selector_pb2.SelectVariantRequest:
         """The SelectVariant request for `t`'s approved workflows on `cluster`, at `rate_rps` (None: the SLO's
         declared rate), with at least `max_replicas` replicas per new instance allowed (0: the options' own).
         An approval's selection, a healing re-selection and the load follower's all build it here: the
@@ -82,7 +84,8 @@ class Selections:
         other tasks using it, so that no selection slows co-residents past their SLOs, and its `busy_share` =
         max(the measured one when fresh, the planned one: occupancy of the call-seconds/s the other tasks' variants
         offer it at their planned rates), so that an instance deployed before its traffic arrives is not taken for
-        idle (both from flowmaker.orchestration.cluster.read_task_uses)."""
+        idle (both from flowmaker.orchestration.cluster.read_task_uses). `protect` (instance id -> a slowdown >= 1)
+        caps those instances' `max_slowdown` further (the load follower's second choice: 1, no slowdown at all)."""
         models = await self.models()
         options = await self.options(t, cluster)
         if max_replicas:
@@ -91,6 +94,8 @@ class Selections:
         if options.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE and cluster.instances and gpu_type:
             uses = await read_task_uses(self.store, gpu_type, models or default_models(), exclude=t.id)
             cluster = with_planned_busy(with_tolerances(cluster, tolerances_of(uses)), planned_busy_shares(uses))
+            if protect:
+                cluster = capped_tolerances(cluster, protect)
         slo = t.slo if rate_rps is None else replace(t.slo, arrival_rate_rps=rate_rps)
         return selector_pb2.SelectVariantRequest(
             slo=convert.slo_to_proto(slo),

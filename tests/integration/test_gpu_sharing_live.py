@@ -612,10 +612,47 @@ async def test_the_load_follower_keeps_a_task_where_it_is_when_its_move_would_br
         await stack.core.follower.reselect_for_load(a.id, 30.0, "a test asked")
         got = await _get(stack, a.id)
         r = got.last_reselection
-        assert r.outcome == "FAILED" and "kept the current variant" in r.reason, r.reason
-        assert f"{b.id} ({b_before:.3g}s -> " in r.reason
+        # The second choice (B's instance tolerating no slowdown) is the same one: at A's kappa of 0 the selector sees
+        # no slowdown from a co-resident, only from load on B's own instance. So the task stays.
+        assert r.outcome == "FAILED" and "kept the current variant: none selected at 30 req/s keeps" in r.reason, \
+            r.reason
+        assert f"{b.id} ({b_before:.3g}s -> " in r.reason and "by the live prediction" in r.reason
         assert got.stage_instances["answer"] == iid and got.state == ACTIVE
         assert (await _get(stack, b.id)).stage_instances["answer"] == b.stage_instances["answer"]
         # Nothing was started for the move.
         ids = {keys.parse_instance(kv.key) for kv in (await stack.store.get_prefix(keys.INSTANCES)).items}
         assert ids == {iid, b.stage_instances["answer"]}
+
+
+async def test_the_load_follower_moves_a_task_when_the_prediction_breaks_no_co_resident(
+        etcd_store: Any, start_service: Any) -> None:
+    """The check does not stand in the way of a move that harms no one: two GPUs, A (selected at kappa 0, as above)
+    on one, B alone on the other with an SLO 2% above what it gets. At 26 req/s A no longer fits its instance and
+    gets a new one away from B (LeastLoaded); B's prediction is unchanged, so the follower switches."""
+    await _put_profile(etcd_store, BETTER)
+    b_alone = placement_latencies({"b": InstanceLoad(BETTER, ("g",), (Arrivals(8.0, (Call("B", 50, 10),)),))},
+                                  KAPPA)["b"].latency_s["B"]
+    async with _stack(etcd_store, start_service, gpus=2) as stack:
+        a = await stack.deploy("first", Slo(0.1, 3.5, 2.0), selection_pb2.SelectionOptions(
+            gpu_sharing=selection_pb2.GPU_SHARING_INTERFERENCE, interference=0.0))
+        b = await stack.deploy("second", Slo(0.16, 1.02 * b_alone, 8.0))
+        iid, jid = a.stage_instances["answer"], b.stage_instances["answer"]
+        recs = {i: InstanceRecord.from_json((await stack.store.get(keys.instance(i))).value) for i in (iid, jid)}
+        assert set(recs[iid].gpu_ids).isdisjoint(recs[jid].gpu_ids)  # each alone on its GPU (LeastLoaded)
+
+        async def predicted_b() -> Any:
+            t = await _get(stack, b.id)
+            return t if abs(t.predicted_latency_s - b_alone) <= 1e-9 * b_alone else None
+
+        await _eventually(predicted_b, timeout_s=15.0)
+        await stack.core.follower.reselect_for_load(a.id, 26.0, "a test asked")
+        got = await _get(stack, a.id)
+        assert got.last_reselection.outcome == "DONE", got.last_reselection.reason
+        new_iid = got.stage_instances["answer"]
+        assert new_iid not in (iid, jid) and got.state == ACTIVE
+        new = InstanceRecord.from_json((await stack.store.get(keys.instance(new_iid))).value)
+        assert set(new.gpu_ids).isdisjoint(recs[jid].gpu_ids)  # away from B
+        tb = await _get(stack, b.id)
+        assert tb.stage_instances["answer"] == jid
+        # B's prediction on the new placement: as before, within its SLO.
+        await _eventually(predicted_b, timeout_s=15.0)

@@ -34,6 +34,7 @@ from flowmaker.domain import (
 )
 from flowmaker.engine.loaded import Arrivals, Call, InstanceLoad, Loaded, placement_latencies
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad, demand, drifted, peak_window_count
+from flowmaker.orchestration.cluster import capped_tolerances
 from flowmaker.orchestration.predict import placement_key, predict_on_placement, slo_breaks
 from flowmaker.orchestration.task import Reselection, TaskRecord, TaskState, selected_prediction
 from flowmaker.selection.registry import select
@@ -227,6 +228,16 @@ def test_slo_breaks_names_the_co_residents_a_move_would_push_past_their_slo() ->
     assert slo_breaks([past, b], [a0, b0], PROFILES, KAPPA, rec, [b1], ["b0"]) == {}
     # Only the tasks asked about: A left out, nothing named.
     assert slo_breaks([a_tight, b], [a0, b0], PROFILES, KAPPA, rec, [b1], ["b0"], only=frozenset({"B"})) == {}
+
+
+
+def test_capped_tolerances_only_lower_the_instances_named() -> None:
+    c = Cluster((Gpu("g0", "n0", 48.0),), (Instance("x", A_MODEL, 1, 1, ("g0",), max_slowdown=1.5),
+                                          Instance("y", A_MODEL, 1, 1, ("g0",)),
+                                          Instance("z", A_MODEL, 1, 1, ("g0",), max_slowdown=3.0)))
+    got = {i.id: i.max_slowdown for i in capped_tolerances(c, {"x": 1.0, "y": 1.2, "w": 1.0}).instances}
+    assert got == {"x": 1.0, "y": 1.2, "z": 3.0}  # an unbounded one (0) takes the cap; a tighter one keeps its own
+    assert capped_tolerances(c, {"x": 2.0}).instances[0].max_slowdown == 1.5
 
 
 # ---- the burst meter -------------------------------------------------------------------------------
