@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from flowmaker.domain import Profile, Variant, Workflow
+from flowmaker.domain import Instance, Profile, Variant, Workflow
 from flowmaker.errors import InvalidSpec, NoCapacity
 from flowmaker.orchestration.task import DeployedInstance, TaskRecord, replica_slot
 from flowmaker.selection.placement import EPS_GB
@@ -63,6 +63,12 @@ class ReleaseAction:
     instance_id: str
     node: str
     stop: bool
+
+
+def plan_instances(plan: CommitPlan) -> list[Instance]:
+    """The new instances of a commit plan as the placement will hold them (GPUs, profile, planned load)."""
+    return [Instance(d.instance_id, d.model_id, d.tp, d.pp, d.gpu_ids, d.load_output_tokens_per_s)
+            for d in plan.deploy]
 
 
 def plan_commit(task_id: str, variant: Variant, new_ids: Sequence[str], *,

@@ -174,8 +174,8 @@ def slo_breaks(tasks: Iterable[TaskRecord], instances: Iterable[Instance], profi
     """The tasks a move would push past their latency SLO: by id, (prediction before, after), for every task other
     than `moved.id` (of `only`, when given) that `predict_on_placement` puts within its SLO on the placement as it
     stands and past it once `moved` (the moving task's record with its new variant, stage map and planned rate)
-    replaces the task's record, `new_instances` are placed and the instances in `released` (what only the old
-    variant used) are gone. The load follower asks it before a switch: the selector's sharing bound and this
+    replaces the task's record (or joins the tasks, for one being deployed), `new_instances` are placed and the instances in `released` (what only the old
+    variant used) are gone. The load follower asks it before a switch, an approval before its commit: the selector's sharing bound and this
     prediction are different models, and the second is the one the follower later acts on (a move the bound
     admits but the prediction rejects would otherwise make the co-residents re-select in turn). A task already
     past its SLO, or with no prediction before, is not counted: the move did not break it."""
@@ -183,7 +183,8 @@ def slo_breaks(tasks: Iterable[TaskRecord], instances: Iterable[Instance], profi
     insts = list(instances)
     gone = set(released)
     before = predict_on_placement(tasks, insts, profiles, kappa, only=only)
-    after = predict_on_placement([moved if t.id == moved.id else t for t in tasks],
+    placed = any(t.id == moved.id for t in tasks)  # a task being deployed is not on the placement yet
+    after = predict_on_placement([moved if t.id == moved.id else t for t in tasks] + ([] if placed else [moved]),
                                  [i for i in insts if i.id not in gone] + list(new_instances), profiles, kappa,
                                  only=only)
     slo = {t.id: t.slo.max_latency_s for t in tasks}

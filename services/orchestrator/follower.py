@@ -14,18 +14,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from flowmaker.api.common.v1 import selection_pb2
-from flowmaker.catalog import default_models
-from flowmaker.domain import Instance, Variant, priced_memory_gb
-from flowmaker.errors import InvalidSpec, NoCapacity, NotFound
-from flowmaker.orchestration.cluster import (
-    cluster_gpu_type,
-    excluding_task,
-    read_live_cluster,
-    read_tolerating_tasks,
-    read_used_profiles,
-)
-from flowmaker.orchestration.commit import CommitPlan, ReleaseAction, commit_ops, plan_commit
-from flowmaker.orchestration.predict import slo_breaks
+from flowmaker.domain import Variant, priced_memory_gb
+from flowmaker.errors import NoCapacity, NotFound
+from flowmaker.orchestration.cluster import excluding_task, read_live_cluster
+from flowmaker.orchestration.commit import CommitPlan, ReleaseAction, commit_ops, plan_commit, plan_instances
 from flowmaker.orchestration.task import DeployedInstance, Reselection, TaskRecord, TaskState, selected_prediction
 from flowmaker.state import keys
 from flowmaker.state.records import (
@@ -170,36 +162,12 @@ class LoadFollower:
 
     async def _breaks(self, cur: TaskRecord, v: Variant, plan: CommitPlan, rate_rps: float, view: ClusterView,
                       exclusive: set[str]) -> tuple[dict[str, tuple[float, float]], set[str]]:
-        """The tasks the switch to `v` would push past their latency SLO by the live prediction
-        (`predict.slo_breaks`: the task's new variant and instances in, what only its old one used out), and the
-        instances they use; nothing when no prediction can be made (no GPU type, no profiles). The selector
-        admitted `v` under its sharing bound; this is the model the follower acts on afterwards, so a move it
-        rejects would make the co-residents re-select in their turn."""
-        gpu_type = cluster_gpu_type(view.cluster, "")
-        if not gpu_type:
-            return {}, set()
-        tasks = await read_tolerating_tasks(self.store)
+        """`Selections.breaks` of the switch to `v`: the task's new variant and instances in, what only its old
+        one used out."""
         moved = replace(cur, variant=v, stage_instances=plan.stage_instances, planned_rate_rps=rate_rps,
                         next_variant=None, next_stage_instances={}, next_new_instances=(), last_reselection=None)
-        instances = [rec.to_domain() for rec in view.instances.values()]
-        new = [Instance(d.instance_id, d.model_id, d.tp, d.pp, d.gpu_ids, d.load_output_tokens_per_s)
-               for d in plan.deploy]
-        used = {i.key for i in instances} | {i.key for i in new} | {
-            (a.model_id, a.tp, a.pp) for t in (*tasks, moved) for x in (t.variant, t.next_variant) if x is not None
-            for a in x.assignments if a.model_id}
-        try:
-            profiles = await read_used_profiles(self.store, gpu_type, await self.selections.models()
-                                                or default_models(), used)
-        except (NotFound, InvalidSpec) as e:
-            log.warning("task %s: no profiles on GPU type %r to check the co-residents of a move: %s", cur.id,
-                        gpu_type, e)
-            return {}, set()
-        only = frozenset(t.id for t in tasks if t.state is TaskState.ACTIVE and self.selections.shares_gpus(t))
-        broken = slo_breaks(tasks, instances, profiles, await self.selections.kappa(gpu_type), moved, new,
-                            exclusive - set(plan.stage_instances.values()), only=only)
-        theirs = {i for t in tasks if t.id in broken for m in (t.stage_instances, t.next_stage_instances)
-                  for i in m.values()}
-        return broken, theirs
+        return await self.selections.breaks(moved, view, plan_instances(plan),
+                                            exclusive - set(plan.stage_instances.values()))
 
     async def switch_variant(self, task_id: str) -> None:
         """Deploy the task's next variant, route requests to it, drain and release what only the old one used.

@@ -33,7 +33,7 @@ from flowmaker.errors import (
 )
 from flowmaker.orchestration.adapt import ArrivalMeter, TaskLoad
 from flowmaker.orchestration.cluster import read_live_cluster
-from flowmaker.orchestration.commit import CommitPlan, commit_ops, plan_commit
+from flowmaker.orchestration.commit import CommitPlan, commit_ops, plan_commit, plan_instances
 from flowmaker.orchestration.task import (
     Failure,
     HealAction,
@@ -360,6 +360,7 @@ class Lifecycle:
     async def select_and_commit(self, task_id: str) -> CommitPlan | None:
         """Select on a fresh view and commit it in one guarded txn; on a lost race select again."""
         last = ""
+        protect: dict[str, float] = {}  # instances of tasks the first choice would break: no slowdown for them
         for attempt in range(1, self.settings.commit_retries + 1):
             _, t = await self.tasks.get(task_id)
             if t.state is not TaskState.SELECTING:
@@ -368,7 +369,7 @@ class Lifecycle:
             with tracer().start_as_current_span("task.select", attributes={
                     telemetry.FLOWMAKER_TASK: task_id, ATTR_ATTEMPT: attempt, ATTR_STRATEGY: t.strategy}) as span:
                 view = await read_live_cluster(self.store)
-                req = await self.selections.request(t, view.cluster)
+                req = await self.selections.request(t, view.cluster, protect=protect)
                 span.set_attribute(ATTR_GPU_SHARING, selection_pb2.GpuSharing.Name(req.options.gpu_sharing))
                 try:
                     resp = await call(self.clients.selector.SelectVariant(req, timeout=self.settings.select_timeout_s))
@@ -384,16 +385,30 @@ class Lifecycle:
                     span.set_attribute(ATTR_REASON, result.reason.value)
             if result.variant is None:
                 reason = result.reason.value if result.reason else "NO_FEASIBLE_VARIANT"
-                if t.healing is not None:
-                    await self.wait_for_capacity(task_id, f"no feasible variant: {result.reason_detail or reason}")
-                    return None
-                await self.tasks.fail(task_id, Failure("NoCapacity", reason,
-                                                  f"no feasible variant: {result.reason_detail or reason}"))
+                await self._no_variant(task_id, t, reason, result.reason_detail or reason)
                 return None
             v = result.variant
             scale = await self.selections.load_scale(t, v, view.cluster, req.options.capacity_model,
                                            [convert.model_from_proto(m) for m in req.models])
             plan = plan_commit(task_id, v, [new_instance_id(n.model_id) for n in v.new_instances], load_scale=scale)
+            if req.options.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE:
+                # The live prediction of the placement this commit makes: a task that meets its SLO there now must
+                # still meet it (`Selections.breaks`). Once, the selection is made again with that task's instances
+                # tolerating no slowdown; a second choice that breaks one too is no feasible variant.
+                broken, theirs = await self.selections.breaks(
+                    replace(t, state=TaskState.ACTIVE, variant=v, stage_instances=plan.stage_instances,
+                            new_instances=plan.deploy), view, plan_instances(plan))
+                if broken:
+                    who = ", ".join(f"{tid} ({x:.3g}s -> {y:.3g}s)" for tid, (x, y) in sorted(broken.items()))
+                    if not protect and theirs:
+                        protect = dict.fromkeys(sorted(theirs), 1.0)
+                        log.info("task %s: the selected variant would push %s past their latency SLO by the live "
+                                 "prediction; selecting again with their instances protected", task_id, who)
+                        continue
+                    await self._no_variant(task_id, t, "CO_RESIDENT_SLO", (
+                        f"every variant selected would push co-resident task(s) {who} past their latency SLO by "
+                        "the live prediction"))
+                    return None
             with tracer().start_as_current_span("task.commit", attributes={
                     telemetry.FLOWMAKER_TASK: task_id, ATTR_ATTEMPT: attempt, ATTR_CONFLICT: False}) as span:
                 tkv, t = await self.tasks.get(task_id)
@@ -429,6 +444,13 @@ class Lifecycle:
         else:
             await self.tasks.fail(task_id, Failure("Conflict", "SELECTION_CONFLICT", f"{msg}; approve again"))
         return None
+
+    async def _no_variant(self, task_id: str, t: TaskRecord, reason: str, detail: str) -> None:
+        """No variant to commit: a healing task waits for capacity, any other one FAILED (NoCapacity)."""
+        if t.healing is not None:
+            await self.wait_for_capacity(task_id, f"no feasible variant: {detail}")
+            return
+        await self.tasks.fail(task_id, Failure("NoCapacity", reason, f"no feasible variant: {detail}"))
 
     async def deploy(self, task_id: str) -> None:
         """Start every new instance of the committed plan, and wait for the reused ones that are not READY

@@ -7,7 +7,7 @@ An approval's selection, a healing re-selection and the load follower's all ask 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -15,23 +15,26 @@ from flowmaker import convert
 from flowmaker.api.common.v1 import selection_pb2
 from flowmaker.api.selector.v1 import selector_pb2
 from flowmaker.catalog import default_models
-from flowmaker.domain import Cluster, Model, Variant, default_gpu_price
+from flowmaker.domain import Cluster, Instance, Model, Variant, default_gpu_price
 from flowmaker.errors import FlowMakerError, InvalidSpec, NotFound
 from flowmaker.orchestration.cluster import (
     capped_tolerances,
     cluster_gpu_type,
     planned_busy_shares,
     read_task_uses,
+    read_tolerating_tasks,
     read_used_profiles,
     tolerances_of,
     with_planned_busy,
     with_tolerances,
 )
 from flowmaker.orchestration.commit import busy_load_scale
-from flowmaker.orchestration.task import TaskRecord
+from flowmaker.orchestration.predict import slo_breaks
+from flowmaker.orchestration.task import TaskRecord, TaskState
 from flowmaker.rpc.errors import call
 from flowmaker.sharing import DEFAULT_INTERFERENCE
 from flowmaker.state.interference import InterferenceStore
+from flowmaker.state.records import ClusterView
 from flowmaker.state.store import StateStore
 from services.orchestrator.clients import Clients
 from services.orchestrator.settings import OrchestratorSettings
@@ -102,6 +105,33 @@ class Selections:
             workflows=[convert.workflow_to_proto(w) for w in t.candidates if w.id in t.approved_workflow_ids],
             cluster=convert.cluster_to_proto(cluster), strategy=t.strategy,
             models=[convert.model_to_proto(m) for m in models], options=options)
+
+    async def breaks(self, moved: TaskRecord, view: ClusterView, new: Sequence[Instance] = (),
+                     released: Iterable[str] = ()) -> tuple[dict[str, tuple[float, float]], set[str]]:
+        """The tasks a selection would push past their latency SLO by the live prediction (`predict.slo_breaks`:
+        `moved`, the task with the selected variant, its stage map and planned rate, in its place or joining;
+        `new` placed, `released` gone), and the instances those tasks use; nothing when no prediction can be made
+        (no GPU type, no profiles). The selector admitted the variant under its sharing bound; this is the model the
+        orchestrator keeps tasks' predictions with and the load follower acts on, so a plan it rejects would make the
+        co-residents re-select in their turn."""
+        gpu_type = cluster_gpu_type(view.cluster, "")
+        if not gpu_type:
+            return {}, set()
+        tasks = await read_tolerating_tasks(self.store)
+        instances = [rec.to_domain() for rec in view.instances.values()]
+        used = {i.key for i in instances} | {i.key for i in new} | {
+            (a.model_id, a.tp, a.pp) for t in (*tasks, moved) for x in (t.variant, t.next_variant) if x is not None
+            for a in x.assignments if a.model_id}
+        try:
+            profiles = await read_used_profiles(self.store, gpu_type, await self.models() or default_models(), used)
+        except (NotFound, InvalidSpec) as e:
+            log.warning("task %s: no profiles on GPU type %r to check its co-residents: %s", moved.id, gpu_type, e)
+            return {}, set()
+        only = frozenset(t.id for t in tasks if t.state is TaskState.ACTIVE and self.shares_gpus(t))
+        broken = slo_breaks(tasks, instances, profiles, await self.kappa(gpu_type), moved, new, released, only=only)
+        theirs = {i for t in tasks if t.id in broken for m in (t.stage_instances, t.next_stage_instances)
+                  for i in m.values()}
+        return broken, theirs
 
     async def load_scale(self, t: TaskRecord, v: Variant, cluster: Cluster,
                          capacity_model: selection_pb2.CapacityModel | None, models: Sequence[Model]

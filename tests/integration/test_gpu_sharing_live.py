@@ -656,3 +656,40 @@ async def test_the_load_follower_moves_a_task_when_the_prediction_breaks_no_co_r
         assert tb.stage_instances["answer"] == jid
         # B's prediction on the new placement: as before, within its SLO.
         await _eventually(predicted_b, timeout_s=15.0)
+
+
+async def test_an_approval_whose_plan_the_prediction_says_breaks_a_running_task_fails_and_starts_nothing(
+        etcd_store: Any, start_service: Any) -> None:
+    """An approval is checked as a move is: B runs alone on the one GPU with an SLO 2% above what it gets; C, selected
+    at a kappa of 0 of its own (the selector sees no slowdown from a co-resident), would get an instance beside B's
+    at 20 req/s, which the prediction (the cluster's kappa, 0.6) says pushes B past its SLO. Selected again with B's
+    instance tolerating no slowdown it is the same choice, so C fails with the reason, and nothing is started."""
+    await _put_profile(etcd_store, BETTER)
+    b_alone = placement_latencies({"b": InstanceLoad(BETTER, ("g",), (Arrivals(8.0, (Call("B", 50, 10),)),))},
+                                  KAPPA)["b"].latency_s["B"]
+    async with _stack(etcd_store, start_service, gpus=1) as stack:
+        b = await stack.deploy("second", Slo(0.16, 1.02 * b_alone, 8.0))
+        jid = b.stage_instances["answer"]
+
+        async def predicted_b() -> Any:
+            t = await _get(stack, b.id)
+            return t if abs(t.predicted_latency_s - b_alone) <= 1e-9 * b_alone else None
+
+        await _eventually(predicted_b, timeout_s=15.0)
+        c = (await call(stack.stub.DeployTask(pb.DeployTaskRequest(
+            description="third", name="third", slo=convert.slo_to_proto(Slo(0.1, 3.5, 20.0)),
+            workflows=[convert.workflow_to_proto(ONE)])))).task
+        req = pb.ApproveWorkflowsRequest(task_id=c.id, workflow_ids=[ONE.id])
+        req.options.CopyFrom(selection_pb2.SelectionOptions(gpu_sharing=selection_pb2.GPU_SHARING_INTERFERENCE,
+                                                            interference=0.0))
+        got = (await call(stack.stub.ApproveWorkflows(req, timeout=60))).task
+        assert got.state == task_pb2.Task.STATE_FAILED, got
+        assert "by the live prediction" in got.failure.message and f"{b.id} ({b_alone:.3g}s -> " in \
+            got.failure.message, got.failure.message
+        # Selected twice (the second time with B's instance protected), committed never.
+        assert sum(1 for r in stack.selector.requests if r.slo.arrival_rate_rps == 20.0) == 2
+        protected = [i for i in stack.last_request().cluster.instances if i.id == jid]
+        assert protected and protected[0].max_slowdown == 1.0
+        ids = {keys.parse_instance(kv.key) for kv in (await stack.store.get_prefix(keys.INSTANCES)).items}
+        assert ids == {jid}
+        assert (await _get(stack, b.id)).state == ACTIVE
