@@ -216,6 +216,8 @@ def test_slo_breaks_names_the_co_residents_a_move_would_push_past_their_slo() ->
     b_slo = replace(b.slo, max_latency_s=(b_before + b_after) / 2)
     assert set(slo_breaks([a_tight, replace(b, slo=b_slo)], [a0, b0], PROFILES, KAPPA, replace(rec, slo=b_slo),
                           [b1], ["b0"])) == {"A"}
+    # A task being deployed (not on the placement yet) joins it: the same verdict for A.
+    assert slo_breaks([a_tight], [a0], PROFILES, KAPPA, rec, [b1]) == got
     # The old instance released: with b0 left in place (as a stranger with a planned load on g1) nothing changes
     # for A, on g0; put on g0, that stranger would count as busy beside A after the move.
     assert slo_breaks([a_tight, b], [a0, b0], PROFILES, KAPPA, rec, [b1]) == got
