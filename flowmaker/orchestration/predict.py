@@ -173,12 +173,13 @@ def slo_breaks(tasks: Iterable[TaskRecord], instances: Iterable[Instance], profi
                *, only: frozenset[str] | None = None) -> dict[str, tuple[float, float]]:
     """The tasks a move would push past their latency SLO: by id, (prediction before, after), for every task other
     than `moved.id` (of `only`, when given) that `predict_on_placement` puts within its SLO on the placement as it
-    stands and past it once `moved` (the moving task's record with its new variant, stage map and planned rate)
-    replaces the task's record (or joins the tasks, for one being deployed), `new_instances` are placed and the instances in `released` (what only the old
-    variant used) are gone. The load follower asks it before a switch, an approval before its commit: the selector's sharing bound and this
-    prediction are different models, and the second is the one the follower later acts on (a move the bound
-    admits but the prediction rejects would otherwise make the co-residents re-select in turn). A task already
-    past its SLO, or with no prediction before, is not counted: the move did not break it."""
+    stands and past it once `moved` (the task's record with its new variant, stage map and planned rate) replaces
+    the task's record, or joins the tasks (one being deployed), `new_instances` are placed and the instances in
+    `released` (what only the old variant used) are gone. The load follower asks it before a switch and an
+    approval before its commit: the selector's sharing bound and this prediction are different models, and the
+    second is the one the orchestrator keeps predictions with and the follower acts on (a plan the bound admits but
+    the prediction rejects would make the co-residents re-select in their turn). A task already past its SLO, or
+    with no prediction before, is not counted: the move did not break it."""
     tasks = list(tasks)
     insts = list(instances)
     gone = set(released)

@@ -88,7 +88,8 @@ class Selections:
         max(the measured one when fresh, the planned one: occupancy of the call-seconds/s the other tasks' variants
         offer it at their planned rates), so that an instance deployed before its traffic arrives is not taken for
         idle (both from flowmaker.orchestration.cluster.read_task_uses). `protect` (instance id -> a slowdown >= 1)
-        caps those instances' `max_slowdown` further (the load follower's second choice: 1, no slowdown at all)."""
+        caps those instances' `max_slowdown` further (the second choice of an approval or a move whose first one
+        `breaks` a co-resident: 1, no slowdown at all)."""
         models = await self.models()
         options = await self.options(t, cluster)
         if max_replicas:
