@@ -129,7 +129,12 @@ class Selections:
             log.warning("task %s: no profiles on GPU type %r to check its co-residents: %s", moved.id, gpu_type, e)
             return {}, set()
         only = frozenset(t.id for t in tasks if t.state is TaskState.ACTIVE and self.shares_gpus(t))
-        broken = slo_breaks(tasks, instances, profiles, await self.kappa(gpu_type), moved, new, released, only=only)
+        try:
+            broken = slo_breaks(tasks, instances, profiles, await self.kappa(gpu_type), moved, new, released,
+                                only=only)
+        except (ArithmeticError, ValueError) as e:  # a prediction that cannot be made must not block serving
+            log.warning("task %s: the live prediction of its co-residents failed (%s); not checked", moved.id, e)
+            return {}, set()
         theirs = {i for t in tasks if t.id in broken for m in (t.stage_instances, t.next_stage_instances)
                   for i in m.values()}
         return broken, theirs
