@@ -284,11 +284,20 @@ def with_tolerances(cluster: Cluster, tolerated: Mapping[str, float]) -> Cluster
                                             for i in cluster.instances))
 
 
-def capped_tolerances(cluster: Cluster, caps: Mapping[str, float]) -> Cluster:
-    """The cluster with the `max_slowdown` of each instance in `caps` at most its cap (0, unbounded, becomes it)."""
-    return replace(cluster, instances=tuple(
-        replace(i, max_slowdown=min(caps[i.id], i.max_slowdown) if i.max_slowdown else caps[i.id])
-        if i.id in caps else i for i in cluster.instances))
+def protected(cluster: Cluster, ids: Iterable[str], capacity: Mapping[str, float]) -> Cluster:
+    """The cluster with the instances `ids` protected from a selection, whatever kappa it uses (a tolerance alone
+    binds only where the selector's model sees a slowdown): each tolerates no slowdown (`max_slowdown` 1) and
+    carries at least its capacity (`capacity`, by id; an id without one keeps its load), so that it has no room to
+    reuse and its GPUs no compute left for more load; and its GPUs show no free memory, so that LeastLoaded, which
+    places by memory, puts no new instance there."""
+    ids = set(ids)
+    full = {g for i in cluster.instances if i.id in ids for g in i.gpu_ids}
+    return replace(
+        cluster,
+        gpus=tuple(replace(g, memory_used_gb=g.memory_total_gb) if g.id in full else g for g in cluster.gpus),
+        instances=tuple(replace(i, max_slowdown=1.0, load_output_tokens_per_s=max(i.load_output_tokens_per_s,
+                                                                                   capacity.get(i.id, 0.0)))
+                        if i.id in ids else i for i in cluster.instances))
 
 
 def with_planned_busy(cluster: Cluster, planned: Mapping[str, float]) -> Cluster:

@@ -71,7 +71,8 @@ class LoadFollower:
         kept when it fits and costs no more (its exclusive memory x its latency, each GPU priced as the options
         price it) than (B)'s. Under GPU sharing a move is then checked with the live prediction (`_breaks`): if it
         would push a co-resident that meets its SLO past it, both are selected again with that co-resident's
-        instances tolerating no slowdown; if that choice breaks one too, or there is none, the task stays."""
+        instances protected (`cluster.protected`: no room, no compute beside them); if that choice breaks one too,
+        or there is none, the task stays."""
         _, t = await self.tasks.get(task_id)
         if t.state is not TaskState.ACTIVE or t.healing is not None or t.next_variant is not None:
             return
@@ -93,8 +94,8 @@ class LoadFollower:
             reps = self.settings.load_max_replicas  # scaling a stage out is one of the answers
             fresh = replace(seen.cluster, instances=tuple(i for i in seen.cluster.instances if i.id not in exclusive))
             # Co-residents the first choice would push past their SLO (by the live prediction) are protected in a
-            # second selection: their instances tolerate no slowdown, so it neither reuses them nor places beside them.
-            protect: dict[str, float] = {}
+            # second selection (`cluster.protected`): it neither reuses their instances nor places beside them.
+            protect: set[str] = set()
             broke = ""  # who the first choice broke, for the note
             for check in (1, 2):
                 a = await self.selections.select_at(t, rate_rps, seen.cluster, max_replicas=reps, protect=protect)
@@ -134,7 +135,7 @@ class LoadFollower:
                     await self._note_reselection(task_id, replace(note, outcome="FAILED", reason=(
                         f"{why}; kept the current variant: none selected at {rate_rps:.3g} req/s keeps {broke}")))
                     return
-                protect = dict.fromkeys(sorted(used), 1.0)
+                protect = used
             now = time.time()
             if same:
                 # The current variant still fits the new rate and costs no more: only its shares move.

@@ -360,7 +360,8 @@ class Lifecycle:
     async def select_and_commit(self, task_id: str) -> CommitPlan | None:
         """Select on a fresh view and commit it in one guarded txn; on a lost race select again."""
         last = ""
-        protect: dict[str, float] = {}  # instances of tasks the first choice would break: no slowdown for them
+        protect: set[str] = set()  # instances of the tasks the first choice would break (`Selections.request`)
+        who = ""  # those tasks, with their predictions before and after, for the failure
         for attempt in range(1, self.settings.commit_retries + 1):
             _, t = await self.tasks.get(task_id)
             if t.state is not TaskState.SELECTING:
@@ -385,7 +386,12 @@ class Lifecycle:
                     span.set_attribute(ATTR_REASON, result.reason.value)
             if result.variant is None:
                 reason = result.reason.value if result.reason else "NO_FEASIBLE_VARIANT"
-                await self._no_variant(task_id, t, reason, result.reason_detail or reason)
+                detail = result.reason_detail or reason
+                if protect:  # the first choice broke a running task; none is left that keeps it
+                    reason, detail = "CO_RESIDENT_SLO", (f"the variants that fit would push co-resident task(s) "
+                                                         f"{who} past their latency SLO by the live prediction; "
+                                                         f"with their instances protected: {detail}")
+                await self._no_variant(task_id, t, reason, detail)
                 return None
             v = result.variant
             scale = await self.selections.load_scale(t, v, view.cluster, req.options.capacity_model,
@@ -394,14 +400,14 @@ class Lifecycle:
             if req.options.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE:
                 # The live prediction of the placement this commit makes: a task that meets its SLO there now must
                 # still meet it (`Selections.breaks`). Once, the selection is made again with that task's instances
-                # tolerating no slowdown; a second choice that breaks one too is no feasible variant.
+                # protected (`cluster.protected`); a second choice that breaks one too is no feasible variant.
                 broken, theirs = await self.selections.breaks(
                     replace(t, state=TaskState.ACTIVE, variant=v, stage_instances=plan.stage_instances,
                             new_instances=plan.deploy), view, plan_instances(plan))
                 if broken:
                     who = ", ".join(f"{tid} ({x:.3g}s -> {y:.3g}s)" for tid, (x, y) in sorted(broken.items()))
                     if not protect and theirs:
-                        protect = dict.fromkeys(sorted(theirs), 1.0)
+                        protect = theirs
                         log.info("task %s: the selected variant would push %s past their latency SLO by the live "
                                  "prediction; selecting again with their instances protected", task_id, who)
                         continue

@@ -7,7 +7,7 @@ An approval's selection, a healing re-selection and the load follower's all ask 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -18,9 +18,9 @@ from flowmaker.catalog import default_models
 from flowmaker.domain import Cluster, Instance, Model, Variant, default_gpu_price
 from flowmaker.errors import FlowMakerError, InvalidSpec, NotFound
 from flowmaker.orchestration.cluster import (
-    capped_tolerances,
     cluster_gpu_type,
     planned_busy_shares,
+    protected,
     read_task_uses,
     read_tolerating_tasks,
     read_used_profiles,
@@ -68,7 +68,7 @@ class Selections:
         return tuple(by_id.values())
 
     async def select_at(self, t: TaskRecord, rate_rps: float, cluster: Cluster, *, max_replicas: int = 1,
-                        protect: Mapping[str, float] | None = None) -> Variant | None:
+                        protect: Iterable[str] = ()) -> Variant | None:
         """The selector's variant for `t`'s approved workflows at `rate_rps` on `cluster` (None: infeasible),
         with at least `max_replicas` replicas per new instance allowed; `protect` as in `request`."""
         req = await self.request(t, cluster, rate_rps=rate_rps, max_replicas=max_replicas, protect=protect)
@@ -77,7 +77,7 @@ class Selections:
         return result.variant
 
     async def request(self, t: TaskRecord, cluster: Cluster, *, rate_rps: float | None = None,
-                      max_replicas: int = 0, protect: Mapping[str, float] | None = None
+                      max_replicas: int = 0, protect: Iterable[str] = ()
                       ) -> selector_pb2.SelectVariantRequest:
         """The SelectVariant request for `t`'s approved workflows on `cluster`, at `rate_rps` (None: the SLO's
         declared rate), with at least `max_replicas` replicas per new instance allowed (0: the options' own).
@@ -87,9 +87,9 @@ class Selections:
         other tasks using it, so that no selection slows co-residents past their SLOs, and its `busy_share` =
         max(the measured one when fresh, the planned one: occupancy of the call-seconds/s the other tasks' variants
         offer it at their planned rates), so that an instance deployed before its traffic arrives is not taken for
-        idle (both from flowmaker.orchestration.cluster.read_task_uses). `protect` (instance id -> a slowdown >= 1)
-        caps those instances' `max_slowdown` further (the second choice of an approval or a move whose first one
-        `breaks` a co-resident: 1, no slowdown at all)."""
+        idle (both from flowmaker.orchestration.cluster.read_task_uses). `protect` (instance ids: the
+        second choice of an approval or a move whose first one `breaks` a co-resident) marks those instances
+        `cluster.protected`: no slowdown tolerated, no room, no compute left on their GPUs."""
         models = await self.models()
         options = await self.options(t, cluster)
         if max_replicas:
@@ -98,8 +98,16 @@ class Selections:
         if options.gpu_sharing == selection_pb2.GPU_SHARING_INTERFERENCE and cluster.instances and gpu_type:
             uses = await read_task_uses(self.store, gpu_type, models or default_models(), exclude=t.id)
             cluster = with_planned_busy(with_tolerances(cluster, tolerances_of(uses)), planned_busy_shares(uses))
-            if protect:
-                cluster = capped_tolerances(cluster, protect)
+            ids = set(protect)
+            if ids:
+                keys_ = {i.id: i.key for i in cluster.instances if i.id in ids}
+                try:
+                    profs = await read_used_profiles(self.store, gpu_type, models or default_models(), keys_.values())
+                except (NotFound, InvalidSpec) as e:  # protected by their tolerance alone
+                    log.warning("task %s: no profiles to protect instances %s: %s", t.id, sorted(ids), e)
+                    profs = {}
+                cluster = protected(cluster, ids, {iid: profs[k].max_output_tokens_per_s for iid, k in keys_.items()
+                                                   if k in profs})
         slo = t.slo if rate_rps is None else replace(t.slo, arrival_rate_rps=rate_rps)
         return selector_pb2.SelectVariantRequest(
             slo=convert.slo_to_proto(slo),

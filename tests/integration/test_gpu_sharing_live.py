@@ -612,10 +612,9 @@ async def test_the_load_follower_keeps_a_task_where_it_is_when_its_move_would_br
         await stack.core.follower.reselect_for_load(a.id, 30.0, "a test asked")
         got = await _get(stack, a.id)
         r = got.last_reselection
-        # The second choice (B's instance tolerating no slowdown) is the same one: at A's kappa of 0 the selector sees
-        # no slowdown from a co-resident, only from load on B's own instance. So the task stays.
-        assert r.outcome == "FAILED" and "kept the current variant: none selected at 30 req/s keeps" in r.reason, \
-            r.reason
+        # The second selection, B's instance protected (no room, no compute left on the one GPU), finds nothing: the
+        # task stays where it is.
+        assert r.outcome == "FAILED" and "no feasible variant at 30 req/s that keeps" in r.reason, r.reason
         assert f"{b.id} ({b_before:.3g}s -> " in r.reason and "by the live prediction" in r.reason
         assert got.stage_instances["answer"] == iid and got.state == ACTIVE
         assert (await _get(stack, b.id)).stage_instances["answer"] == b.stage_instances["answer"]
@@ -663,7 +662,7 @@ async def test_an_approval_whose_plan_the_prediction_says_breaks_a_running_task_
     """An approval is checked as a move is: B runs alone on the one GPU with an SLO 2% above what it gets; C, selected
     at a kappa of 0 of its own (the selector sees no slowdown from a co-resident), would get an instance beside B's
     at 20 req/s, which the prediction (the cluster's kappa, 0.6) says pushes B past its SLO. Selected again with B's
-    instance tolerating no slowdown it is the same choice, so C fails with the reason, and nothing is started."""
+    instance protected, nothing is left on the one GPU, so C fails naming B, and nothing is started."""
     await _put_profile(etcd_store, BETTER)
     b_alone = placement_latencies({"b": InstanceLoad(BETTER, ("g",), (Arrivals(8.0, (Call("B", 50, 10),)),))},
                                   KAPPA)["b"].latency_s["B"]
@@ -686,10 +685,61 @@ async def test_an_approval_whose_plan_the_prediction_says_breaks_a_running_task_
         assert got.state == task_pb2.Task.STATE_FAILED, got
         assert "by the live prediction" in got.failure.message and f"{b.id} ({b_alone:.3g}s -> " in \
             got.failure.message, got.failure.message
-        # Selected twice (the second time with B's instance protected), committed never.
+        # Selected twice (the second time with B's instance protected: no slowdown tolerated, full), committed never.
         assert sum(1 for r in stack.selector.requests if r.slo.arrival_rate_rps == 20.0) == 2
         protected = [i for i in stack.last_request().cluster.instances if i.id == jid]
         assert protected and protected[0].max_slowdown == 1.0
+        assert protected[0].load_output_tokens_per_s >= BETTER.max_output_tokens_per_s
         ids = {keys.parse_instance(kv.key) for kv in (await stack.store.get_prefix(keys.INSTANCES)).items}
         assert ids == {jid}
         assert (await _get(stack, b.id)).state == ACTIVE
+
+
+async def test_an_approval_whose_first_plan_breaks_a_running_task_is_placed_away_from_it(
+        etcd_store: Any, start_service: Any) -> None:
+    """Three GPUs, one busy instance each: E and A (Llama, 10 req/s, loose SLOs, no reuse) and B (the better model,
+    8 req/s, an SLO 2% above its prediction), B the least busy. C (kappa 0 of its own, no reuse) first goes beside B
+    (LeastLoaded), which the prediction says pushes B past its SLO; selected again with B's instance protected, it
+    goes beside E or A, which tolerate it, and C is ACTIVE."""
+    await _put_profile(etcd_store, BETTER)
+    b_alone = placement_latencies({"b": InstanceLoad(BETTER, ("g",), (Arrivals(8.0, (Call("B", 50, 10),)),))},
+                                  KAPPA)["b"].latency_s["B"]
+    alone_only = selection_pb2.SelectionOptions(allow_reuse=False)
+    async with _stack(etcd_store, start_service, gpus=3) as stack:
+        # E and A busy 1 - exp(-10 x 0.05) = 0.39 of the time, B 1 - exp(-8 x 0.055) = 0.36; each GPU keeps compute
+        # for C's 10 req/s (0.35 + 0.35 <= the 0.85 cap)
+        e = await stack.deploy("busy1", Slo(0.1, 3.5, 10.0), alone_only)
+        a = await stack.deploy("busy2", Slo(0.1, 3.5, 10.0), alone_only)
+        b = await stack.deploy("tight", Slo(0.16, 1.02 * b_alone, 8.0))
+        gpus = {}
+        for t in (e, a, b):
+            iid = t.stage_instances["answer"]
+            gpus[t.id] = set(InstanceRecord.from_json((await stack.store.get(keys.instance(iid))).value).gpu_ids)
+        assert len(set().union(*gpus.values())) == 3  # one GPU each
+
+        async def predicted_b() -> Any:
+            t = await _get(stack, b.id)
+            return t if abs(t.predicted_latency_s - b_alone) <= 1e-9 * b_alone else None
+
+        await _eventually(predicted_b, timeout_s=15.0)
+        n = len(stack.selector.requests)
+        c = (await call(stack.stub.DeployTask(pb.DeployTaskRequest(
+            description="third", name="third", slo=convert.slo_to_proto(Slo(0.1, 3.5, 10.0)),
+            workflows=[convert.workflow_to_proto(ONE)])))).task
+        req = pb.ApproveWorkflowsRequest(task_id=c.id, workflow_ids=[ONE.id])
+        req.options.CopyFrom(selection_pb2.SelectionOptions(gpu_sharing=selection_pb2.GPU_SHARING_INTERFERENCE,
+                                                            interference=0.0, allow_reuse=False))
+        got = (await call(stack.stub.ApproveWorkflows(req, timeout=60))).task
+        assert got.state == ACTIVE, got.failure.message
+        # Selected twice: first as the cluster is, then with B's instance protected (no slowdown, full).
+        first, second = stack.selector.requests[n:]
+        jid = b.stage_instances["answer"]
+        plain = next(i for i in first.cluster.instances if i.id == jid)
+        guarded = next(i for i in second.cluster.instances if i.id == jid)
+        assert plain.max_slowdown > 1.0 and guarded.max_slowdown == 1.0
+        assert guarded.load_output_tokens_per_s >= BETTER.max_output_tokens_per_s > plain.load_output_tokens_per_s
+        # C runs away from B, beside E or A; B keeps its SLO by the prediction.
+        mine = InstanceRecord.from_json((await stack.store.get(keys.instance(got.stage_instances["answer"]))).value)
+        assert not set(mine.gpu_ids) & gpus[b.id] and set(mine.gpu_ids) & (gpus[e.id] | gpus[a.id])
+        await _eventually(predicted_b, timeout_s=15.0)
+        assert (await _get(stack, b.id)).predicted_latency_s <= 1.02 * b_alone

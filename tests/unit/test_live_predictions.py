@@ -34,7 +34,7 @@ from flowmaker.domain import (
 )
 from flowmaker.engine.loaded import Arrivals, Call, InstanceLoad, Loaded, placement_latencies
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad, demand, drifted, peak_window_count
-from flowmaker.orchestration.cluster import capped_tolerances
+from flowmaker.orchestration.cluster import protected
 from flowmaker.orchestration.predict import placement_key, predict_on_placement, slo_breaks
 from flowmaker.orchestration.task import Reselection, TaskRecord, TaskState, selected_prediction
 from flowmaker.selection.registry import select
@@ -233,13 +233,34 @@ def test_slo_breaks_names_the_co_residents_a_move_would_push_past_their_slo() ->
 
 
 
-def test_capped_tolerances_only_lower_the_instances_named() -> None:
-    c = Cluster((Gpu("g0", "n0", 48.0),), (Instance("x", A_MODEL, 1, 1, ("g0",), max_slowdown=1.5),
-                                          Instance("y", A_MODEL, 1, 1, ("g0",)),
-                                          Instance("z", A_MODEL, 1, 1, ("g0",), max_slowdown=3.0)))
-    got = {i.id: i.max_slowdown for i in capped_tolerances(c, {"x": 1.0, "y": 1.2, "w": 1.0}).instances}
-    assert got == {"x": 1.0, "y": 1.2, "z": 3.0}  # an unbounded one (0) takes the cap; a tighter one keeps its own
-    assert capped_tolerances(c, {"x": 2.0}).instances[0].max_slowdown == 1.5
+def test_protected_instances_tolerate_no_slowdown_and_have_no_room_left() -> None:
+    c = Cluster((Gpu("g0", "n0", 48.0),), (Instance("x", A_MODEL, 1, 1, ("g0",), 100.0, max_slowdown=1.5),
+                                          Instance("y", A_MODEL, 1, 1, ("g0",), 500.0),
+                                          Instance("z", A_MODEL, 1, 1, ("g0",), 10.0, max_slowdown=3.0)))
+    got = {i.id: (i.max_slowdown, i.load_output_tokens_per_s)
+           for i in protected(c, ["x", "y", "w"], {"x": 400.0, "y": 400.0}).instances}
+    # at least its capacity (an overloaded one keeps its load); the others as they were
+    assert got == {"x": (1.0, 400.0), "y": (1.0, 500.0), "z": (3.0, 10.0)}
+    assert protected(c, ["z"], {}).instances[2].load_output_tokens_per_s == 10.0  # no capacity known: load kept
+    # Its GPU shows no free memory; the others are as they were.
+    assert [g.memory_used_gb for g in protected(c, ["x"], {}).gpus] == [48.0]
+    # What the selector makes of it (GPU sharing, kappa 0: no slowdown seen, so a tolerance alone would not bind):
+    # x on the least busy GPU takes the reuse, or the new instance beside it (LeastLoaded); protected, neither: the
+    # new instance goes to the other GPU, beside y.
+    wf = Workflow("w", (Stage("ask", input_tokens=50, output_tokens=10),))
+    two = Cluster((Gpu("g0", "n0", 48.0, 2.0), Gpu("g1", "n0", 48.0, 2.0)),
+                  (Instance("x", A_MODEL, 1, 1, ("g0",), 100.0, busy_share=0.36),
+                   Instance("y", A_MODEL, 1, 1, ("g1",), 140.0, busy_share=0.39)))
+    opts = SelectionOptions(gpu_sharing=GpuSharing.INTERFERENCE, interference=0.0)
+    req = SelectionRequest(Slo(0.1, 3.5, 10.0), (wf,), MODELS, (PA,), two, opts)
+    assert [a.instance_id for a in select(req, "exact").variant.assignments] == ["x"]  # reuse costs nothing
+    alone = replace(req, options=replace(opts, allow_reuse=False))
+    assert [n.gpu_ids for n in select(alone, "exact").variant.new_instances] == [("g0",)]
+    for r in (req, alone):
+        v = select(replace(r, cluster=protected(two, ["x"], {"x": PA.max_output_tokens_per_s})), "exact").variant
+        assert v is not None and "x" not in {a.instance_id for a in v.assignments}
+        assert all(n.gpu_ids == ("g1",) for n in v.new_instances)
+    assert select(replace(alone, cluster=protected(two, ["x", "y"], {})), "exact").variant is None
 
 
 # ---- the burst meter -------------------------------------------------------------------------------
