@@ -20,8 +20,10 @@ class StuckTaskWarning(UserWarning):
     """A task left running by a test did not end once cancelled (see `_no_task_left_running`)."""
 
 
-# How long the tasks a test left running get to end once cancelled.
+# How long the tasks a test left running get to end once cancelled, and how long a server started by `start_service`
+# gets to stop after the test.
 LEFT_TASKS_GRACE_S = 20.0
+SERVER_STOP_S = 60.0
 
 
 def _await_chain(task: asyncio.Task[Any]) -> str:
@@ -80,7 +82,17 @@ async def start_service() -> AsyncIterator[StartService]:
 
     yield _start
     for r in reversed(started):
-        await r.stop(0.5)
+        try:
+            await asyncio.wait_for(r.stop(0.5), SERVER_STOP_S)
+        except TimeoutError:
+            # A server whose stop (its shutdown hooks included) does not end would freeze the fixture's teardown, and
+            # the part with it (CI once lost 10 minutes so, in a deployer's shutdown): reported as `_no_task_left_
+            # running` reports a stuck task, with where every task of the loop waits, and the run goes on.
+            chains = "\n".join(f"STUCK TASK {t.get_name()} ({t.get_coro()!r}):\n{_await_chain(t)}"
+                               for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done())
+            report = f"STUCK TASK stopping server {r.name!r} took over {SERVER_STOP_S:.0f}s; the loop's tasks:\n{chains}"
+            print(report, file=sys.stderr, flush=True)
+            warnings.warn(StuckTaskWarning(report), stacklevel=1)
 
 
 @pytest.fixture

@@ -156,6 +156,8 @@ _SECRET_NAME = re.compile(r"(?i)(API_?KEY|SECRET|PASSWORD|TOKEN|CREDENTIAL|PRIVA
 _ENGINE_NEEDS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_TOKEN"})
 
 
+# How long `EngineProcess.stop` waits for an engine's exit to be reported after SIGKILL (the kernel kills at once).
+KILL_WAIT_S = 10.0
 ENGINE_API_KEY_VARS = ("FLOWMAKER_ENGINE_API_KEY", "VLLM_API_KEY")  # emulated engine (and keyproxy), vLLM
 
 
@@ -337,7 +339,13 @@ class EngineProcess:
                 log.warning("%s engine %s ignored SIGTERM for %ss; killing", self.backend.name,
                             self.spec.instance_id, grace_s)
         self._kill_group(signal.SIGKILL)  # stragglers (workers) even when the leader is gone
-        await self._proc.wait()
+        try:
+            # bounded: a shutdown must end even if the exit is never reported (a test run once hung for 10 minutes
+            # in a deployer's shutdown, its child watcher still waiting on a pid)
+            await asyncio.wait_for(self._proc.wait(), KILL_WAIT_S)
+        except TimeoutError:
+            log.error("%s engine %s (pid %s) was not seen to exit %ss after SIGKILL; left behind", self.backend.name,
+                      self.spec.instance_id, self._proc.pid, KILL_WAIT_S)
         await self._drain_output()
         for t in self._tasks:
             if not t.done():
