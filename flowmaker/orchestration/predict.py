@@ -168,6 +168,14 @@ def predict_on_placement(tasks: Iterable[TaskRecord], instances: Iterable[Instan
     return out
 
 
+def profile_keys(tasks: Iterable[TaskRecord], instances: Iterable[Instance]) -> set[Key]:
+    """The (model, tp, pp) whose profiles a prediction on this placement needs: the instances' and those of every
+    stage of the tasks' variants (a switch's next one too)."""
+    return {i.key for i in instances} | {(a.model_id, a.tp, a.pp) for t in tasks
+                                        for v in (t.variant, t.next_variant) if v is not None
+                                        for a in v.assignments if a.model_id}
+
+
 def slo_breaks(tasks: Iterable[TaskRecord], instances: Iterable[Instance], profiles: Mapping[Key, Profile],
                kappa: float, moved: TaskRecord, new_instances: Iterable[Instance] = (), released: Iterable[str] = (),
                *, only: frozenset[str] | None = None) -> dict[str, tuple[float, float]]:

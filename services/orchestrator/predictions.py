@@ -17,7 +17,7 @@ import time
 from flowmaker.catalog import default_models
 from flowmaker.errors import InvalidSpec, NotFound
 from flowmaker.orchestration.cluster import cluster_gpu_type, read_live_cluster, read_used_profiles
-from flowmaker.orchestration.predict import Prediction, placement_key, predict_on_placement
+from flowmaker.orchestration.predict import Prediction, placement_key, predict_on_placement, profile_keys
 from flowmaker.orchestration.reconcile import Observed
 from flowmaker.orchestration.task import TaskRecord, TaskState
 from flowmaker.state.records import LIVE_STATES
@@ -51,9 +51,7 @@ class Predictions:
         view = await read_live_cluster(self.store)  # the alive nodes' instances with their planned loads
         instances = [rec.to_domain() for rec in view.instances.values()]
         tasks = list(obs.tasks.values())
-        used = {i.key for i in instances} | {(a.model_id, a.tp, a.pp) for t in tasks
-                                            for v in (t.variant, t.next_variant) if v is not None
-                                            for a in v.assignments if a.model_id}
+        used = profile_keys(tasks, instances)
         gpu_type = cluster_gpu_type(view.cluster, "")
         if gpu_type != self._gpu_type:
             self._gpu_type = gpu_type
@@ -69,7 +67,7 @@ class Predictions:
             log.warning("no profiles on GPU type %r to re-derive predictions: %s", gpu_type, e)
             self._last = key
             return {}
-        only = frozenset(t.id for t in tasks if t.state is TaskState.ACTIVE and self.selections.shares_gpus(t))
+        only = self.selections.predicted(tasks)
         preds = predict_on_placement(tasks, instances, profiles, kappa, only=only)
         out: dict[str, TaskRecord] = {}
         for tid, p in sorted(preds.items()):

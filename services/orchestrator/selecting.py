@@ -29,7 +29,7 @@ from flowmaker.orchestration.cluster import (
     with_tolerances,
 )
 from flowmaker.orchestration.commit import busy_load_scale
-from flowmaker.orchestration.predict import slo_breaks
+from flowmaker.orchestration.predict import profile_keys, slo_breaks
 from flowmaker.orchestration.task import TaskRecord, TaskState
 from flowmaker.rpc.errors import call
 from flowmaker.sharing import DEFAULT_INTERFERENCE
@@ -128,15 +128,13 @@ class Selections:
             return {}, set()
         tasks = await read_tolerating_tasks(self.store)
         instances = [rec.to_domain() for rec in view.instances.values()]
-        used = {i.key for i in instances} | {i.key for i in new} | {
-            (a.model_id, a.tp, a.pp) for t in (*tasks, moved) for x in (t.variant, t.next_variant) if x is not None
-            for a in x.assignments if a.model_id}
+        used = profile_keys((*tasks, moved), (*instances, *new))
         try:
             profiles = await read_used_profiles(self.store, gpu_type, await self.models() or default_models(), used)
         except (NotFound, InvalidSpec) as e:
             log.warning("task %s: no profiles on GPU type %r to check its co-residents: %s", moved.id, gpu_type, e)
             return {}, set()
-        only = frozenset(t.id for t in tasks if t.state is TaskState.ACTIVE and self.shares_gpus(t))
+        only = self.predicted(tasks)
         try:
             broken = slo_breaks(tasks, instances, profiles, await self.kappa(gpu_type), moved, new, released,
                                 only=only)
@@ -201,6 +199,11 @@ class Selections:
         if self.settings.default_interference >= 0:
             return self.settings.default_interference
         return await InterferenceStore(self.store).kappa(gpu_type) if gpu_type else DEFAULT_INTERFERENCE
+
+    def predicted(self, tasks: Iterable[TaskRecord]) -> frozenset[str]:
+        """The tasks whose latency the orchestrator predicts on the placement: ACTIVE ones selected under GPU
+        sharing (those under IGNORE keep the selection's figures)."""
+        return frozenset(t.id for t in tasks if t.state is TaskState.ACTIVE and self.shares_gpus(t))
 
     def shares_gpus(self, t: TaskRecord) -> bool:
         """Whether `t` was selected under the GPU-sharing model (its options' gpu_sharing, else the default)."""
