@@ -433,11 +433,14 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         if best_a[0] is None:  # no assignment seen: first fit, heaviest stage first, fastest option first
             keep(_first_fit(so, [pw.load[s] for s in llm], y, pos,
                             {r: pb.p_cap[pb.r_prof[r]] - pb.r_load0[r] for r in spare}, pb.p_cap))
-        if use_milp and BIN_NODES and (bins_tried[0] < BIN_TRIES or bins_won[0]):
+        if use_milp and BIN_NODES and not pb.sharing and (bins_tried[0] < BIN_TRIES or bins_won[0]):
             # The class search gave up twice: bin by bin (`binpack`), whose bound sees the room a packing
             # wastes, before the MILP, for as long as that settles some packings (measured on chain_clones: it
             # settles in 0.1 s packings that HiGHS leaves open after 1 s, and on other instances it settles
-            # none of those that HiGHS settles in 5 ms; counted in work, never in time).
+            # none of those that HiGHS settles in 5 ms; counted in work, never in time). Not under GPU sharing, where
+            # a packing's least L is only the walk's relaxation, as for the class search's long limit above (measured on
+            # the adversarial `chain15` 3: its one bin-by-bin search gave up after 80,000 nodes, 0.25 s; without it
+            # proven in 0.90 s instead of 1.09 s; hard families under sharing, seed 941000: the same proven answers).
             bins_tried[0] += 1
             got_b = least_l_bins(so, [pw.load[s] for s in llm], bl, mu, tool, cap_l, BIN_NODES, deadline)
             work[0] += got_b[3]
