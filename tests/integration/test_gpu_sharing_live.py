@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -516,8 +517,25 @@ def _predicted(kappa: float, *, with_b: bool = True) -> tuple[float, float]:
     return got["a"].latency_s["A"], got["b"].latency_s["B"] if with_b else 0.0
 
 
+def _threads_of(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[bool]:
+    """Wrap `module.name` so that each call records whether it ran on the event loop's thread (the main one here)."""
+    seen: list[bool] = []
+    inner = getattr(module, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        seen.append(threading.current_thread() is threading.main_thread())
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapped)
+    return seen
+
+
 async def test_a_tasks_prediction_rises_with_a_co_resident_and_falls_back_when_it_goes(
-        etcd_store: Any, start_service: Any) -> None:
+        etcd_store: Any, start_service: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.orchestrator.predictions as predictions
+
+    # The prediction is pure Python that grows with the placement: it runs off the loop that serves the front door.
+    on_loop = _threads_of(monkeypatch, predictions, "predict_on_placement")
     await _put_profile(etcd_store, BETTER)
     async with _stack(etcd_store, start_service, gpus=1) as stack:
         a, b = await _share_one_gpu(stack, Slo(0.1, 3.5, 2.0))
@@ -543,6 +561,7 @@ async def test_a_tasks_prediction_rises_with_a_co_resident_and_falls_back_when_i
 
         back = await _eventually(at(a.id, alone), timeout_s=15.0)
         assert dict(back.predicted_stage_latency_s) == pytest.approx({"answer": alone}, rel=1e-9)
+    assert on_loop and not any(on_loop)
 
 
 async def test_a_prediction_past_the_slo_makes_the_load_follower_reselect(etcd_store: Any, start_service: Any) -> None:
@@ -658,11 +677,14 @@ async def test_the_load_follower_moves_a_task_when_the_prediction_breaks_no_co_r
 
 
 async def test_an_approval_whose_plan_the_prediction_says_breaks_a_running_task_fails_and_starts_nothing(
-        etcd_store: Any, start_service: Any) -> None:
+        etcd_store: Any, start_service: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """An approval is checked as a move is: B runs alone on the one GPU with an SLO 2% above what it gets; C, selected
     at a kappa of 0 of its own (the selector sees no slowdown from a co-resident), would get an instance beside B's
     at 20 req/s, which the prediction (the cluster's kappa, 0.6) says pushes B past its SLO. Selected again with B's
     instance protected, nothing is left on the one GPU, so C fails naming B, and nothing is started."""
+    import services.orchestrator.selecting as selecting
+
+    on_loop = _threads_of(monkeypatch, selecting, "slo_breaks")  # the check runs off the event loop
     await _put_profile(etcd_store, BETTER)
     b_alone = placement_latencies({"b": InstanceLoad(BETTER, ("g",), (Arrivals(8.0, (Call("B", 50, 10),)),))},
                                   KAPPA)["b"].latency_s["B"]
@@ -693,6 +715,7 @@ async def test_an_approval_whose_plan_the_prediction_says_breaks_a_running_task_
         ids = {keys.parse_instance(kv.key) for kv in (await stack.store.get_prefix(keys.INSTANCES)).items}
         assert ids == {jid}
         assert (await _get(stack, b.id)).state == ACTIVE
+        assert len(on_loop) == 2 and not any(on_loop)  # both plans checked, neither on the loop's thread
 
 
 async def test_an_approval_whose_first_plan_breaks_a_running_task_is_placed_away_from_it(
