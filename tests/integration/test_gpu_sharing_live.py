@@ -715,7 +715,7 @@ async def test_an_approval_whose_plan_the_prediction_says_breaks_a_running_task_
         ids = {keys.parse_instance(kv.key) for kv in (await stack.store.get_prefix(keys.INSTANCES)).items}
         assert ids == {jid}
         assert (await _get(stack, b.id)).state == ACTIVE
-        assert len(on_loop) == 2 and not any(on_loop)  # both plans checked, neither on the loop's thread
+        assert len(on_loop) >= 2 and not any(on_loop)  # both plans checked, neither on the loop's thread
 
 
 async def test_an_approval_whose_first_plan_breaks_a_running_task_is_placed_away_from_it(
