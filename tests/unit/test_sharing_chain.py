@@ -225,8 +225,13 @@ def test_the_convex_bound_and_a_settling_stopped_at_its_floor_hold_for_every_mul
             h = sharing_chain._convex_lp(pw, llm, bins, len(order), INF, integer=False)[0]
             h.run()
             name = h.modelStatusToString(h.getModelStatus())
-            v = tool + h.getInfo().objective_function_value if name == "Optimal" else INF
-            assert name in ("Optimal", "Infeasible"), name
+            if name not in ("Optimal", "Infeasible"):
+                # HiGHS may leave an LP's status Unknown (seen once in 4,000 examples); `_least_l` then keeps the
+                # order's bound without it: its stages' least bounds alone, which must hold too.
+                event(f"LP status {name}")
+                v = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
+            else:
+                v = tool + h.getInfo().objective_function_value if name == "Optimal" else INF
             least = min(least, v)
         assert least <= lat * (1 + 1e-9), (key, least, lat)
         if cost == INF:
