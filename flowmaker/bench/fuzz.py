@@ -535,6 +535,8 @@ def temporary_etcd(etcd_bin: str = "etcd") -> Iterator[str]:
     import tempfile
     import urllib.request
 
+    from flowmaker.launcher.procs import exec_dying_with_parent
+
     exe = shutil.which(etcd_bin) or etcd_bin
 
     def free_port() -> int:
@@ -545,11 +547,12 @@ def temporary_etcd(etcd_bin: str = "etcd") -> Iterator[str]:
     cport, pport = free_port(), free_port()
     with tempfile.TemporaryDirectory(prefix="flowmaker-fuzz-etcd-") as d:
         curl, purl = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
-        proc = subprocess.Popen([exe, "--name", "fuzz", "--data-dir", d + "/data", "--listen-client-urls", curl,
-                                 "--advertise-client-urls", curl, "--listen-peer-urls", purl,
-                                 "--initial-advertise-peer-urls", purl, "--initial-cluster", f"fuzz={purl}",
-                                 "--log-level", "error", "--logger", "zap"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        # It dies with this process, even a SIGKILLed one (a hung fuzz run killed by its caller left its etcd behind).
+        proc = subprocess.Popen(exec_dying_with_parent(
+            [exe, "--name", "fuzz", "--data-dir", d + "/data", "--listen-client-urls", curl,
+             "--advertise-client-urls", curl, "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
+             "--initial-cluster", f"fuzz={purl}", "--log-level", "error", "--logger", "zap"]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             deadline = time.monotonic() + 20
             while True:

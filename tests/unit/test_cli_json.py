@@ -5,10 +5,13 @@ gains --json without a test here or there fails `test_every_json_command_is_cove
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +50,48 @@ def _json_commands() -> list[str]:
     return found
 
 
+class HungCommandWarning(UserWarning):
+    """A command gave no result within RUN_TIMEOUT_S and was run again; the message holds where its threads were."""
+
+
+RUN_TIMEOUT_S = 240
+
+
+def _run_once(tmp: Path, env: dict[str, str], args: tuple[str, ...]) -> subprocess.CompletedProcess[str] | str:
+    """The command's result, or (no result within RUN_TIMEOUT_S) the innermost frames of each of its threads: it is
+    sent SIGABRT, which PYTHONFAULTHANDLER turns into a traceback of every thread, then its whole process group
+    (servers it started, such as `bench fuzz`'s etcd, included) is killed."""
+    proc = subprocess.Popen([sys.executable, "-m", "flowmaker.cli.main", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**env, "PYTHONFAULTHANDLER": "1"}, cwd=tmp,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            err = ""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return err[-6000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def run(tmp: Path, *args: str) -> Any:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLOWMAKER_", "OTEL_"))}
     env.update({"FLOWMAKER_STATE_FILE": str(tmp / "nowhere" / "stack.json"), "FLOWMAKER_CONFIG":
                 str(tmp / "config.json"), "COLUMNS": "80", "HOME": str(tmp)})
-    p = subprocess.run([sys.executable, "-m", "flowmaker.cli.main", *args], capture_output=True, text=True,
-                       env=env, cwd=tmp, timeout=240, check=False)
+    p = _run_once(tmp, env, args)
+    if isinstance(p, str):
+        # A command that hangs once in many runs (CI at d23af87: `bench fuzz --per-rpc 1`, 3 s here in 60 runs, gave
+        # nothing in 240 s) is run once more: this test is about what stdout holds; where it hung is reported.
+        warnings.warn(HungCommandWarning(f"`flowmaker {' '.join(args)}` gave no result within {RUN_TIMEOUT_S} s; "
+                                         f"run again. Its threads:\n{p}"), stacklevel=2)
+        p = _run_once(tmp, env, args)
+        assert not isinstance(p, str), f"{args}: no result within {RUN_TIMEOUT_S} s, twice; its threads:\n{p}"
     assert p.returncode == 0, f"{args}: rc={p.returncode}\nstdout:\n{p.stdout[-2000:]}\nstderr:\n{p.stderr[-2000:]}"
     try:
         return json.loads(p.stdout)
