@@ -84,8 +84,8 @@ def hard(cfg: Any, progress: Progress) -> dict[str, Any]:
         _stop(procs)
     load_after = os.getloadavg()
     budget = cfg.hard_budget_s
-    summary = {fam: _summary([r for r in rows if r["family"] == fam], budget) for fam in families}
-    summary["all"] = _summary(rows, budget)
+    summary = {fam: summarize([r for r in rows if r["family"] == fam], budget) for fam in families}
+    summary["all"] = summarize(rows, budget)
     return {"rows": rows, "summary": summary, "budget_s": budget, "burn": cfg.hard_burn,
             "load_average_before": load_before, "load_average_after": load_after, "cpus": os.cpu_count(),
             "answers_digest": answers_digest(rows)}
@@ -102,7 +102,9 @@ def _sig(x: float | None) -> str | None:
     return None if x is None else f"{x:.9g}"
 
 
-def _summary(rows: list[dict[str, Any]], budget: float) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], budget: float) -> dict[str, Any]:
+    """Share proven within 1 s and 2 s, the unproven ones' gaps, answers without a variant or over budget, times and
+    the worst case, over these rows (one run's, or several pooled: scripts/pool_hard.py)."""
     n = len(rows)
     unproven = [r for r in rows if not r["optimal"]]
     gaps = sorted(r["gap"] for r in unproven if r["gap"] is not None and math.isfinite(r["gap"]))
