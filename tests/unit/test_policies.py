@@ -355,3 +355,45 @@ def test_a_task_no_shared_plan_serves_is_deployed_best_effort_not_refused() -> N
     assert all(why.startswith("NO_CAPACITY") for _, why in fb.unplaced)  # what no contract serves stays refused
     assert fb.best_effort and set(fb.best_effort) <= {u for u, _ in strict.unplaced}
     check_memory(fb.instances, CLUSTER.gpus)
+
+
+def test_a_task_no_plan_carries_whole_is_planned_for_the_largest_part_that_keeps_every_slo() -> None:
+    """`partial`: where no plan keeps every SLO at the task's rate, the task gets the plan for the largest part of
+    it that does (to within 1/64 of the rate, by bisection), before any sharing-blind plan; no rate above it has
+    one, and the plan is recorded as best effort at the rate it was made for."""
+    from dataclasses import replace
+
+    from flowmaker.domain import Cluster, GpuSharing, SelectionOptions, SelectionRequest
+    from flowmaker.eval.policies import PARTIAL_HALVINGS, _select_in_sequence, largest_rate_plan
+    from flowmaker.selection import select
+
+    ctx = _ctx(4.0)
+    kw = dict(strategy="exact", allow_reuse=True, rate=ctx.nominal_rate, fixed_workflow=False, measured=False,
+              fallback=True, best_effort=True)
+    blind = _select_in_sequence(ctx, **kw)  # type: ignore[arg-type]
+    part = _select_in_sequence(ctx, partial=True, **kw)  # type: ignore[arg-type]
+    assert part.best_effort and len(part.deployments) >= len(blind.deployments)
+    planned = dict(part.planned_rates)
+    cut = [t for t in part.best_effort if planned[t] < ctx.nominal_rate(next(x for x in TASKS if x.name == t))]
+    assert cut, (part.best_effort, planned)  # some task was planned for part of its rate
+    check_memory(part.instances, CLUSTER.gpus)
+
+    # The helper alone: the first task at 4x on the empty cluster, whose whole rate no plan keeps.
+    task = TASKS[0]
+    req = SelectionRequest(slo=replace(task.slo(), arrival_rate_rps=ctx.nominal_rate(task) * 40),
+                           workflows=task.nominal_workflows(ctx.trace_kind, ctx.plan_tokens), models=ctx.models,
+                           profiles=ctx.profiles, cluster=Cluster(CLUSTER.gpus, ()),
+                           options=SelectionOptions(utilization_cap=ctx.utilization_cap,
+                                                    capacity_model=ctx.capacity_model,
+                                                    gpu_sharing=GpuSharing.INTERFERENCE))
+    assert select(req, "exact").variant is None
+    got = largest_rate_plan(req, "exact")
+    assert got is not None
+    r_req, r_res = got
+    assert r_res.variant is not None and 0 < r_req.slo.arrival_rate_rps < req.slo.arrival_rate_rps
+    step = req.slo.arrival_rate_rps / 2 ** PARTIAL_HALVINGS
+    above = replace(req, slo=replace(req.slo, arrival_rate_rps=(r_req.slo.arrival_rate_rps + step) * (1 + 1e-9)))
+    assert select(above, "exact").variant is None  # within one step of the largest rate that fits
+    # An SLO no rate meets: nothing at any rate.
+    never = replace(req, slo=replace(req.slo, max_latency_s=1e-6))
+    assert largest_rate_plan(never, "exact") is None
