@@ -387,7 +387,7 @@ def test_a_task_no_plan_carries_whole_is_planned_for_the_largest_part_that_keeps
                                                     capacity_model=ctx.capacity_model,
                                                     gpu_sharing=GpuSharing.INTERFERENCE))
     assert select(req, "exact").variant is None
-    got = largest_rate_plan(req, "exact")
+    got = largest_rate_plan(req, lambda q: select(q, "exact"))
     assert got is not None
     r_req, r_res = got
     assert r_res.variant is not None and 0 < r_req.slo.arrival_rate_rps < req.slo.arrival_rate_rps
@@ -396,4 +396,30 @@ def test_a_task_no_plan_carries_whole_is_planned_for_the_largest_part_that_keeps
     assert select(above, "exact").variant is None  # within one step of the largest rate that fits
     # An SLO no rate meets: nothing at any rate.
     never = replace(req, slo=replace(req.slo, max_latency_s=1e-6))
-    assert largest_rate_plan(never, "exact") is None
+    assert largest_rate_plan(never, lambda q: select(q, "exact")) is None
+
+
+def test_a_plan_on_most_of_the_cluster_is_replanned_scaled_out_and_its_replicas_are_routed() -> None:
+    """FlowMaker's policies: a task whose plan spans more than half the cluster's GPUs (at 4x, chat on two
+    Qwen2.5-3B tp4 instances: all 8) is re-planned with GPUs priced and replicas allowed, and gets the plan on fewer
+    GPUs; a stage scaled out to replicas appears in the task's route once per replica."""
+    from flowmaker.eval.policies import SCALE_OUT_SHARE, Plan, _select_in_sequence
+
+    ctx = _ctx(4.0)
+    kw = dict(strategy="exact", allow_reuse=True, rate=ctx.nominal_rate, fixed_workflow=False, measured=False,
+              fallback=True, best_effort=True)
+    plain = _select_in_sequence(ctx, **kw)  # type: ignore[arg-type]
+    flow = _select_in_sequence(ctx, partial=True, **kw)  # type: ignore[arg-type]
+    first = ctx.tasks[0].name
+
+    def gpus_of(p: Plan) -> int:
+        return sum(len(i.gpu_ids) for i in p.instances if i.deployed_by == first)
+
+    wide = len(CLUSTER.gpus) * SCALE_OUT_SHARE
+    assert gpus_of(plain) > wide
+    assert 0 < gpus_of(flow) <= wide
+    route = next(d for d in flow.deployments if d.task.name == first).routes[0]
+    stages = [s for s, _ in route.stage_instances]
+    assert len(stages) > len(set(stages))  # a stage on several replicas
+    assert {i for _, i in route.stage_instances} <= {i.id for i in flow.instances}
+    check_memory(flow.instances, CLUSTER.gpus)
