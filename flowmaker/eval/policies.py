@@ -356,7 +356,7 @@ def _stage_load(wf: Workflow, rate: float) -> dict[str, float]:
 def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                         rate: Callable[[EvalTask], float | tuple[float, ...]], fixed_workflow: bool, measured: bool,
                         sharing: bool = True, capacity_model: CapacityModel | None = None,
-                        fallback: bool = False, best_effort: bool = False, partial: bool = False) -> Plan:
+                        fallback: bool = False, best_effort: bool = False, overload_steps: bool = False) -> Plan:
     """Deploy tasks one after another with the selector; each sees what the earlier ones deployed.
 
     `measured`: before each deployment the running instances' loads are replaced by what
@@ -365,7 +365,7 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
     the one before. `fallback`: when nothing fits at the last, the headroom kept for bursts is given up, then
     the headroom booked by earlier tasks is lent. `best_effort`: when still nothing fits under the GPU-sharing
     contract, the task is deployed where the sharing-blind contract places it (`Plan.best_effort`): served in
-    part, not refused. `partial` (FlowMaker's policies): before that, the plan for the largest part of the rate
+    part, not refused. `overload_steps` (FlowMaker's policies): before that, the plan for the largest part of the rate
     that keeps every SLO (`largest_rate_plan`), when there is one; and at every step a plan that spans more than
     SCALE_OUT_SHARE of the cluster's GPUs is re-planned scaled out (`choose`).
     """
@@ -379,10 +379,10 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
     gpu_price = default_gpu_price(-1.0, ctx.cluster)  # one GPU's memory
 
     def choose(q: SelectionRequest) -> SelectionResult:
-        """`select`, and for FlowMaker's policies (`partial`) a plan that spans more than SCALE_OUT_SHARE of the
+        """`select`, and for FlowMaker's policies (`overload_steps`) a plan that spans more than SCALE_OUT_SHARE of the
         cluster's GPUs re-planned scaled out (GPUs priced, replicas allowed), kept when it spans fewer."""
         got = select(q, strategy)
-        if partial and got.variant is not None and got.variant.new_gpus > wide:
+        if overload_steps and got.variant is not None and got.variant.new_gpus > wide:
             alt = select(replace(q, options=replace(q.options, max_replicas=SCALE_OUT_REPLICAS, gpu_price_gb=gpu_price)),
                          strategy)
             if alt.variant is not None and alt.variant.new_gpus < got.variant.new_gpus:
@@ -436,7 +436,7 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
             # measured) is lent to it, as the load follower would give it back once they scale in.
             req = replace(req, cluster=st.as_cluster(seen))
             res = choose(req)
-        if res.variant is None and partial and req.options.gpu_sharing is GpuSharing.INTERFERENCE:
+        if res.variant is None and overload_steps and req.options.gpu_sharing is GpuSharing.INTERFERENCE:
             # Still nothing: the task is planned for the largest part of its rate that some plan carries with every
             # SLO kept on the shared GPUs (`largest_rate_plan`), so that its excess traffic queues on its own
             # instances rather than slowing every co-resident of a sharing-blind plan.
@@ -486,7 +486,7 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                 st.offered[iid] = st.offered.get(iid, 0.0) + n
                 if tol > 0:
                     st.tolerance[iid] = min(st.tolerance.get(iid, math.inf), tol)
-            decisions.append(StageDecision(task.name, v.workflow_id, a.stage_id, iid, a.model_id, a.tp, a.pp,
+            decisions.append(StageDecision(task.name, v.workflow_id, a.stage_id, iids[0], a.model_id, a.tp, a.pp,
                                            a.reused))
         deployments.append(TaskDeployment(task, (Route(v.workflow_id, tuple(stage_map)),)))
     return Plan("", tuple(st.instances), tuple(deployments), tuple(unplaced), tuple(decisions),
@@ -577,7 +577,7 @@ def simulated_monitor(workload: SegmentWorkload, gpus: Sequence[Gpu], models: Ma
 @register("flowmaker")
 def flowmaker(ctx: PolicyContext) -> Plan:
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rates, fixed_workflow=False,
-                               measured=True, fallback=True, best_effort=True, partial=True)
+                               measured=True, fallback=True, best_effort=True, overload_steps=True)
 
 
 @register("flowmaker-paper")
@@ -591,7 +591,7 @@ def flowmaker_paper(ctx: PolicyContext) -> Plan:
 @register("flowmaker-noreuse")
 def flowmaker_noreuse(ctx: PolicyContext) -> Plan:
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=False, rate=ctx.planning_rates, fixed_workflow=False,
-                               measured=True, fallback=True, best_effort=True, partial=True)
+                               measured=True, fallback=True, best_effort=True, overload_steps=True)
 
 
 @register("flowmaker-plannedload")
@@ -599,13 +599,13 @@ def flowmaker_plannedload(ctx: PolicyContext) -> Plan:
     """FlowMaker as the orchestrator records load today: an instance's load is the sum of the loads its tasks'
     selections planned (rho x output tokens at the median request), not a measurement."""
     return _select_in_sequence(ctx, strategy="exact", allow_reuse=True, rate=ctx.planning_rates, fixed_workflow=False,
-                               measured=False, fallback=True, best_effort=True, partial=True)
+                               measured=False, fallback=True, best_effort=True, overload_steps=True)
 
 
 @register("flowmaker-heuristic")
 def flowmaker_heuristic(ctx: PolicyContext) -> Plan:
     return _select_in_sequence(ctx, strategy="heuristic", allow_reuse=True, rate=ctx.planning_rates,
-                               fixed_workflow=False, measured=True, fallback=True, best_effort=True, partial=True)
+                               fixed_workflow=False, measured=True, fallback=True, best_effort=True, overload_steps=True)
 
 
 # ---- Murakkab ------------------------------------------------------------------------------------

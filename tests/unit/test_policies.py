@@ -358,7 +358,7 @@ def test_a_task_no_shared_plan_serves_is_deployed_best_effort_not_refused() -> N
 
 
 def test_a_task_no_plan_carries_whole_is_planned_for_the_largest_part_that_keeps_every_slo() -> None:
-    """`partial`: where no plan keeps every SLO at the task's rate, the task gets the plan for the largest part of
+    """`overload_steps`: where no plan keeps every SLO at the task's rate, the task gets the plan for the largest part of
     it that does (to within 1/64 of the rate, by bisection), before any sharing-blind plan; no rate above it has
     one, and the plan is recorded as best effort at the rate it was made for."""
     from dataclasses import replace
@@ -371,7 +371,7 @@ def test_a_task_no_plan_carries_whole_is_planned_for_the_largest_part_that_keeps
     kw = dict(strategy="exact", allow_reuse=True, rate=ctx.nominal_rate, fixed_workflow=False, measured=False,
               fallback=True, best_effort=True)
     blind = _select_in_sequence(ctx, **kw)  # type: ignore[arg-type]
-    part = _select_in_sequence(ctx, partial=True, **kw)  # type: ignore[arg-type]
+    part = _select_in_sequence(ctx, overload_steps=True, **kw)  # type: ignore[arg-type]
     assert part.best_effort and len(part.deployments) >= len(blind.deployments)
     planned = dict(part.planned_rates)
     cut = [t for t in part.best_effort if planned[t] < ctx.nominal_rate(next(x for x in TASKS if x.name == t))]
@@ -409,7 +409,7 @@ def test_a_plan_on_most_of_the_cluster_is_replanned_scaled_out_and_its_replicas_
     kw = dict(strategy="exact", allow_reuse=True, rate=ctx.nominal_rate, fixed_workflow=False, measured=False,
               fallback=True, best_effort=True)
     plain = _select_in_sequence(ctx, **kw)  # type: ignore[arg-type]
-    flow = _select_in_sequence(ctx, partial=True, **kw)  # type: ignore[arg-type]
+    flow = _select_in_sequence(ctx, overload_steps=True, **kw)  # type: ignore[arg-type]
     first = ctx.tasks[0].name
 
     def gpus_of(p: Plan) -> int:
