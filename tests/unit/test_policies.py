@@ -423,3 +423,79 @@ def test_a_plan_on_most_of_the_cluster_is_replanned_scaled_out_and_its_replicas_
     assert len(stages) > len(set(stages))  # a stage on several replicas
     assert {i for _, i in route.stage_instances} <= {i.id for i in flow.instances}
     check_memory(flow.instances, CLUSTER.gpus)
+
+
+def test_a_plan_still_wide_once_scaled_out_is_made_for_the_part_of_the_rate_half_the_cluster_carries() -> None:
+    """FlowMaker's policies: at twice the load math's plan for part of its rate, even scaled out, spans 6 of the 8
+    GPUs; it is made instead for the largest part that a plan on at most half the cluster carries, so that no task's
+    own instances span more than half. The helper alone: the first lower rate tried whose plan is that narrow wins,
+    else the bisection's rate, within one step of the largest; nothing when no plan is narrow enough."""
+    from dataclasses import replace
+
+    from flowmaker.domain import Cluster, GpuSharing, SelectionOptions, SelectionRequest
+    from flowmaker.eval.policies import PARTIAL_HALVINGS, SCALE_OUT_SHARE, _select_in_sequence, narrow_plan
+    from flowmaker.selection import select
+
+    ctx = _ctx(2.0)
+    kw = dict(strategy="exact", allow_reuse=True, rate=ctx.nominal_rate, fixed_workflow=False, measured=False,
+              fallback=True, best_effort=True)
+    flow = _select_in_sequence(ctx, overload_steps=True, **kw)  # type: ignore[arg-type]
+    wide = len(CLUSTER.gpus) * SCALE_OUT_SHARE
+    spans: dict[str, int] = {}
+    for inst in flow.instances:
+        spans[inst.deployed_by] = spans.get(inst.deployed_by, 0) + len(inst.gpu_ids)
+    assert "math" in spans and max(spans.values()) <= wide, spans
+    assert dict(flow.planned_rates)["math"] < ctx.nominal_rate(next(t for t in TASKS if t.name == "math"))
+    assert "math" in flow.best_effort
+    check_memory(flow.instances, CLUSTER.gpus)
+
+    first = ctx.tasks[0]
+
+    req = SelectionRequest(slo=replace(first.slo(), arrival_rate_rps=_ctx(4.0).nominal_rate(first)),
+                           workflows=first.nominal_workflows(ctx.trace_kind, ctx.plan_tokens), models=ctx.models,
+                           profiles=ctx.profiles, cluster=Cluster(CLUSTER.gpus, ()),
+                           options=SelectionOptions(utilization_cap=ctx.utilization_cap,
+                                                    capacity_model=ctx.capacity_model,
+                                                    gpu_sharing=GpuSharing.INTERFERENCE))
+
+    def sel(q: SelectionRequest):  # type: ignore[no-untyped-def]
+        return select(q, "exact")
+
+    full = sel(req)
+    assert full.variant is not None and full.variant.new_gpus > 2
+    got = narrow_plan(req, [], sel, 2)
+    assert got is not None
+    n_req, n_res = got
+    assert n_res.variant is not None and n_res.variant.new_gpus <= 2
+    step = req.slo.arrival_rate_rps / 2 ** PARTIAL_HALVINGS
+    above = sel(replace(req, slo=replace(req.slo, arrival_rate_rps=(n_req.slo.arrival_rate_rps + step) * (1 + 1e-9))))
+    assert above.variant is None or above.variant.new_gpus > 2  # within one step of the largest narrow rate
+    lower = n_req.slo.arrival_rate_rps * 0.75
+    got2 = narrow_plan(req, [lower], sel, 2)
+    assert got2 is not None and got2[0].slo.arrival_rate_rps == lower  # a lower rate tried first wins
+    assert narrow_plan(req, [], sel, 0) is None
+
+
+def test_a_sharing_blind_plan_over_most_of_the_cluster_is_narrowed_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlowMaker's policies: a task served best effort (no plan keeps every SLO, not even for part of its rate: here
+    that step is made to find nothing) whose sharing-blind plan spans more than half the cluster (multihop_qa at twice
+    the load: all 8 GPUs) gets the sharing-blind plan for the largest part of its rate within half instead."""
+    import flowmaker.eval.policies as pol
+
+    real = pol.largest_rate_plan
+
+    def only_narrowing(req, choose):  # type: ignore[no-untyped-def]
+        return real(req, choose) if choose.__name__ == "narrowed" else None
+
+    monkeypatch.setattr(pol, "largest_rate_plan", only_narrowing)
+    ctx = _ctx(2.0)
+    kw = dict(strategy="exact", allow_reuse=True, rate=ctx.nominal_rate, fixed_workflow=False, measured=False,
+              fallback=True, best_effort=True)
+    flow = pol._select_in_sequence(ctx, overload_steps=True, **kw)  # type: ignore[arg-type]
+    spans: dict[str, int] = {}
+    for inst in flow.instances:
+        spans[inst.deployed_by] = spans.get(inst.deployed_by, 0) + len(inst.gpu_ids)
+    assert "multihop_qa" in flow.best_effort and 0 < spans.get("multihop_qa", 0) <= len(CLUSTER.gpus) * 0.5, spans
+    qa = next(t for t in TASKS if t.name == "multihop_qa")
+    assert dict(flow.planned_rates)["multihop_qa"] < ctx.nominal_rate(qa)
+    check_memory(flow.instances, CLUSTER.gpus)
