@@ -446,32 +446,25 @@ def _select_in_sequence(ctx: PolicyContext, *, strategy: str, allow_reuse: bool,
                 req, res = got_p
                 rates[-1] = (task.name, req.slo.arrival_rate_rps)
                 served_best_effort.append(task.name)
-        if overload_steps and res.variant is not None and res.variant.new_gpus > wide \
-                and req.options.gpu_sharing is GpuSharing.INTERFERENCE:
-            # Scaled out, the plan still spans more than SCALE_OUT_SHARE of the cluster, which would leave the tasks
-            # after it only busy, shared GPUs: the task gets the first lower rate it was to be tried at whose plan
-            # spans no more, else the largest part of the lowest one that such a plan carries; its excess queues on
-            # its own instances. When no plan that narrow carries any part of it, the wide plan stands.
+        if res.variant is None and best_effort and req.options.gpu_sharing is GpuSharing.INTERFERENCE:
+            # Still nothing: no plan keeps every SLO on the shared GPUs. The task is served best-effort, as the
+            # published (sharing-blind) contract places it, rather than refused: some of its requests meet the SLO.
+            req = replace(req, options=replace(req.options, gpu_sharing=GpuSharing.IGNORE))
+            res = select(req, strategy)
+            if res.variant is not None:
+                served_best_effort.append(task.name)
+        if overload_steps and sharing and res.variant is not None and res.variant.new_gpus > wide:
+            # Scaled out, the plan (one that keeps the SLOs, or the best-effort one) still spans more than
+            # SCALE_OUT_SHARE of the cluster, which would leave the tasks after it only busy, shared GPUs: the task
+            # gets the first lower rate it was to be tried at whose plan spans no more, else the largest part of the
+            # lowest one that such a plan carries; its excess queues on its own instances. When no plan that narrow
+            # carries any part of it, the wide plan stands.
             got_n = narrow_plan(req, [x for x in tries if x < req.slo.arrival_rate_rps], choose, wide)
             if got_n is not None:
                 req, res = got_n
                 rates[-1] = (task.name, req.slo.arrival_rate_rps)
                 if req.slo.arrival_rate_rps < tries[-1] and task.name not in served_best_effort:
                     served_best_effort.append(task.name)
-        if res.variant is None and best_effort and req.options.gpu_sharing is GpuSharing.INTERFERENCE:
-            # Still nothing: no plan keeps every SLO on the shared GPUs. The task is served best-effort, as the
-            # published (sharing-blind) contract places it, rather than refused: some of its requests meet the SLO.
-            req = replace(req, options=replace(req.options, gpu_sharing=GpuSharing.IGNORE))
-            res = select(req, strategy)
-            if overload_steps and res.variant is not None and res.variant.new_gpus > wide:
-                # The same width limit as a plan that keeps the SLOs (above): one sharing-blind plan over most of
-                # the cluster slows every task on it.
-                got_n = narrow_plan(req, [], choose, wide)
-                if got_n is not None:
-                    req, res = got_n
-                    rates[-1] = (task.name, req.slo.arrival_rate_rps)
-            if res.variant is not None:
-                served_best_effort.append(task.name)
         if res.variant is None:
             why = res.reason.value if res.reason is not None else "INFEASIBLE"
             unplaced.append((task.name, f"{why}: {res.reason_detail}" if res.reason_detail else why))
