@@ -689,9 +689,17 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     inc = best[0] if best else INF
     rest = min((k for k, _, y, i, is_exp in heap if is_exp or i != 1 or y not in packed), default=INF)
     fr.lower_bound = max(0.0, min(lb, rest, inc, unplaced) * (1 - 1e-9))
-    fr.complete = not stopped and unsettled > inc * (1 + 2e-9) and (rest > inc * (1 + 1e-9) or not heap) \
-        and unplaced > inc * (1 + 2e-9)
+    # Nothing left that could beat the incumbent; with none (inc infinite) that is nothing left at all, which proves
+    # that no variant exists (an infinite bound is not "above" an infinite incumbent: 991023 of the hard families,
+    # whose walk ended with nothing left, was reported unfinished and answered DEADLINE_EXCEEDED at any budget).
+    fr.complete = not stopped and _beyond(unsettled, inc, 2e-9) and (_beyond(rest, inc, 1e-9) or not heap) \
+        and _beyond(unplaced, inc, 2e-9)
     return fr
+
+
+def _beyond(x: float, inc: float, tol: float) -> bool:
+    """Whether a bound x leaves nothing to beat the incumbent inc: x above it, or x infinite (nothing there)."""
+    return x == INF or x > inc * (1 + tol)
 
 
 def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, str, int]]], y: tuple[int, ...],

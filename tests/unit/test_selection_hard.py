@@ -255,6 +255,53 @@ def test_chains_that_nothing_meets_are_proven_infeasible_by_the_relaxation_at_th
     assert infeasible and any(proofs), (infeasible, proofs)
 
 
+def test_a_chain_walk_that_ends_with_nothing_left_and_no_incumbent_proves_that_no_variant_exists(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no incumbent, a walk that ends with no multiset left (every one priced out, or packed with no fit) has
+    proven that nothing is feasible: infinite bounds are not "above" an infinite incumbent, and chain_clones 991023
+    (large) ended so after 2.2 s and was reported unfinished, so `exact` answered DEADLINE_EXCEEDED at any budget.
+    The relaxation's floors are switched off so that the walk itself must do it. Small chains made tight: the walk
+    proves some of them infeasible, never one the brute force finds a variant for, and `exact` agrees with the brute
+    force, proven."""
+    from test_selection_properties import brute_force_canonical
+
+    import flowmaker.selection.chain as chain
+    from flowmaker.selection import exact as ex
+    from flowmaker.selection.milp import CHAIN_POINTS_FIRST, RelaxedModel
+
+    monkeypatch.setattr(chain, "FLOOR_NODES", 0)
+    proofs = 0
+    for k in range(20 * EXAMPLES):  # until a few walks have ended so (rare: most tight chains have no option at all)
+        if proofs >= 3:
+            break
+        seed = SEED0 + 700 + k
+        req = hard_instance("chain_clones", seed, "small").request
+        rng = random.Random(seed)
+        slo = dataclasses.replace(req.slo, arrival_rate_rps=req.slo.arrival_rate_rps * rng.choice((1.0, 3.0, 8.0)))
+        gpus = tuple(dataclasses.replace(g, memory_used_gb=min(g.memory_total_gb, g.memory_used_gb
+                                                               + rng.choice((0.0, 10.0, 25.0))))
+                     for g in req.cluster.gpus)
+        req = dataclasses.replace(req, slo=slo, cluster=dataclasses.replace(req.cluster, gpus=gpus))
+        if Problem(req).total_space() > MAX_SPACE:
+            continue
+        none = brute_force_canonical(req)[0] is None
+        pb = Problem(req)
+        usable = ex.usable_profiles(pb)
+        for pw in pb.workflows:
+            m = RelaxedModel(pb, pw, usable)
+            if not m.ok:
+                continue
+            fr = chain.walk_chain(m, float("inf"), None, CHAIN_POINTS_FIRST)
+            if fr.complete and fr.lower_bound == float("inf") and not fr.candidates:
+                assert none, (seed, "the walk proved a workflow infeasible that has a variant")
+                proofs += 1
+        try:
+            agree(req, ("exact",), proven=True)
+        except AssertionError as e:
+            raise AssertionError(f"chain_clones seed {seed} (FLOWMAKER_HARD_SEED={SEED0}, instance {k}): {e}") from e
+    assert proofs, "no walk ended with nothing left: the test tests nothing"
+
+
 def test_the_chain_walk_never_packs_a_multiset_the_clusters_room_rules_out() -> None:
     """`milp.room_rows` bound how many new instances of a kind any placement can hold; the chain walk pushes no
     multiset beyond them (a large chain_clones instance spent its whole budget on six tp8 instances where the
