@@ -213,6 +213,18 @@ def test_small_chains_with_clones_equal_the_brute_force_when_packings_go_bin_by_
     assert calls and (any(calls) if bin_nodes > 3 or quick else not all(calls))
 
 
+def _tight_chain(seed: int) -> SelectionRequest:
+    """A small chain_clones request made tight at random (up to 8x the load, up to 25 GB less free per GPU), so that
+    many have no variant."""
+    req = hard_instance("chain_clones", seed, "small").request
+    rng = random.Random(seed)
+    slo = dataclasses.replace(req.slo, arrival_rate_rps=req.slo.arrival_rate_rps * rng.choice((1.0, 3.0, 8.0)))
+    gpus = tuple(dataclasses.replace(g, memory_used_gb=min(g.memory_total_gb, g.memory_used_gb
+                                                           + rng.choice((0.0, 10.0, 25.0))))
+                 for g in req.cluster.gpus)
+    return dataclasses.replace(req, slo=slo, cluster=dataclasses.replace(req.cluster, gpus=gpus))
+
+
 def test_chains_that_nothing_meets_are_proven_infeasible_by_the_relaxation_at_the_walks_start(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The chain walk starts with the relaxation's least-L MILP, which proves at once that nothing is feasible where
@@ -238,13 +250,7 @@ def test_chains_that_nothing_meets_are_proven_infeasible_by_the_relaxation_at_th
     infeasible = 0
     for k in range(3 * EXAMPLES):
         seed = SEED0 + 300 + k
-        req = hard_instance("chain_clones", seed, "small").request
-        rng = random.Random(seed)
-        slo = dataclasses.replace(req.slo, arrival_rate_rps=req.slo.arrival_rate_rps * rng.choice((1.0, 3.0, 8.0)))
-        gpus = tuple(dataclasses.replace(g, memory_used_gb=min(g.memory_total_gb, g.memory_used_gb
-                                                               + rng.choice((0.0, 10.0, 25.0))))
-                     for g in req.cluster.gpus)
-        req = dataclasses.replace(req, slo=slo, cluster=dataclasses.replace(req.cluster, gpus=gpus))
+        req = _tight_chain(seed)
         if Problem(req).total_space() > MAX_SPACE:
             continue
         infeasible += brute_force_canonical(req)[0] is None
@@ -275,13 +281,7 @@ def test_a_chain_walk_that_ends_with_nothing_left_and_no_incumbent_proves_that_n
         if proofs >= 3:
             break
         seed = SEED0 + 700 + k
-        req = hard_instance("chain_clones", seed, "small").request
-        rng = random.Random(seed)
-        slo = dataclasses.replace(req.slo, arrival_rate_rps=req.slo.arrival_rate_rps * rng.choice((1.0, 3.0, 8.0)))
-        gpus = tuple(dataclasses.replace(g, memory_used_gb=min(g.memory_total_gb, g.memory_used_gb
-                                                               + rng.choice((0.0, 10.0, 25.0))))
-                     for g in req.cluster.gpus)
-        req = dataclasses.replace(req, slo=slo, cluster=dataclasses.replace(req.cluster, gpus=gpus))
+        req = _tight_chain(seed)
         if Problem(req).total_space() > MAX_SPACE:
             continue
         none = brute_force_canonical(req)[0] is None
