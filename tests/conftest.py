@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,10 +19,11 @@ ETCD_BIN = os.environ.get("FLOWMAKER_TEST_ETCD", shutil.which("etcd") or "/usr/b
 
 
 def free_port() -> int:
-    """A currently free loopback TCP port (for processes that cannot bind port 0 themselves)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A currently free loopback TCP port (for processes that cannot bind port 0 themselves); below the kernel's
+    ephemeral range, where connections cannot take it first (`flowmaker.ports.free_port`)."""
+    from flowmaker.ports import free_port as ports_free_port
+
+    return ports_free_port("127.0.0.1")
 
 
 def _all_threads_stopped(pid: int) -> bool:

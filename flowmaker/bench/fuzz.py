@@ -530,19 +530,14 @@ async def fuzz_with_etcd(endpoint: str, *, per_rpc: int, seed: int, timeout_s: f
 def temporary_etcd(etcd_bin: str = "etcd") -> Iterator[str]:
     """A throw-away etcd on free loopback ports with a temp data dir; yields its client endpoint."""
     import shutil
-    import socket
     import subprocess
     import tempfile
     import urllib.request
 
     from flowmaker.launcher.procs import exec_dying_with_parent
+    from flowmaker.ports import free_port
 
     exe = shutil.which(etcd_bin) or etcd_bin
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
 
     cport, pport = free_port(), free_port()
     with tempfile.TemporaryDirectory(prefix="flowmaker-fuzz-etcd-") as d:

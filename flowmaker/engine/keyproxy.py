@@ -20,12 +20,13 @@ import asyncio
 import hmac
 import os
 import signal
-import socket
 import sys
 from collections.abc import Sequence
 
 import aiohttp
 from aiohttp import web
+
+from flowmaker.ports import free_port
 
 KEY_ENV = "FLOWMAKER_ENGINE_API_KEY"
 KEY_VARS = ("FLOWMAKER_ENGINE_API_KEY", "VLLM_API_KEY")  # never handed to the engine behind the proxy
@@ -44,12 +45,6 @@ def upstream_command(argv: Sequence[str], port: int) -> list[str]:
                 continue
         out += [flag, value]
     return out
-
-
-def _free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def authorized(header: str | None, key: str) -> bool:
@@ -100,7 +95,7 @@ async def run(host: str, port: int, argv: Sequence[str]) -> int:
     if not key:
         print(f"keyproxy: {KEY_ENV} is not set; refusing to serve the engine without a key", file=sys.stderr)
         return 2
-    up_port = _free_loopback_port()
+    up_port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in KEY_VARS}
     child = await asyncio.create_subprocess_exec(*upstream_command(argv, up_port), env=env)
     runner = web.AppRunner(make_app(key, f"http://127.0.0.1:{up_port}"), access_log=None)

@@ -67,6 +67,7 @@ from typing import IO, Any
 
 from flowmaker.errors import Unavailable
 from flowmaker.launcher.procs import descendants, die_with_parent, identity, start_time
+from flowmaker.ports import free_port
 from flowmaker.rpc.tls import ADMIN, TOKENS_FILE, TlsFiles, ensure_pki, pki_files
 
 # Start order; stop order is the reverse with the deployer held back until the others are gone.
@@ -83,13 +84,6 @@ class StackError(Unavailable):
     """The local stack could not start (a port, etcd or a service failed); the message says which and why."""
 
     reason = "STACK_START_FAILED"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` right now (for processes told their port up front rather than binding port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def port_free(host: str, port: int) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 
 from flowmaker.domain import Profile
 from flowmaker.errors import NotFound
+from flowmaker.ports import free_port
 from services.deployer.backends import (
     EngineProcess,
     EngineSpec,
@@ -31,10 +31,6 @@ PROFILE = Profile("qwen-7b", 2, 1, 20.0, fixed_s=0.01, prefill_s_per_token=1e-4,
 BACKENDS = ["emulated", "trtllm", "vllm"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def spec(backend: str, *, tp: int = 2, extra: tuple[str, ...] = ()) -> EngineSpec:
