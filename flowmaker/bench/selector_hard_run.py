@@ -27,6 +27,7 @@ from flowmaker.errors import DeadlineExceeded
 Progress = Callable[[str], None]
 # Slack over the budget for "answered within its budget": the answer is built after the search stops.
 OVER_BUDGET_SLACK_S = 0.05
+WARM_BUDGET_S = 0.2  # the throwaway selection that loads the strategies' modules before any instance is timed
 
 
 def _burn(n: int) -> list[subprocess.Popen[bytes]]:
@@ -55,6 +56,16 @@ def hard(cfg: Any, progress: Progress) -> dict[str, Any]:
             while os.getloadavg()[0] < 0.9 * cfg.hard_burn and time.monotonic() < end:
                 time.sleep(1.0)
             load_before = os.getloadavg()
+        # One throwaway selection first, so that no instance is timed with the imports a strategy makes on its first
+        # call (HiGHS among them; the selector service makes them at start). Without it the first instance of a
+        # `--section hard` run took 2.07-2.17 s at load average 4.6, against a 2 s budget (chain_clones 1031000, whose
+        # search ends in 0.8-0.9 s quiet and 1.85-1.94 s under the same load once warm).
+        warm = hard_instance(families[0], cfg.seed, "large")
+        try:
+            _select(dataclasses.replace(warm.request, options=dataclasses.replace(
+                warm.request.options, time_budget_s=WARM_BUDGET_S)), "exact")
+        except DeadlineExceeded:
+            pass
         for fam in families:
             for k in range(cfg.hard_count):
                 seed = cfg.seed + k

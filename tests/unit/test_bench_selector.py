@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from flowmaker.bench.selector import (
     ADVERSARIAL_KINDS,
     BenchConfig,
@@ -73,9 +75,22 @@ def test_synthetic_catalog_is_deterministic_and_leaderboard_like() -> None:
     assert all(0.05 <= m.accuracy <= 0.5 for m in a)
 
 
-def test_hard_section_reports_shares_gaps_and_a_digest(tmp_path: Path) -> None:
+def test_hard_section_reports_shares_gaps_and_a_digest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowmaker.bench import selector as bench_selector
+    from flowmaker.bench.selector_hard_run import WARM_BUDGET_S
+
+    budgets: list[float] = []  # every selection's budget, in call order
+    real = bench_selector._select
+
+    def spy(req, strategy):  # type: ignore[no-untyped-def]
+        budgets.append(req.options.time_budget_s)
+        return real(req, strategy)
+
+    monkeypatch.setattr(bench_selector, "_select", spy)
     cfg = BenchConfig(sections=("hard",), hard_count=1, hard_budget_s=1.0, seed=24)
     res = run_selector_bench(tmp_path, cfg)
+    # one untimed selection loads the strategies' modules before the first timed instance
+    assert budgets[0] == WARM_BUDGET_S and budgets.count(1.0) == len(res["hard"]["rows"]) == len(budgets) - 1
     saved = json.loads((tmp_path / "selector.json").read_text())
     from flowmaker.bench.selector_hard import HARD_FAMILIES
     from flowmaker.bench.selector_hard_run import answers_digest
