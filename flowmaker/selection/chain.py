@@ -88,7 +88,7 @@ MILP_SYMMETRY = False  # order the identical bins by load in the MILP (measured 
 MILP_QUICK_NODES = 50  # HiGHS nodes for a packing whose first search saw no assignment (0: wait for its MILP)
 # HiGHS' RINS and RENS heuristics (sub-MIPs) in a packing's MILP. Off: on chain_clones packings they took a third of
 # a solve (1019020's reuse-only packing: 0.38 of 1.15 s) and the solves that settle do so without them; 26 packings
-# of chain_clones seeds 1019000 and 411000 took 13.7 s instead of 19.3 s, the same 11 settled. End to end (seventeenth
+# of chain_clones seeds 1019000 and 411000 took 13.7 s instead of 19.3 s, the same 11 settled. End to end (sixteenth
 # session) the same instances proven within 1 s on two fresh seeds (589/600), 597 within 2 s instead of 595.
 MILP_SUBMIPS = False
 MILP_NODES = 3_000  # branch-and-bound nodes of HiGHS for one packing; past it the multiset keeps its bound
