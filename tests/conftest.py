@@ -15,15 +15,10 @@ from pathlib import Path
 
 import pytest
 
+# free loopback ports for processes that cannot bind port 0 themselves (the tests import it from here too)
+from flowmaker.ports import free_port
+
 ETCD_BIN = os.environ.get("FLOWMAKER_TEST_ETCD", shutil.which("etcd") or "/usr/bin/etcd")
-
-
-def free_port() -> int:
-    """A currently free loopback TCP port (for processes that cannot bind port 0 themselves); below the kernel's
-    ephemeral range, where connections cannot take it first (`flowmaker.ports.free_port`)."""
-    from flowmaker.ports import free_port as ports_free_port
-
-    return ports_free_port("127.0.0.1")
 
 
 def _all_threads_stopped(pid: int) -> bool:

@@ -9,6 +9,7 @@ any load unless the final deadline cuts a search short.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -61,11 +62,9 @@ def hard(cfg: Any, progress: Progress) -> dict[str, Any]:
         # `--section hard` run took 2.07-2.17 s at load average 4.6, against a 2 s budget (chain_clones 1031000, whose
         # search ends in 0.8-0.9 s quiet and 1.85-1.94 s under the same load once warm).
         warm = hard_instance(families[0], cfg.seed, "large")
-        try:
+        with contextlib.suppress(DeadlineExceeded):
             _select(dataclasses.replace(warm.request, options=dataclasses.replace(
                 warm.request.options, time_budget_s=WARM_BUDGET_S)), "exact")
-        except DeadlineExceeded:
-            pass
         for fam in families:
             for k in range(cfg.hard_count):
                 seed = cfg.seed + k
