@@ -90,6 +90,7 @@ from flowmaker.selection.problem import (
     better,
     infeasible_result,
     leq,
+    leq_limit,
 )
 from flowmaker.selection.registry import register
 from flowmaker.selection.sharing_bound import completion_bound
@@ -406,6 +407,7 @@ class _Search:
         if self.lat_cap is not None:
             lam = min(lam, self.lat_cap * (1 + REL_TOL) + 1e-300)
         p_cap, p_mem, p_k, p_reps, p_need, p_gpus = pb.p_cap, pb.p_mem, pb.p_k, pb.p_reps, pb.p_need, pb.p_gpus
+        cap_lim = [leq_limit(c) for c in p_cap]  # `leq(x, p_cap[pi])` is `x <= cap_lim[pi]`, bit for bit
         r_prof, r_load0 = pb.r_prof, pb.r_load0
         layout = pb.layout
         free = dict(pb.free0)
@@ -492,12 +494,12 @@ class _Search:
                 ld = load[s]
                 z = INF
                 for r in reuse_opts[s]:  # fastest first: the first with room is the fastest free one
-                    if not check_cap or leq(r_load0[r] + r_add[r] + ld, p_cap[r_prof[r]]):
+                    if not check_cap or r_load0[r] + r_add[r] + ld <= cap_lim[r_prof[r]]:
                         z = lat_reuse[s][r]
                         break
                 for k, pi in enumerate(slots):
                     lv = lat_new[s][pi]
-                    if lv < z and (not check_cap or leq(slot_load[k] + ld, p_cap[pi])):
+                    if lv < z and (not check_cap or slot_load[k] + ld <= cap_lim[pi]):
                         z = lv
                 zl[u] = z
                 f = f_at[s][last] if n_mu else INF

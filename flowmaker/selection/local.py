@@ -64,6 +64,7 @@ def improve(pb: Problem, found: Found, usable: Sequence[bool], deadline: float =
     assign: list[tuple[str, int]] = [(k, ref) for k, ref in choice0]
     bin_prof: dict[int, int] = dict(enumerate(slots0))
     checks = evals = 0
+    tool_lat, lat_reuse, lat_new, p_mem = pw.tool_lat, pw.lat_reuse, pw.lat_new, pb.p_mem
 
     def repack(b: int, order: list[int], ru: dict[int, float], bu: dict[int, float]
                ) -> list[tuple[str, int]] | None:
@@ -146,12 +147,24 @@ def improve(pb: Problem, found: Found, usable: Sequence[bool], deadline: float =
             if checks >= max_checks or evals >= max_evals or time.perf_counter() > deadline:
                 break
             evals += 1
-            choice, slots = _number(cand, bp)
-            # Cheap first: memory times the latency without GPU sharing's slowdown (a lower bound of the cost).
-            mem = sum(pb.p_mem[pi] for pi in slots)
-            lat = pb.longest_path(pw, pb.stage_latencies(pw, choice, slots))
+            # Cheap first: memory times the latency without GPU sharing's slowdown (a lower bound of the cost), read
+            # off the move itself (the same sums, in the same order, as from its numbered choice).
+            stage_lat = list(tool_lat)
+            mem = 0.0
+            seen: set[int] = set()
+            for s, (k, ref) in zip(llm, cand, strict=True):
+                if k == REUSE:
+                    stage_lat[s] = lat_reuse[s][ref]
+                else:
+                    pi = bp[ref]
+                    stage_lat[s] = lat_new[s][pi]
+                    if ref not in seen:
+                        seen.add(ref)
+                        mem += p_mem[pi]
+            lat = pb.longest_path(pw, stage_lat)
             if mem * lat > best[0] * (1 + REL_TOL) or not leq(lat, lam):
                 continue
+            choice, slots = _number(cand, bp)
             checks += 1
             code, places = pb.check(pw, choice, slots)
             if code != 5:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from flowmaker.domain import (
@@ -55,7 +55,8 @@ FastState = tuple[dict[str, float], dict[str, float], dict[str, float], dict[str
 
 def leq(a: float, b: float) -> bool:
     """a <= b up to float noise (absolute + relative)."""
-    return a <= b + EPS * max(1.0, abs(b))  # = leq_limit(b), inline: leq is called on hot paths
+    t = abs(b)
+    return a <= b + EPS * (t if t > 1.0 else 1.0)  # = leq_limit(b), inline: leq is called on hot paths
 
 
 def leq_limit(b: float) -> float:
@@ -78,6 +79,13 @@ class PWorkflow:
     load: tuple[float, ...]  # output tokens/s a stage puts on its instance
     lat_new: tuple[tuple[float, ...], ...]  # [stage][profile] stage latency
     lat_reuse: tuple[tuple[float, ...], ...]  # [stage][reusable instance] stage latency
+    # `Problem.longest_path`'s walk, derived once: per stage in `topo`, (stage, its one predecessor or -1, its
+    # predecessors when several). The searches evaluate paths hundreds of thousands of times a request.
+    path_plan: tuple[tuple[int, int, tuple[int, ...]], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.path_plan = tuple((s, self.preds[s][0] if len(self.preds[s]) == 1 else -1,
+                                self.preds[s] if len(self.preds[s]) > 1 else ()) for s in self.topo)
 
 
 class Problem:
@@ -494,9 +502,17 @@ class Problem:
 
     @staticmethod
     def longest_path(pw: PWorkflow, lat: Sequence[float]) -> float:
+        """L of the stage latencies `lat`: each stage finishes at its latest predecessor's finish (0 for a root)
+        plus its own latency, in topological order (the same sums, bit for bit, as a max over every stage's
+        predecessors: a max over one value is that value)."""
         fin = [0.0] * len(lat)
-        for s in pw.topo:
-            fin[s] = max((fin[p] for p in pw.preds[s]), default=0.0) + lat[s]
+        for s, p, ps in pw.path_plan:
+            if p >= 0:
+                fin[s] = fin[p] + lat[s]
+            elif ps:
+                fin[s] = max([fin[q] for q in ps]) + lat[s]
+            else:
+                fin[s] = 0.0 + lat[s]
         return max(fin)
 
     def build_variant(self, pw: PWorkflow, choice: Sequence[Choice], slot_prof: Sequence[int],
