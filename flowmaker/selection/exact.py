@@ -866,8 +866,8 @@ class _Search:
                 if search.stop_first:
                     search.done = True
 
-        def set_fin(s: int, lat: float) -> bool:
-            f = max((fin[p] for p in preds[s]), default=0.0) + lat
+        def set_fin(s: int, f: float) -> bool:
+            """Stage s finishes at f (its predecessors' latest finish + its latency), if within lambda."""
             if not leq(f, lam):
                 return False
             fin[s] = f
@@ -1026,6 +1026,8 @@ class _Search:
                 return
             s = llm[j]
             ld = load[s]
+            # when its predecessors finish: decided before it, so the same for every child below
+            h_s = max((fin[p] for p in preds[s]), default=0.0)
             # 1. reuse a running instance
             seen: set[tuple[int, int]] = set()
             peq = restrict and eqd[0] == j  # the canonical pass: the prefix equals the known optimum's
@@ -1041,7 +1043,7 @@ class _Search:
                     if key in seen:
                         continue
                     seen.add(key)
-                if not set_fin(s, lat_reuse[s][r]):
+                if not set_fin(s, h_s + lat_reuse[s][r]):
                     continue
                 r_add[r] += ld
                 choice.append((REUSE, r))
@@ -1067,7 +1069,7 @@ class _Search:
                     if key in seen:
                         continue
                     seen.add(key)
-                if not set_fin(s, lat_new[s][pi]):
+                if not set_fin(s, h_s + lat_new[s][pi]):
                     continue
                 slot_load[k] += ld
                 choice.append((NEW, k))
@@ -1093,10 +1095,10 @@ class _Search:
                     continue  # no allowed multiset has room for one more of pi beside those opened
                 if search.best is not None:
                     # Cheap pre-check before placing: (M + m) * (latency so far) already too much?
-                    f = max((fin[p] for p in preds[s]), default=0.0) + lat_new[s][pi]
+                    f = h_s + lat_new[s][pi]
                     if (mem_now[0] + m) * f > search.best[0] * (1 + REL_TOL) + 1e-300:
                         continue
-                if not set_fin(s, lat_new[s][pi]):
+                if not set_fin(s, h_s + lat_new[s][pi]):
                     continue
                 mpg = p_need[pi]  # in the spec's unit: exact
                 k = p_k[pi]
