@@ -309,6 +309,7 @@ def catalog(cfg: BenchConfig, progress: Progress) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ adversarial instances
 
 ADVERSARIAL_KINDS = ("fan", "diamond", "chain15", "reuse", "unplaceable", "clones")
+SECTIONS = ("paper", "depth", "catalog", "adversarial", "hard")  # `BenchConfig.sections`, in the order they run
 
 
 def _adv_catalog(rng: random.Random, clones: int) -> tuple[tuple[Model, ...], tuple[Profile, ...]]:
@@ -542,6 +543,14 @@ def run_selector_bench(out_dir: str | Path = "out/bench-selector", cfg: BenchCon
     cfg = cfg or BenchConfig()
     if cfg.gpu_sharing.upper() not in GpuSharing.__members__:
         raise InvalidSpec(f"unknown GPU sharing {cfg.gpu_sharing!r}; known: ignore, interference", field="gpu_sharing")
+    for s in cfg.sections:
+        if s not in SECTIONS:
+            raise InvalidSpec(f"unknown section {s!r}; known: {', '.join(SECTIONS)}", field="section")
+    from flowmaker.bench.selector_hard import HARD_FAMILIES
+
+    for f in cfg.hard_families:
+        if f not in HARD_FAMILIES:
+            raise InvalidSpec(f"unknown hard family {f!r}; known: {', '.join(HARD_FAMILIES)}", field="family")
     _SHARING.set(GpuSharing[cfg.gpu_sharing.upper()])
     progress = progress or (lambda _m: None)
     out = Path(out_dir)

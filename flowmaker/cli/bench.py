@@ -24,6 +24,9 @@ def selector(out: Path = typer.Option(Path("out/bench-selector"), help="Output f
              adversarial_per_kind: int = typer.Option(4, help="Seeded adversarial instances per kind."),
              adversarial_budget: float = typer.Option(1.9, help="exact's time budget (s) on adversarial instances."),
              hard_count: int = typer.Option(20, "--count", help="hard: fresh instances per hard family."),
+             family: list[str] = typer.Option(
+                 [], "--family", help="hard: only these families (repeatable): chain_clones, wide_fan, fragmented, "
+                                      "dag_mix, memory_ties. Default: all."),
              hard_budget: float = typer.Option(2.0, help="hard: exact's time budget (s) per instance."),
              burn: int = typer.Option(0, help="hard: busy-loop processes that load the machine meanwhile."),
              seed: int = typer.Option(0, help="Seed of the synthetic catalog, BO and the adversarial generators."),
@@ -44,10 +47,16 @@ def selector(out: Path = typer.Option(Path("out/bench-selector"), help="Output f
     cfg = dataclasses.replace(cfg, sections=tuple(section), seed=seed,
                               adversarial_per_kind=1 if quick else adversarial_per_kind,
                               adversarial_budget_s=adversarial_budget, gpu_sharing=gpu_sharing,
-                              hard_count=hard_count, hard_budget_s=hard_budget, hard_burn=burn)
+                              hard_count=hard_count, hard_budget_s=hard_budget, hard_burn=burn,
+                              hard_families=tuple(family))
     console = Console(stderr=json_out, width=max(150, Console().width))
-    with console.status("benchmarking selection strategies") as status:
-        result = run_selector_bench(out, cfg, progress=lambda m: status.update(m))
+    from flowmaker.errors import InvalidSpec
+
+    try:
+        with console.status("benchmarking selection strategies") as status:
+            result = run_selector_bench(out, cfg, progress=lambda m: status.update(m))
+    except InvalidSpec as e:  # a bad option value: the option named, no traceback
+        raise typer.BadParameter(e.message, param_hint=f"--{(e.field or '').replace('_', '-')}") from None
     if json_out:
         typer.echo((out / "selector.json").read_text())
     else:

@@ -108,3 +108,18 @@ def test_hard_section_reports_shares_gaps_and_a_digest(tmp_path: Path, monkeypat
             assert r["lower_bound"] <= r["cost"] * (1 + 1e-9)
             assert r["gap"] == 0.0 if r["optimal"] else 0.0 <= r["gap"] <= 1.0
     assert hard["answers_digest"] == answers_digest(res["hard"]["rows"])
+
+
+def test_hard_families_can_be_chosen_and_unknown_names_are_refused(tmp_path: Path) -> None:
+    from flowmaker.errors import InvalidSpec
+
+    res = run_selector_bench(tmp_path, BenchConfig(sections=("hard",), hard_count=1, hard_budget_s=1.0, seed=24,
+                                                   hard_families=("memory_ties",)))
+    assert [r["family"] for r in res["hard"]["rows"]] == ["memory_ties"]
+    assert set(res["hard"]["summary"]) == {"memory_ties", "all"}
+    with pytest.raises(InvalidSpec) as e:
+        run_selector_bench(tmp_path, BenchConfig(sections=("hard",), hard_families=("chain_clone",)))
+    assert e.value.field == "family" and "chain_clones" in e.value.message  # the known names, to correct it
+    with pytest.raises(InvalidSpec) as e:
+        run_selector_bench(tmp_path, BenchConfig(sections=("hardd",)))
+    assert e.value.field == "section"
