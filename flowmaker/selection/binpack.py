@@ -312,10 +312,14 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
         return True
 
     def packing(c: int, items: list[int]) -> list[int] | None:
-        key = (c, sum(1 << j for j in items))
-        if key not in memo:
-            memo[key] = _pack_exact([loads[j] for j in items], count[c], base[c], cap[c], step)
-        return memo[key]
+        mask = 0
+        for j in items:
+            mask |= 1 << j
+        key = (c, mask)
+        got = memo.get(key, _MISS)
+        if got is _MISS:
+            got = memo[key] = _pack_exact([loads[j] for j in items], count[c], base[c], cap[c], step)
+        return got  # type: ignore[return-value]
 
     best_l = [cap_l]
     best_a: list[list[int] | None] = [None]
@@ -368,7 +372,12 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
             old_pk = packs[c]
             if count[c] > 1:
                 # first fit into the packing kept for this class, else the exact oracle (a new packing)
-                b_ff = next((b for b in range(count[c]) if base[c] + old_pk[b] + w <= top[c]), -1)
+                b_ff = -1
+                bc, tc = base[c], top[c]
+                for b in range(count[c]):
+                    if bc + old_pk[b] + w <= tc:
+                        b_ff = b
+                        break
                 if b_ff >= 0:
                     new_pk = list(old_pk)
                     new_pk[b_ff] += w
@@ -415,6 +424,9 @@ def least_l_classes(so: Sequence[Sequence[tuple[float, str, int]]], loads: Seque
             return cap_l, None, True, nodes[0]
         return best_l[0], out(best_a[0]), True, nodes[0]
     return -INF, out(best_a[0]) if best_a[0] is not None else None, False, nodes[0]
+
+
+_MISS = object()  # not in a memo yet (None is a memoized "does not fit")
 
 
 class _Stop(Exception):
