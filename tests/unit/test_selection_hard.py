@@ -344,6 +344,30 @@ def test_the_chain_walk_never_packs_a_multiset_the_clusters_room_rules_out() -> 
     assert binding, "no instance had a binding room row"
 
 
+def test_once_a_multiset_never_places_the_walk_checks_placement_before_packing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """chain_clones 991023 has no variant: every multiset of new instances the walk reaches packs its stages, and
+    none of them can be placed on the cluster in any order. Its walk searched the packings of 103 multisets (2.2 s,
+    over a 2 s budget) before it could say so; once it has seen one multiset that never places, it now asks that of
+    each next multiset before searching its packing. Work, not time: the answer is still the proven NO_GPU_MEMORY,
+    after a handful of packing searches."""
+    from flowmaker.domain import Infeasibility
+    from flowmaker.selection import chain
+
+    searched = [0]
+    real = chain.least_l_classes
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        searched[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(chain, "least_l_classes", counted)
+    req = hard_instance("chain_clones", 991023, "large").request
+    res = select(dataclasses.replace(req, options=dataclasses.replace(req.options, time_budget_s=60.0)), "exact")
+    assert res.variant is None and res.optimal and res.reason is Infeasibility.NO_GPU_MEMORY
+    assert 1 <= searched[0] <= 5, searched[0]
+
+
 def test_the_relaxations_floors_are_below_the_optimums_memory_and_latency() -> None:
     """The chain walk floors its keys with the relaxation's least L (a MILP's dual bound) and least new memory (its
     LP): each at most what the brute force's optimum has, on small chains and fans."""
