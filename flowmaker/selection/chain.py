@@ -569,16 +569,23 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 heapq.heappush(heap, (kx, tick, z, q, True))
 
     unplaceable_seen = [False]  # a multiset whose assignment did not place and that no order places was seen
+    never_memo: dict[tuple[int, ...], bool] = {}  # `never_places` per multiset: asked before and after its packing
 
     def y_insts(y: tuple[int, ...]) -> list[int]:
         """The new instances of y, profile by profile."""
         return [pi for pi, c in zip(profs, y, strict=True) for _ in range(c)]
 
+    def never(y: tuple[int, ...]) -> bool:
+        got = never_memo.get(y)
+        if got is None:
+            got = never_memo[y] = never_places(pb, y_insts(y))
+        return got
+
     def settle(key: float, y: tuple[int, ...], i: int) -> None:
         """Search the packing of y (i = 1: the class search; i = 2: again, MILP allowed) and record what it proved:
         its point and candidate, or (gave up) the bound it proved, back in the heap or kept."""
         nonlocal tick, lb, unsettled, unplaced, best, inc
-        if i == 1 and unplaceable_seen[0] and y_insts(y) and never_places(pb, y_insts(y)):
+        if i == 1 and unplaceable_seen[0] and any(y) and never(y):
             return  # no variant has exactly these new instances: no packing to search
         m = m_of(y)
         cap_l = min(_tol(pb.lam), inc * (1 + 1e-9) / m if m > 0 else INF)
@@ -590,8 +597,8 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 heapq.heappush(heap, (max(key, m * L), tick, y, 2, False))
             else:
                 if pb.sharing and inc < INF:  # the multiset once placed
-                    L = max(L, multiset_bound(pb, pw, opts, [pi for pi, c in zip(profs, y, strict=True)
-                                                             for _ in range(c)], tool, cap_l, deadline, placed_work))
+                    L = max(L, multiset_bound(pb, pw, opts, y_insts(y), tool, cap_l, deadline,
+                                                             placed_work))
                 lb = min(lb, m * L)  # the search gave up: the multiset keeps the bound it proved
                 unsettled = min(unsettled, m * L)
             if a is not None:  # an assignment that fits y, though maybe not the least L: a candidate still
@@ -609,7 +616,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         assign = {llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)}
         inst = {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW}
         cand = model.realize(assign, inst)
-        key_y = tuple(pi for pi, c in zip(profs, y, strict=True) for _ in range(c))
+        key_y = tuple(y_insts(y))
         if pb.sharing and (cand is None or cand[0][0] > val * (1 + 1e-9)):  # GPU sharing: the multiset once placed
             opened: list[tuple[int, int]] = []  # the assignment's new instances in the order they open
             for s_ in pw.llm:
@@ -620,7 +627,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                                      first=[ref_ for ref_, _ in opened])
         settled[key_y] = min(val, settled.get(key_y, INF))
         if cand is None:
-            if never_places(pb, y_insts(y)):
+            if never(y):
                 # No variant has exactly these new instances: the point bounds nothing. Once one such multiset is
                 # seen, later ones are checked before their packing is searched (measured: chain_clones 991023,
                 # infeasible, spent its 2 s searching the packings of 103 multisets none of which places).
