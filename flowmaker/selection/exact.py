@@ -1036,7 +1036,7 @@ class _Search:
                     return  # every later child comes after the known optimum in the canonical order
                 pi = r_prof[r]
                 used = r_load0[r] + r_add[r]
-                if check_cap and not leq(used + ld, p_cap[pi]):
+                if check_cap and not used + ld <= cap_lim[pi]:
                     continue
                 key = sym_key(pi, used, j)
                 if key is not None:
@@ -1062,7 +1062,7 @@ class _Search:
                 if peq and (1, k) > enc[j]:
                     return
                 pi = slots[k]
-                if check_cap and not leq(slot_load[k] + ld, p_cap[pi]):
+                if check_cap and not slot_load[k] + ld <= cap_lim[pi]:
                     continue
                 key = sym_key(pi, slot_load[k], j)
                 if key is not None:
