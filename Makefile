@@ -3,9 +3,17 @@ PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 STAMP := .venv/.installed
 
-.PHONY: setup etcd proto proto-check lint typecheck test unit demo bench bench-selector bench-serving clean
+.PHONY: setup etcd native proto proto-check lint typecheck test unit demo bench bench-selector bench-serving clean
 
-setup: $(STAMP) etcd   ## virtualenv with FlowMaker + dev extras, and an etcd server binary
+setup: $(STAMP) etcd native   ## virtualenv with FlowMaker + dev extras, an etcd server binary, the compiled class search
+
+# The selector's class search compiled with mypyc (flowmaker/native.py): about 3x faster, the same results bit for
+# bit. Rebuilt when its source changes; without a C compiler it is skipped and the selector runs as pure Python.
+NATIVE_SRC := flowmaker/selection/binpack.py flowmaker/native.py
+native: build/native/manifest.json
+build/native/manifest.json: $(STAMP) $(NATIVE_SRC)
+	@echo "==> native: compiling the selector's class search with mypyc (about 15 s)"
+	$(PY) -m flowmaker.native build
 
 $(STAMP): pyproject.toml
 	@echo "==> .venv: installing FlowMaker with its dev extras (pip shows its progress; a few minutes the first time)"

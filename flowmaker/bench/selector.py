@@ -570,6 +570,9 @@ def run_selector_bench(out_dir: str | Path = "out/bench-selector", cfg: BenchCon
 
         result["hard"] = hard(cfg, progress)
     result["wall_s"] = time.perf_counter() - started
+    from flowmaker import native
+
+    result["native"] = native.status()  # whether the class search ran compiled (`make native`) or as pure Python
     result["plots"] = _plots(result, out)
     (out / "selector.json").write_text(json.dumps(_finite(result), indent=1, allow_nan=False))
     return result
@@ -611,7 +614,9 @@ def render(result: dict[str, Any], console: Any) -> None:
         from flowmaker.bench.selector_hard_run import render_hard
 
         render_hard(result, console)
-    console.print(f"wall time {result['wall_s']:.0f} s" + (f"; plots: {', '.join(result['plots'])}"
+    built = result.get("native", {})
+    console.print("class search: " + ("compiled (make native)" if "compiled" in built.values() else "pure Python")
+                  + f"; wall time {result['wall_s']:.0f} s" + (f"; plots: {', '.join(result['plots'])}"
                                                            if result["plots"] else ""))
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
-from flowmaker.selection.registry import STRATEGIES, get_strategy, select
+from flowmaker import native
+
+native.install()  # before the strategies import their modules: the compiled class search where it is built
+
+from flowmaker.selection.registry import STRATEGIES, get_strategy, select  # noqa: E402 (after the hook)
 
 __all__ = ["STRATEGIES", "get_strategy", "select"]

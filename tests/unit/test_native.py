@@ -1,0 +1,114 @@
+"""`flowmaker.native`: the compiled class search gives the pure module's results bit for bit, and is used only while
+its source is the one compiled. Each side runs in a fresh interpreter (a module is imported once per process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowmaker import native
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILT = (native.native_dir() / "manifest.json").exists()
+needs_build = pytest.mark.skipif(not BUILT, reason="no native build here (`make native`; needs a C compiler)")
+
+# The same searches on both sides: the brute-force suite's small instances (clones, running instances, ties) and
+# larger packings with several identical bins, every return value printed with repr (floats exactly).
+_SCRIPT = r"""
+import json, random, sys
+sys.path.insert(0, sys.argv[1])
+from flowmaker import native
+from flowmaker.selection.binpack import _pack_exact, least_l_bins, least_l_classes, max_fill
+from flowmaker.selection.chain import _prices
+from flowmaker.selection.problem import INF, NEW, REUSE
+from test_selection_binpack import _instance
+
+out = []
+for seed in range(300):
+    so, loads, bins = _instance(seed)
+    room = {}
+    for k, ref, _, base, cp in bins:
+        room[(k, ref)] = room.get((k, ref), 0.0) + cp - base
+    mu = _prices(so, loads, room) or {}
+    for search in (least_l_bins, least_l_classes):
+        for nodes in (3, 10**7):
+            out.append(repr(search(so, loads, bins, mu, 0.5 * (seed % 2), INF, nodes)))
+    rng = random.Random(seed)
+    ws = sorted((rng.uniform(1.0, 9.0) for _ in range(rng.randint(1, 12))), reverse=True)
+    cap = rng.uniform(9.0, 20.0)
+    out.append(repr(_pack_exact(ws, rng.randint(1, 4), rng.uniform(0.0, 3.0), cap, lambda: True)))
+    out.append(repr(max_fill(tuple(ws), cap)))
+print(json.dumps({"status": native.status(), "results": out}))
+"""
+
+
+def _run(env_native: str) -> dict[str, object]:
+    env = dict(os.environ, FLOWMAKER_NATIVE=env_native, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT / "tests" / "unit")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_build
+def test_the_compiled_class_search_returns_the_pure_ones_results_bit_for_bit() -> None:
+    compiled, pure = _run("1"), _run("0")
+    assert compiled["status"] == {"flowmaker.selection.binpack": "compiled"}
+    assert pure["status"] == {"flowmaker.selection.binpack": "python"}
+    assert len(pure["results"]) == 300 * 6  # type: ignore[arg-type]
+    assert compiled["results"] == pure["results"]
+
+
+def _status(native_dir: Path) -> dict[str, str]:
+    env = dict(os.environ, FLOWMAKER_NATIVE_DIR=str(native_dir), PYTHONPATH=str(ROOT))
+    env.pop("FLOWMAKER_NATIVE", None)
+    proc = subprocess.run([sys.executable, "-m", "flowmaker.native", "status"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@needs_build
+def test_a_build_of_another_source_is_not_used(tmp_path: Path) -> None:
+    """An extension whose recorded source hash is not the source's now (the module was edited after the build) is
+    ignored: the module imports from its .py. So is a build for another interpreter."""
+    good = tmp_path / "good"
+    shutil.copytree(native.native_dir(), good)
+    assert _status(good) == {"flowmaker.selection.binpack": "compiled"}
+
+    stale = tmp_path / "stale"
+    shutil.copytree(native.native_dir(), stale)
+    manifest = json.loads((stale / "manifest.json").read_text())
+    manifest["modules"]["flowmaker.selection.binpack"]["sha256"] = "0" * 64
+    (stale / "manifest.json").write_text(json.dumps(manifest))
+    assert _status(stale) == {"flowmaker.selection.binpack": "python"}
+
+    other = tmp_path / "other"
+    shutil.copytree(native.native_dir(), other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["abi"] = ".cpython-39-x86_64-linux-gnu.so"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    assert _status(other) == {"flowmaker.selection.binpack": "python"}
+
+
+def test_no_build_means_pure_python(tmp_path: Path) -> None:
+    assert _status(tmp_path / "nothing-here") == {"flowmaker.selection.binpack": "python"}
+
+
+def test_a_failed_build_is_reported_and_leaves_setup_going(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """No compiler (here: mypyc's child process fails): `build` raises with its output, and the command that
+    `make setup` runs says so and exits 0, so the selector runs as pure Python."""
+    monkeypatch.setenv("FLOWMAKER_NATIVE_DIR", str(tmp_path / "native"))
+    monkeypatch.setattr(native.sys, "executable", str(tmp_path / "no-such-python"))
+    with pytest.raises((RuntimeError, OSError)):
+        native.build()
+    assert native.main(["build"]) == 0
+    assert "native build skipped" in capsys.readouterr().err
+    assert not (tmp_path / "native" / "manifest.json").exists()
