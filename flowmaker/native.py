@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import json
 import os
 import shutil
@@ -66,8 +67,8 @@ class _Finder(importlib.abc.MetaPathFinder):
         if rel is None:
             return None
         so = str(self.where / rel)
-        return importlib.machinery.ModuleSpec(fullname, importlib.machinery.ExtensionFileLoader(fullname, so),
-                                              origin=so)
+        return importlib.util.spec_from_file_location(fullname, so,
+                                                      loader=importlib.machinery.ExtensionFileLoader(fullname, so))
 
 
 _installed: list[str] = []  # the modules the installed finder serves compiled
