@@ -18,15 +18,11 @@ modules run compiled; the selector bench prints it beside its figures.
 from __future__ import annotations
 
 import hashlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -54,8 +50,9 @@ def _abi() -> str:
     return importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Loads the modules of a matching manifest (and mypyc's support libraries) from their extensions."""
+class _Finder:
+    """Loads the modules of a matching manifest (and mypyc's support libraries) from their extensions (a meta path
+    finder: `find_spec` is all the import system asks of one)."""
 
     def __init__(self, where: Path, files: dict[str, str]) -> None:
         self.where = where
@@ -116,6 +113,10 @@ def build(where: Path | None = None) -> dict[str, str]:
 
     Runs mypyc in a child process (setuptools exits on error) from the package root, so that module names follow
     the package layout. Raises RuntimeError with mypyc's output when it fails. Returns module -> extension file."""
+    import shutil  # (here, not at import: `flowmaker.selection` imports this module on every start)
+    import subprocess
+    import tempfile
+
     where = where or native_dir()
     sources = [str(_source(m).relative_to(_ROOT)) for m in NATIVE_MODULES]
     with tempfile.TemporaryDirectory(prefix="flowmaker-native-") as tmp:
