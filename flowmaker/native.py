@@ -18,11 +18,13 @@ modules run compiled; the selector bench prints it beside its figures.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.machinery
 import importlib.util
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -93,8 +95,20 @@ def install() -> list[str]:
     if not files:
         return []
     files.update({m: f for m, f in manifest.get("support", {}).items() if (where / f).exists()})
-    sys.meta_path.insert(0, _Finder(where, files))
-    _installed[:] = [m for m in files if m in NATIVE_MODULES]
+    finder = _Finder(where, files)
+    sys.meta_path.insert(0, finder)
+    compiled = [m for m in files if m in NATIVE_MODULES]
+    try:  # loaded now, so that an extension this interpreter cannot load falls back here, not in a caller's import
+        for module in compiled:
+            importlib.import_module(module)
+    except ImportError as exc:
+        sys.meta_path.remove(finder)
+        for module in files:
+            sys.modules.pop(module, None)
+        warnings.warn(f"flowmaker.native: the build in {where} does not load ({exc}); running as pure Python",
+                      RuntimeWarning, stacklevel=2)
+        return []
+    _installed[:] = compiled
     return list(_installed)
 
 

@@ -97,6 +97,25 @@ def test_a_build_of_another_source_is_not_used(tmp_path: Path) -> None:
     assert _status(other) == {"flowmaker.selection.binpack": "python"}
 
 
+@needs_build
+def test_a_build_that_does_not_load_falls_back_to_pure_python(tmp_path: Path) -> None:
+    """An extension with the right hash that this interpreter cannot load (a broken or foreign file): a warning, and
+    the selector runs as pure Python instead of failing its import."""
+    broken = tmp_path / "broken"
+    shutil.copytree(native.native_dir(), broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    (broken / manifest["modules"]["flowmaker.selection.binpack"]["file"]).write_bytes(b"not an ELF file")
+    env = dict(os.environ, FLOWMAKER_NATIVE_DIR=str(broken), PYTHONPATH=str(ROOT))
+    env.pop("FLOWMAKER_NATIVE", None)
+    code = ("from flowmaker import native; from flowmaker.selection import select; "
+            "from flowmaker.selection.binpack import max_fill; print(native.status(), max_fill((3.0, 2.0), 4.0))")
+    proc = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "{'flowmaker.selection.binpack': 'python'} 3.0" in proc.stdout
+    assert "does not load" in proc.stderr
+
+
 def test_no_build_means_pure_python(tmp_path: Path) -> None:
     assert _status(tmp_path / "nothing-here") == {"flowmaker.selection.binpack": "python"}
 
