@@ -9,7 +9,8 @@ compiles that module, unchanged, to a C extension; measured on 175 recorded chai
   manifest with each module's source hash;
 * `install()` (called when `flowmaker.selection` is imported) puts a finder in front of the normal import: a
   module in the manifest whose source still has the recorded hash is loaded from its extension; anything else
-  (no build, a source edited since, `FLOWMAKER_NATIVE=0`) imports from its `.py` as always.
+  (no build, an unreadable manifest, a source edited since, a build for another interpreter, an extension that does
+  not load, `FLOWMAKER_NATIVE=0`) imports from its `.py` as always.
 
 Nothing depends on the build: without a C compiler the selector is the same code, slower. `status()` says which
 modules run compiled; the selector bench prints it beside its figures.
@@ -80,21 +81,23 @@ def install() -> list[str]:
     if os.environ.get("FLOWMAKER_NATIVE", "1") == "0":
         return []
     where = native_dir()
+    files: dict[str, str] = {}
     try:
         manifest = json.loads((where / _MANIFEST).read_text())
-    except (OSError, ValueError):
-        return []  # not built (or unreadable): pure Python
-    if manifest.get("abi") != _abi():
-        return []
-    files: dict[str, str] = {}
-    for module, entry in manifest.get("modules", {}).items():
-        src = _source(module)
-        # a module is served compiled only while its source is the one compiled (no stale extension after an edit)
-        if module in NATIVE_MODULES and src.exists() and _digest(src) == entry["sha256"] and (where / entry["file"]).exists():
-            files[module] = entry["file"]
+        if manifest.get("abi") != _abi():
+            return []
+        for module, entry in manifest.get("modules", {}).items():
+            src = _source(module)
+            # served compiled only while its source is the one compiled (no stale extension after an edit)
+            if module in NATIVE_MODULES and src.exists() and _digest(src) == entry["sha256"] \
+                    and (where / entry["file"]).exists():
+                files[module] = entry["file"]
+        if files:
+            files.update({m: f for m, f in manifest.get("support", {}).items() if (where / f).exists()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []  # not built, or a manifest this code cannot read: pure Python
     if not files:
         return []
-    files.update({m: f for m, f in manifest.get("support", {}).items() if (where / f).exists()})
     finder = _Finder(where, files)
     sys.meta_path.insert(0, finder)
     compiled = [m for m in files if m in NATIVE_MODULES]

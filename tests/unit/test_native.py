@@ -118,6 +118,14 @@ def test_a_build_that_does_not_load_falls_back_to_pure_python(tmp_path: Path) ->
 
 def test_no_build_means_pure_python(tmp_path: Path) -> None:
     assert _status(tmp_path / "nothing-here") == {"flowmaker.selection.binpack": "python"}
+    abi = native._abi()
+    unreadable = ["not json", "[]", json.dumps({"abi": abi, "modules": {"flowmaker.selection.binpack": {}}}),
+                  json.dumps({"abi": abi, "modules": []})]
+    for i, text in enumerate(unreadable):  # a manifest this code cannot read: pure Python, not a failed import
+        bad = tmp_path / f"bad{i}"
+        bad.mkdir()
+        (bad / "manifest.json").write_text(text)
+        assert _status(bad) == {"flowmaker.selection.binpack": "python"}, text
 
 
 def test_a_failed_build_is_reported_and_leaves_setup_going(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
