@@ -1,9 +1,10 @@
-"""Optional compiled builds of the selector's hottest pure-Python module, and the import hook that uses them.
+"""Optional compiled builds of the selector's hottest pure-Python modules, and the import hook that uses them.
 
-`exact`'s chain walk spends most of its time in one depth-first search (`flowmaker.selection.binpack`'s class
-search): plain Python, integer and float arithmetic in tight loops. mypyc (shipped with mypy, a dev dependency)
-compiles that module, unchanged, to a C extension; measured on 175 recorded chain_clones class searches it runs
-2.9x faster with bit-identical results (floats are C doubles either way, in the same order). So:
+`exact`'s chain walk spends most of its time in depth-first searches (`flowmaker.selection.binpack`'s class search,
+`flowmaker.selection.patterns`' knapsacks and exact cover): plain Python, integer and float arithmetic in tight
+loops, no other library called. mypyc (shipped with mypy, a dev dependency) compiles those modules, unchanged, to C
+extensions; measured on 175 recorded chain_clones class searches the class search runs 2.9x faster with
+bit-identical results (floats are C doubles either way, in the same order). So:
 
 * `build()` (`make native`, part of `make setup`) compiles `NATIVE_MODULES` into `build/native/` and writes a
   manifest with each module's source hash;
@@ -30,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-NATIVE_MODULES = ("flowmaker.selection.binpack",)
+NATIVE_MODULES = ("flowmaker.selection.binpack", "flowmaker.selection.patterns")
 _ROOT = Path(__file__).resolve().parent.parent  # the directory that holds the `flowmaker` package
 _MANIFEST = "manifest.json"
 

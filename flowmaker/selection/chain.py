@@ -54,6 +54,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from flowmaker.selection.binpack import Bin, least_l_bins, least_l_classes, max_fill
+from flowmaker.selection.patterns import enumerate_patterns, exact_cover, knapsack
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
 from flowmaker.selection.sharing_chain import PLACED_WORK, multiset_bound, placed_value
 
@@ -93,6 +94,14 @@ MILP_QUICK_NODES = 50  # HiGHS nodes for a packing whose first search saw no ass
 MILP_SUBMIPS = False
 MILP_NODES = 3_000  # branch-and-bound nodes of HiGHS for one packing; past it the multiset keeps its bound
 # (measured on fresh chain_clones instances: 500 left packings of a single new instance unsettled that 3,000 settle)
+# A packing the class search gave up on goes to the pattern bound first (`_least_l_patterns`; PATTERNS = False: straight
+# to HiGHS): column generation for at most PAT_ITERS master LPs, knapsacks of PAT_KNAP_NODES nodes, at most PAT_MOST
+# patterns within the gap, an exact cover of PAT_COVER_NODES nodes; past any of these the MILP takes over.
+PATTERNS = True
+PAT_ITERS = 80
+PAT_KNAP_NODES = 20_000
+PAT_MOST = 4_000
+PAT_COVER_NODES = 20_000
 
 
 def is_chain(pw: PWorkflow) -> bool:
@@ -396,6 +405,14 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             return (best_l, best_a, True) if best_a is not None else (cap_l, None, True)
         return min(best_l, open_b), best_a if best_a is not None else seen_a, False
 
+    def pat_classes(y: tuple[int, ...], so: list[list[tuple[float, str, int]]]) -> list[tuple[str, int, int, float]]:
+        """The packing's classes for `_least_l_patterns`, with the limits the MILP's capacity rows state."""
+        from flowmaker.selection.milp import _tol
+
+        return [(k, ref, 1, _tol(pb.p_cap[pb.r_prof[ref]]) - pb.r_load0[ref]) if k == REUSE
+                else (k, ref, y[pos[ref]], _tol(pb.p_cap[ref]))
+                for k, ref in sorted({(k, ref) for o in so for _, k, ref in o})]
+
     def least_l_sum(y: tuple[int, ...], so: list[list[tuple[float, str, int]]], mu: dict[tuple[str, int], float],
                     root: float, cap_l: float, use_milp: bool
                     ) -> tuple[float, list[tuple[str, int, int]] | None, bool]:
@@ -431,6 +448,10 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             # The search saw no assignment at all: most often none fits (the stages do not pack into these bins),
             # which HiGHS proves at its root while the search would spend its nodes again when the multiset comes
             # back (measured on chain_clones: 43 such packings, each infeasible at HiGHS' first node).
+            if PATTERNS:
+                got = _least_l_patterns([pw.load[s] for s in llm], so, pat_classes(y, so), tool, cap_l, deadline)
+                if got is not None:
+                    return got
             got = _least_l_milp(pb, [pw.load[s] for s in llm], so, y, profs, pos, tool, cap_l, deadline,
                                 MILP_QUICK_NODES)
             if got is not None and got[2]:
@@ -457,7 +478,11 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 bins_won[0] += 1
                 return got_b[0], got_b[1], True
             keep(got_b[1])
-        if use_milp:  # the class search gave up: the same question as a MILP (HiGHS)
+        if use_milp and PATTERNS:  # the class search gave up: the pattern bound and its exact cover first
+            got = _least_l_patterns([pw.load[s] for s in llm], so, pat_classes(y, so), tool, cap_l, deadline)
+            if got is not None:
+                return got
+        if use_milp:  # the same question as a MILP (HiGHS)
             milps[0] += 1
             got = _least_l_milp(pb, [pw.load[s] for s in llm], so, y, profs, pos, tool, cap_l, deadline)
             if got is not None and got[2]:
@@ -834,6 +859,134 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
     if db is not None and math.isfinite(db):
         L = min(L, tool + db * (1 - 1e-12))
     return L, out, True
+
+
+def _least_l_patterns(loads: list[float], so: list[list[tuple[float, str, int]]],
+                      classes: list[tuple[str, int, int, float]], tool: float, cap_l: float, deadline: float
+                      ) -> tuple[float, list[tuple[str, int, int]] | None, bool] | None:
+    """`least_l` by patterns (`flowmaker.selection.patterns`): the Dantzig-Wolfe bound by column generation (HiGHS
+    for the master LP), then every pattern within the gap between it and an incumbent, then their least exact cover.
+    `classes`: (kind, ref, bins, limit) per class of identical bins (a running instance: 1 bin), `limit` the most
+    load a bin takes (`leq`'s limit of its capacity, less its running load). Returns what `_least_l_milp` returns
+    when it settles the packing ((L, assignment, True), or (cap_l, None, True) when nothing fits within cap_l), else
+    None (past its work limits or the deadline: the MILP takes over).
+
+    A pattern fits a bin when its loads sum to at most the limit widened by 1e-9, so that float sums in another
+    order never leave out a packing `leq` admits (the caller re-checks every assignment from scratch); bounds are
+    lowered by 1e-9 (relative) before they prove anything, as HiGHS' tolerances are."""
+    from flowmaker.selection.milp import _CORE, MIP_TOL
+
+    if _CORE is None:
+        return None
+    core = _CORE
+    n = len(so)
+    classes = [c for c in classes if c[2] > 0]
+    cidx = {(k, ref): i for i, (k, ref, _, _) in enumerate(classes)}
+    count = [c[2] for c in classes]
+    room = [c[3] + 1e-9 for c in classes]
+    lat: list[dict[int, float]] = [{} for _ in classes]  # class -> stage -> latency
+    for j, opts in enumerate(so):
+        for lt, k, ref in opts:
+            c = cidx.get((k, ref))
+            if c is not None and loads[j] <= room[c] and lt < lat[c].get(j, INF):
+                lat[c][j] = lt
+    if any(all(j not in lat[c] for c in range(len(classes))) for j in range(n)):
+        return cap_l, None, True  # a stage that fits no bin: nothing fits
+    big = 2.0 * sum(max(lat[c].get(j, 0.0) for c in range(len(classes))) for j in range(n)) + 1.0
+    # Master LP: rows 0..n-1 cover each stage once; rows n.. at most count[c] patterns of class c.
+    lp = _core_lp_empty(n + len(classes), [1.0] * n + [-math.inf] * len(classes), [1.0] * n + [float(x) for x in count])
+    h = core._Highs()
+    for opt, val in (("output_flag", False), ("threads", 1), ("primal_feasibility_tolerance", MIP_TOL),
+                     ("dual_feasibility_tolerance", MIP_TOL)):
+        h.setOptionValue(opt, val)
+    h.passModel(lp)
+    for j in range(n):  # an artificial column per stage keeps the master feasible
+        h.addCol(big, 0.0, math.inf, 1, [j], [1.0])
+    pats: list[tuple[int, list[int], float]] = []  # (class, stages, latency)
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    best_lb, best_pi, best_m = -INF, [0.0] * n, [0.0] * len(classes)
+    for _ in range(PAT_ITERS):
+        if time.perf_counter() > deadline:
+            return None
+        h.run()
+        if h.modelStatusToString(h.getModelStatus()) != "Optimal":
+            return None
+        duals = list(h.getSolution().row_dual)
+        pi, sig = duals[:n], duals[n:]
+        lb = sum(pi)
+        ms = [0.0] * len(classes)
+        added = 0
+        for c in range(len(classes)):
+            js = [j for j in lat[c] if pi[j] - lat[c][j] > 0.0]
+            got, chosen, ub = knapsack([pi[j] - lat[c][j] for j in js], [loads[j] for j in js], room[c],
+                                       PAT_KNAP_NODES)
+            ms[c] = -ub
+            lb += count[c] * min(0.0, -ub)
+            if got + sig[c] > 1e-9:
+                st = sorted(js[i] for i in chosen)
+                key = (c, tuple(st))
+                if key not in seen:
+                    seen.add(key)
+                    cost = sum(lat[c][j] for j in st)
+                    pats.append((c, st, cost))
+                    h.addCol(cost, 0.0, math.inf, len(st) + 1, [*st, n + c], [1.0] * (len(st) + 1))
+                    added += 1
+        if lb > best_lb:
+            best_lb, best_pi, best_m = lb, pi, ms
+        if not added:
+            break
+    floor = best_lb - 1e-9 * max(1.0, abs(best_lb))
+    cap = cap_l - tool
+    if floor > cap * (1 + 1e-9) + 1e-9:
+        return cap_l, None, True  # the bound alone: nothing fits within cap_l
+    base = [-min(0.0, m) for m in best_m]
+
+    def excess(c: int, st: list[int]) -> float:
+        return max(0.0, base[c] + sum(lat[c][j] - best_pi[j] for j in st))
+
+    # An incumbent from the generated patterns (their exact cover), so that the gap, and the patterns within it, are few.
+    inc = cap * (1 + 1e-9) + 1e-9
+    if pats:
+        got_c = exact_cover(n, [p[1] for p in pats], [p[0] for p in pats], [p[2] for p in pats],
+                            [excess(p[0], p[1]) for p in pats], count, floor, inc, PAT_COVER_NODES, deadline)
+        if got_c[1] is not None:
+            inc = min(inc, got_c[0] * (1 + 1e-12) + 1e-12)
+    slack = inc - floor
+    allp: list[tuple[int, list[int], float]] = []
+    for c in range(len(classes)):
+        js = sorted(lat[c])
+        got_p = enumerate_patterns([lat[c][j] - best_pi[j] for j in js], [loads[j] for j in js], room[c],
+                                   slack - base[c], PAT_MOST - len(allp), deadline)
+        if got_p is None or time.perf_counter() > deadline:
+            return None
+        for idx in got_p:
+            st = [js[i] for i in idx]
+            allp.append((c, st, sum(lat[c][j] for j in st)))
+    got_e = exact_cover(n, [p[1] for p in allp], [p[0] for p in allp], [p[2] for p in allp],
+                        [excess(p[0], p[1]) for p in allp], count, floor, inc, PAT_COVER_NODES, deadline)
+    if not got_e[2]:
+        return None
+    if got_e[1] is None:
+        return cap_l, None, True
+    out: list[tuple[str, int, int]] = [(REUSE, 0, 0)] * n
+    next_bin = [0] * len(classes)
+    for q in got_e[1]:
+        c, st, _ = allp[q]
+        k, ref = classes[c][0], classes[c][1]
+        for j in st:
+            out[j] = (k, ref, next_bin[c])
+        next_bin[c] += 1
+    L = tool + _lat_of(so, out)  # (summed in stage order: it may differ from the cover's sum in the last bits)
+    if L > cap_l * (1 + 1e-12) + 1e-12:
+        return cap_l, None, True  # the least cover lies within the widened cap only
+    return L, out, True
+
+
+def _core_lp_empty(rows: int, lo: list[float], hi: list[float]) -> Any:
+    """A HiGHS LP with these rows and no columns (columns are added one by one)."""
+    from flowmaker.selection.exact import _core_lp
+
+    return _core_lp([], [], [], [], lo, hi)
 
 
 def _lat_of(so: list[list[tuple[float, str, int]]], a: list[tuple[str, int, int]]) -> float:

@@ -1,5 +1,5 @@
-"""`flowmaker.native`: the compiled class search gives the pure module's results bit for bit, and is used only while
-its source is the one compiled. Each side runs in a fresh interpreter (a module is imported once per process)."""
+"""`flowmaker.native`: the compiled class search and pattern route give the pure modules' results bit for bit, and a
+module is used compiled only while its source is the one compiled. Each side runs in a fresh interpreter (a module is imported once per process)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from flowmaker import native
 ROOT = Path(__file__).resolve().parents[2]
 BUILT = (native.native_dir() / "manifest.json").exists()
 needs_build = pytest.mark.skipif(not BUILT, reason="no native build here (`make native`; needs a C compiler)")
+COMPILED = dict.fromkeys(native.NATIVE_MODULES, "compiled")
+PURE = dict.fromkeys(native.NATIVE_MODULES, "python")
+BINPACK = "flowmaker.selection.binpack"
 
 # The same searches on both sides: the brute-force suite's small instances (clones, running instances, ties) and
 # larger packings with several identical bins, every return value printed with repr (floats exactly).
@@ -25,9 +28,11 @@ import json, random, sys
 sys.path.insert(0, sys.argv[1])
 from flowmaker import native
 from flowmaker.selection.binpack import _pack_exact, least_l_bins, least_l_classes, max_fill
-from flowmaker.selection.chain import _prices
+from flowmaker.selection.chain import _least_l_patterns, _prices
+from flowmaker.selection.patterns import enumerate_patterns, exact_cover, knapsack
 from flowmaker.selection.problem import INF, NEW, REUSE
 from test_selection_binpack import _instance
+from test_selection_patterns import _classes, _larger
 
 out = []
 for seed in range(300):
@@ -44,6 +49,16 @@ for seed in range(300):
     cap = rng.uniform(9.0, 20.0)
     out.append(repr(_pack_exact(ws, rng.randint(1, 4), rng.uniform(0.0, 3.0), cap, lambda: True)))
     out.append(repr(max_fill(tuple(ws), cap)))
+    vals = [rng.uniform(0.1, 5.0) for _ in ws]
+    out.append(repr(knapsack(vals, ws, cap, 10**6)))
+    rc = [rng.uniform(-3.0, 3.0) for _ in ws]
+    pats = enumerate_patterns(rc, ws, cap, rng.uniform(-4.0, 1.0), 10**6, 1e18) or []
+    out.append(repr(pats))
+    out.append(repr(exact_cover(len(ws), pats, [i % 2 for i in range(len(pats))], [sum(ws[i] for i in p) for p in pats],
+                                [0.0] * len(pats), [2, 2], 0.0, INF, 10**5, 1e18)))
+for seed in range(40):
+    so, loads, bins = _larger(seed)
+    out.append(repr(_least_l_patterns(loads, so, _classes(bins), 0.0, INF, 1e18)))
 print(json.dumps({"status": native.status(), "results": out}))
 """
 
@@ -59,9 +74,9 @@ def _run(env_native: str) -> dict[str, object]:
 @needs_build
 def test_the_compiled_class_search_returns_the_pure_ones_results_bit_for_bit() -> None:
     compiled, pure = _run("1"), _run("0")
-    assert compiled["status"] == {"flowmaker.selection.binpack": "compiled"}
-    assert pure["status"] == {"flowmaker.selection.binpack": "python"}
-    assert len(pure["results"]) == 300 * 6  # type: ignore[arg-type]
+    assert compiled["status"] == COMPILED
+    assert pure["status"] == PURE
+    assert len(pure["results"]) == 300 * 9 + 40  # type: ignore[arg-type]
     assert compiled["results"] == pure["results"]
 
 
@@ -80,21 +95,21 @@ def test_a_build_of_another_source_is_not_used(tmp_path: Path) -> None:
     ignored: the module imports from its .py. So is a build for another interpreter."""
     good = tmp_path / "good"
     shutil.copytree(native.native_dir(), good)
-    assert _status(good) == {"flowmaker.selection.binpack": "compiled"}
+    assert _status(good) == COMPILED
 
     stale = tmp_path / "stale"
     shutil.copytree(native.native_dir(), stale)
     manifest = json.loads((stale / "manifest.json").read_text())
     manifest["modules"]["flowmaker.selection.binpack"]["sha256"] = "0" * 64
     (stale / "manifest.json").write_text(json.dumps(manifest))
-    assert _status(stale) == {"flowmaker.selection.binpack": "python"}
+    assert _status(stale) == {**COMPILED, BINPACK: "python"}  # the other modules' builds still match
 
     other = tmp_path / "other"
     shutil.copytree(native.native_dir(), other)
     manifest = json.loads((other / "manifest.json").read_text())
     manifest["abi"] = ".cpython-39-x86_64-linux-gnu.so"
     (other / "manifest.json").write_text(json.dumps(manifest))
-    assert _status(other) == {"flowmaker.selection.binpack": "python"}
+    assert _status(other) == PURE
 
 
 @needs_build
@@ -112,12 +127,12 @@ def test_a_build_that_does_not_load_falls_back_to_pure_python(tmp_path: Path) ->
     proc = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "{'flowmaker.selection.binpack': 'python'} 3.0" in proc.stdout
+    assert f"{PURE} 3.0" in proc.stdout  # the whole build, not only the broken module (one support library)
     assert "does not load" in proc.stderr
 
 
 def test_no_build_means_pure_python(tmp_path: Path) -> None:
-    assert _status(tmp_path / "nothing-here") == {"flowmaker.selection.binpack": "python"}
+    assert _status(tmp_path / "nothing-here") == PURE
     abi = native._abi()
     unreadable = ["not json", "[]", json.dumps({"abi": abi, "modules": {"flowmaker.selection.binpack": {}}}),
                   json.dumps({"abi": abi, "modules": []})]
@@ -125,7 +140,7 @@ def test_no_build_means_pure_python(tmp_path: Path) -> None:
         bad = tmp_path / f"bad{i}"
         bad.mkdir()
         (bad / "manifest.json").write_text(text)
-        assert _status(bad) == {"flowmaker.selection.binpack": "python"}, text
+        assert _status(bad) == PURE, text
 
 
 def test_a_failed_build_is_reported_and_leaves_setup_going(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -171,19 +171,28 @@ def test_room_rows_count_what_any_placement_can_hold() -> None:
         assert _node_room(free, k, t) == most(free, k, t), (free, k, t)
 
 
-@pytest.mark.parametrize("bin_nodes,quick", [(3, 0), (40_000, 0), (0, 50)])
+@pytest.mark.parametrize("bin_nodes,quick,patterns", [(3, 0, False), (40_000, 0, False), (0, 50, False),
+                                                      (0, 50, True)])
 def test_small_chains_with_clones_equal_the_brute_force_when_packings_go_bin_by_bin(
-        bin_nodes: int, quick: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        bin_nodes: int, quick: int, patterns: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """chain_clones at small sizes with the class search of the packings cut to 2 nodes, so that every packing goes
     to the bin-by-bin search (`binpack`; cut to 3 nodes, or enough to settle) and the MILP: still the brute force's
     answer, proven, and the bin-by-bin search ran. With `quick`, a packing whose cut search saw no assignment goes
-    to a short MILP at once (and nothing goes bin by bin): the same answers, and the short MILPs ran."""
+    to a short MILP at once (and nothing goes bin by bin): the same answers, and the short MILPs ran. With
+    `patterns`, those packings go to the pattern route (`_least_l_patterns`) first: the same answers, and it settled
+    some."""
     import flowmaker.selection.chain as chain
     import flowmaker.selection.milp as milp
 
     calls: list[bool] = []
     least_l_bins = chain.least_l_bins
     least_l_milp = chain._least_l_milp
+    least_l_patterns = chain._least_l_patterns
+
+    def counted_patterns(*a: object) -> object:
+        got = least_l_patterns(*a)  # type: ignore[arg-type]
+        calls.append(got is not None)
+        return got
 
     def counted(*a: object) -> object:
         got = least_l_bins(*a)  # type: ignore[arg-type]
@@ -202,6 +211,10 @@ def test_small_chains_with_clones_equal_the_brute_force_when_packings_go_bin_by_
     monkeypatch.setattr(chain, "MILP_QUICK_NODES", quick)
     monkeypatch.setattr(chain, "least_l_bins", counted)
     monkeypatch.setattr(chain, "_least_l_milp", counted_milp)
+    monkeypatch.setattr(chain, "PATTERNS", patterns)
+    if patterns:
+        monkeypatch.setattr(chain, "_least_l_milp", least_l_milp)
+        monkeypatch.setattr(chain, "_least_l_patterns", counted_patterns)
     monkeypatch.setattr(milp, "first_nodes", lambda budget: 4)
     for k in range(EXAMPLES):
         seed = SEED0 + 500 + k
