@@ -96,7 +96,11 @@ MILP_NODES = 3_000  # branch-and-bound nodes of HiGHS for one packing; past it t
 # (measured on fresh chain_clones instances: 500 left packings of a single new instance unsettled that 3,000 settle)
 # A packing the class search gave up on goes to the pattern bound first (`_least_l_patterns`; PATTERNS = False: straight
 # to HiGHS): column generation for at most PAT_ITERS master LPs, knapsacks of PAT_KNAP_NODES nodes, at most PAT_MOST
-# patterns within the gap, an exact cover of PAT_COVER_NODES nodes; past any of these the MILP takes over.
+# patterns within the gap, an exact cover of PAT_COVER_NODES nodes; past any of these the MILP takes over. Measured on
+# the chain_clones packings HiGHS took 0.4-12.6 s on (seeds 1123000-1163000): 0.04-1 s, most under 0.3 s. Not under GPU
+# sharing, where a packing's least L is only the walk's relaxation (as for the class search's long limit): there it
+# gained nothing on the hard families (seed 1071000: 94/100 within 1 s either way) and cost the adversarial `reuse` 1
+# its MILP walk's bound at the deadline (651 instead of 699).
 PATTERNS = True
 PAT_ITERS = 80
 PAT_KNAP_NODES = 20_000
@@ -448,7 +452,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             # The search saw no assignment at all: most often none fits (the stages do not pack into these bins),
             # which HiGHS proves at its root while the search would spend its nodes again when the multiset comes
             # back (measured on chain_clones: 43 such packings, each infeasible at HiGHS' first node).
-            if PATTERNS:
+            if PATTERNS and not pb.sharing:
                 got = _least_l_patterns([pw.load[s] for s in llm], so, pat_classes(y, so), tool, cap_l, deadline)
                 if got is not None:
                     return got
@@ -478,7 +482,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
                 bins_won[0] += 1
                 return got_b[0], got_b[1], True
             keep(got_b[1])
-        if use_milp and PATTERNS:  # the class search gave up: the pattern bound and its exact cover first
+        if use_milp and PATTERNS and not pb.sharing:  # the class search gave up: the pattern route first
             got = _least_l_patterns([pw.load[s] for s in llm], so, pat_classes(y, so), tool, cap_l, deadline)
             if got is not None:
                 return got
