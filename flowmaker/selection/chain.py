@@ -878,6 +878,7 @@ def _least_l_patterns(loads: list[float], so: list[list[tuple[float, str, int]]]
     A pattern fits a bin when its loads sum to at most the limit widened by 1e-9, so that float sums in another
     order never leave out a packing `leq` admits (the caller re-checks every assignment from scratch); bounds are
     lowered by 1e-9 (relative) before they prove anything, as HiGHS' tolerances are."""
+    from flowmaker.selection.exact import _core_lp
     from flowmaker.selection.milp import _CORE, MIP_TOL
 
     if _CORE is None:
@@ -898,7 +899,7 @@ def _least_l_patterns(loads: list[float], so: list[list[tuple[float, str, int]]]
         return cap_l, None, True  # a stage that fits no bin: nothing fits
     big = 2.0 * sum(max(lat[c].get(j, 0.0) for c in range(len(classes))) for j in range(n)) + 1.0
     # Master LP: rows 0..n-1 cover each stage once; rows n.. at most count[c] patterns of class c.
-    lp = _core_lp_empty(n + len(classes), [1.0] * n + [-math.inf] * len(classes), [1.0] * n + [float(x) for x in count])
+    lp = _core_lp([], [], [], [], [1.0] * n + [-math.inf] * len(classes), [1.0] * n + [float(x) for x in count])
     h = core._Highs()
     for opt, val in (("output_flag", False), ("threads", 1), ("primal_feasibility_tolerance", MIP_TOL),
                      ("dual_feasibility_tolerance", MIP_TOL)):
@@ -950,11 +951,12 @@ def _least_l_patterns(loads: list[float], so: list[list[tuple[float, str, int]]]
 
     # An incumbent from the generated patterns (their exact cover), so that the gap, and the patterns within it, are few.
     inc = cap * (1 + 1e-9) + 1e-9
+    seeded = False  # whether inc is a cover's (then the final cover finds at least that one)
     if pats:
         got_c = exact_cover(n, [p[1] for p in pats], [p[0] for p in pats], [p[2] for p in pats],
                             [excess(p[0], p[1]) for p in pats], count, floor, inc, PAT_COVER_NODES, deadline)
         if got_c[1] is not None:
-            inc = min(inc, got_c[0] * (1 + 1e-12) + 1e-12)
+            inc, seeded = min(inc, got_c[0] * (1 + 1e-12) + 1e-12), True
     slack = inc - floor
     allp: list[tuple[int, list[int], float]] = []
     for c in range(len(classes)):
@@ -968,8 +970,8 @@ def _least_l_patterns(loads: list[float], so: list[list[tuple[float, str, int]]]
             allp.append((c, st, sum(lat[c][j] for j in st)))
     got_e = exact_cover(n, [p[1] for p in allp], [p[0] for p in allp], [p[2] for p in allp],
                         [excess(p[0], p[1]) for p in allp], count, floor, inc, PAT_COVER_NODES, deadline)
-    if not got_e[2]:
-        return None
+    if not got_e[2] or (got_e[1] is None and seeded):
+        return None  # (the second: cannot happen but by float noise, so proves nothing)
     if got_e[1] is None:
         return cap_l, None, True
     out: list[tuple[str, int, int]] = [(REUSE, 0, 0)] * n
@@ -984,13 +986,6 @@ def _least_l_patterns(loads: list[float], so: list[list[tuple[float, str, int]]]
     if L > cap_l * (1 + 1e-12) + 1e-12:
         return cap_l, None, True  # the least cover lies within the widened cap only
     return L, out, True
-
-
-def _core_lp_empty(rows: int, lo: list[float], hi: list[float]) -> Any:
-    """A HiGHS LP with these rows and no columns (columns are added one by one)."""
-    from flowmaker.selection.exact import _core_lp
-
-    return _core_lp([], [], [], [], lo, hi)
 
 
 def _lat_of(so: list[list[tuple[float, str, int]]], a: list[tuple[str, int, int]]) -> float:
