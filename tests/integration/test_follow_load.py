@@ -380,14 +380,28 @@ async def test_callers_that_give_up_cancel_their_engine_requests(stack: Stack) -
             break  # the first delta: the request is on the engine
         stream.cancel()
 
-    await asyncio.gather(*(give_up() for _ in range(40)), *(leave_stream() for _ in range(40)))
-    t0 = time.monotonic()
-    while True:
-        m = await metrics()
-        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
-            break
-        # Within a second on a quiet machine; CI at de2c217 saw 1.02 s while the 2 cores also ran benchmarks. The
-        # engine's cancelled count below is what shows the requests were cancelled rather than finished.
-        assert time.monotonic() - t0 < 5.0, m
-        await asyncio.sleep(0.05)
-    assert m["flowmaker:request_cancelled_total"] >= 70, m  # a few may have finished before their caller left
+    async def settled(before: dict[str, float]) -> tuple[float, float, dict[str, float]]:
+        """Wait for the engine's batch to empty; then (requests it finished, requests it cancelled) since `before`."""
+        t0 = time.monotonic()
+        while True:
+            m = await metrics()
+            if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
+                break
+            # Within a second on a quiet machine; CI at de2c217 saw 1.02 s while the 2 cores also ran benchmarks.
+            assert time.monotonic() - t0 < 5.0, m
+            await asyncio.sleep(0.05)
+        return (m["vllm:request_success_total"] - before["vllm:request_success_total"],
+                m["flowmaker:request_cancelled_total"] - before["flowmaker:request_cancelled_total"], m)
+
+    # Invokes whose deadline passes. On a loaded machine a deadline of 0.3 s can pass before the orchestrator has
+    # forwarded the call (then nothing reaches the engine: a CI-like run beside a test sweep saw 8 of 40 arrive), so
+    # what is asserted is that those that arrived were cancelled there, not run to the end.
+    before = await metrics()
+    await asyncio.gather(*(give_up() for _ in range(40)))
+    done, cancelled, m = await settled(before)
+    assert cancelled >= 1 and done <= 5, m
+    # Streams whose client leaves after the first delta: each is on the engine by then.
+    before = m
+    await asyncio.gather(*(leave_stream() for _ in range(40)))
+    done, cancelled, m = await settled(before)
+    assert cancelled >= 30 and done <= 10, m  # a few may have finished before their caller left
