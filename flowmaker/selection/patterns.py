@@ -87,13 +87,16 @@ def enumerate_patterns(rc: list[float], ws: list[float], room: float, slack: flo
     over = [False]
     visits = [0]
 
+    # the items of negative rc, best ratio first: sorted once, `least_rest` takes those from k on in this order
+    neg = sorted((r[q] / w[q] if w[q] > 0.0 else -1e300, q) for q in range(n) if r[q] < 0.0)
+
     def least_rest(k: int, cap: float) -> float:
         """A lower bound of what the items k.. can add within cap: their negative rc, fractionally, best ratio
         first (a knapsack's fractional bound)."""
-        neg = [(r[q] / w[q] if w[q] > 0.0 else -1e300, q) for q in range(k, n) if r[q] < 0.0]
-        neg.sort()
         t = 0.0
         for _, q in neg:
+            if q < k:
+                continue
             if w[q] <= cap:
                 cap -= w[q]
                 t += r[q]
