@@ -54,11 +54,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from flowmaker.selection.binpack import Bin, least_l_bins, least_l_classes, max_fill
+from flowmaker.selection.clones import IMAGE_SLACK
 from flowmaker.selection.patterns import enumerate_patterns, exact_cover, knapsack
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
 from flowmaker.selection.sharing_chain import PLACED_WORK, multiset_bound, placed_value
 
 if TYPE_CHECKING:
+    from flowmaker.selection.clones import AggregatedModel, Images
     from flowmaker.selection.milp import Front, RelaxedModel
 
 CHAIN_PREPS = 10  # Lagrangian bounds (one small LP each) per multiset the walk may search
@@ -159,15 +161,23 @@ def fan_group(pw: PWorkflow) -> frozenset[int] | None:
     return gs
 
 
-def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, int] | None,
-               max_points: int = 0, max_milps: int = 0) -> Front:
+def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tuple[float, float, int] | None,
+               max_points: int = 0, max_milps: int = 0, images: Images | None = None) -> Front:
     """The front of a chain workflow (module docstring); `model` is its `milp.RelaxedModel` (options,
-    packing into slots and `realize`). Returns a `milp.Front` whose `complete` means proven as described."""
+    packing into slots and `realize`). Returns a `milp.Front` whose `complete` means proven as described.
+
+    `model` may be a `clones.AggregatedModel` (`relaxed`): the walk over groups of clones, whose points only bound
+    (no tie-break argument, `exact_ties` False), with thresholds IMAGE_SLACK above the incumbent; `images_complete`
+    then says whether every multiset that could beat the incumbent was settled. `images` (from such a walk): the
+    multisets whose image cannot beat the incumbent are not pushed, and the others' keys are at least their
+    image's bound."""
     from flowmaker.selection.milp import CHAIN_NODES, CHAIN_POINTS, _tol
     from flowmaker.selection.milp import Front as Front_
 
+    relaxed = getattr(model, "relaxed", False)
+    slack = IMAGE_SLACK if relaxed else 1e-9  # how far above the incumbent a bound is still looked at
     fr = Front_()
-    fr.exact_ties = True
+    fr.exact_ties = not relaxed
     settled: dict[tuple[int, ...], float] = {}
     fr.settled = settled
     if not model.ok:
@@ -266,6 +276,11 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         return t
 
     m_memo: dict[tuple[int, ...], float] = {}
+
+    def m_key(m: float) -> float:
+        """The memory a key or point counts for a multiset of memory m: m itself; over groups of clones (`relaxed`)
+        at least the floor, which bounds every variant's memory while m only bounds its image's."""
+        return max(m, m_floor) if relaxed else m
 
     def m_of(y: tuple[int, ...]) -> float:
         m = m_memo.get(y)
@@ -544,19 +559,22 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         m = m_of(y)
         if sum(c * cp for c, cp in zip(y, cap, strict=True)) + spare_all < total_load * (1 - 1e-9):
             return  # cannot hold the load even aggregated
-        if m < m_floor:
+        if m < m_floor and not relaxed:
             return  # below the memory of every variant
         f = max(fast(y), l_floor)
-        if f < INF and leq(f, pb.lam):
+        img_floor = images.floor(tuple(images.of(y))) if images is not None else 0.0
+        if f < INF and leq(f, pb.lam) and img_floor < INF:
             tick += 1
-            heapq.heappush(heap, (m * f, tick, y, 0, False))
+            heapq.heappush(heap, (max(m_key(m) * f, img_floor), tick, y, 0, False))
 
     def push_expand(y: tuple[int, ...], i: int) -> None:
         nonlocal tick
         if i >= P or sum(y) >= n_llm:
             return
+        if images is not None and not images.may_grow(tuple(images.of(y))):
+            return
         key = max(m_of(y) + _more_mem(i, total_load * (1 - 1e-9) - spare_all), m_floor) * lmin_all
-        if key > inc * (1 + 1e-9):
+        if key > inc * (1 + slack):
             return  # never popped: the walk stops at the first key above the incumbent (which only falls)
         tick += 1
         heapq.heappush(heap, (key, tick, y, i, True))
@@ -575,8 +593,9 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             if c:
                 by = list(map(min, by, lat_new[q]))
         room_n = sum(y) + 1 < n_llm
-        lim = inc * (1 + 1e-9)
+        lim = inc * (1 + slack)
         left = room_left(y) if rooms else []
+        img = images.of(y) if images is not None else None
         for q in range(i, P):
             if y[q] >= users[q] or any(left[r_] < reps[q] for r_ in room_of[q]):
                 continue
@@ -584,19 +603,28 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             f = tool + agg(list(map(min, lat_new[q], by))) if gpos else \
                 sum(map(min, lat_new[q], by), tool)  # = tool + each stage's least of by and q, summed in order
             f = max(f, l_floor)
-            ok_eval = f < INF and leq(f, pb.lam) and mz * f <= lim and mz >= m_floor \
+            ok_eval = f < INF and leq(f, pb.lam) and m_key(mz) * f <= lim and (mz >= m_floor or relaxed) \
                 and capsum + cap[q] >= total_load * (1 - 1e-9)
             ok_exp = False
             if room_n:
                 fs = tool + agg(list(map(min, sufmin_lat[q], by))) if gpos else sum(map(min, sufmin_lat[q], by), tool)
                 kx = max(mz + _more_mem(q, total_load * (1 - 1e-9) - capsum - cap[q]), m_floor) * max(fs, l_floor)
                 ok_exp = kx <= lim
+            img_floor = 0.0
+            if images is not None and img is not None and (ok_eval or ok_exp):  # (images: what the walk over groups left open)
+                g = images.gid[q]
+                img[g] += 1
+                t_img = tuple(img)
+                img[g] -= 1
+                img_floor = images.floor(t_img)
+                ok_eval = ok_eval and img_floor <= lim
+                ok_exp = ok_exp and images.may_grow(t_img)
             if not ok_eval and not ok_exp:
                 continue
             z = (*y[:q], y[q] + 1, *y[q + 1:])
             if ok_eval:
                 tick += 1
-                heapq.heappush(heap, (mz * f, tick, z, 0, False))
+                heapq.heappush(heap, (max(m_key(mz) * f, img_floor), tick, z, 0, False))
             if ok_exp:
                 tick += 1
                 heapq.heappush(heap, (kx, tick, z, q, True))
@@ -609,6 +637,8 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         return [pi for pi, c in zip(profs, y, strict=True) for _ in range(c)]
 
     def never(y: tuple[int, ...]) -> bool:
+        if relaxed:
+            return False  # (groups: a representative's placement says nothing of its members')
         got = never_memo.get(y)
         if got is None:
             got = never_memo[y] = never_places(pb, y_insts(y))
@@ -620,8 +650,8 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
         nonlocal tick, lb, unsettled, unplaced, best, inc
         if i == 1 and unplaceable_seen[0] and any(y) and never(y):
             return  # no variant has exactly these new instances: no packing to search
-        m = m_of(y)
-        cap_l = min(_tol(pb.lam), inc * (1 + 1e-9) / m if m > 0 else INF)
+        m = m_key(m_of(y))
+        cap_l = min(_tol(pb.lam), inc * (1 + slack) / m if m > 0 else INF)
         L, a, done = least_l(y, cap_l, use_milp=i > 1)
         fr.solves += 1
         if not done:
@@ -686,7 +716,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
             key_r, _, y_r = heapq.heappop(ready)
             if y_r in packed:
                 continue
-            if key_r > inc * (1 + 1e-9):
+            if key_r > inc * (1 + slack):
                 ready.clear()  # every key left is higher, and the incumbent only falls
                 return
             packed.add(y_r)
@@ -706,7 +736,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     stopped = False
     while heap:
         key, _, y, i, is_exp = heap[0]
-        if key > inc * (1 + 1e-9):
+        if key > inc * (1 + slack):
             break
         if time.perf_counter() > deadline or fr.solves >= (max_points or CHAIN_POINTS) or work[0] > CHAIN_NODES \
                 or len(preps) > CHAIN_PREPS * (max_points or CHAIN_POINTS) or (max_milps and milps[0] >= max_milps):
@@ -754,6 +784,7 @@ def walk_chain(model: RelaxedModel, deadline: float, best: tuple[float, float, i
     # Nothing left that could beat the incumbent; with none (inc infinite) that is nothing left at all, which proves
     # that no variant exists (an infinite bound is not "above" an infinite incumbent: 991023 of the hard families,
     # whose walk ended with nothing left, was reported unfinished and answered DEADLINE_EXCEEDED at any budget).
+    fr.images_complete = not stopped and _beyond(unsettled, inc, slack) and (_beyond(rest, inc, slack) or not heap)
     fr.complete = not stopped and _beyond(unsettled, inc, 2e-9) and (_beyond(rest, inc, 1e-9) or not heap) \
         and _beyond(unplaced, inc, 2e-9)
     return fr

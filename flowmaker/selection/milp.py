@@ -108,6 +108,9 @@ class Front:
     # or its least cost when `sharing_chain` settled it). When complete, every other multiset's
     # variants cost more (relaxed) than the incumbent: GPU sharing's tie-break search looks only among these.
     settled: dict[tuple[int, ...], float] | None = None
+    # `chain.walk_chain` over groups of clones (`clones.AggregatedModel`): every multiset of groups whose bound is at
+    # most the incumbent (1 + clones.IMAGE_SLACK) was settled (in `settled`)
+    images_complete: bool = False
 
 
 class RelaxedModel:
@@ -633,6 +636,10 @@ SHARING_FIRST_WORK = 2_000
 # GPU sharing, a chain walk with no incumbent yet: the multisets it visits (measured: on the adversarial `reuse` 2002
 # the walk keeps finding multisets that do not place, and the branch and bound after it proves that none does)
 SHARING_POINTS_BLIND = 600
+# The walk over groups of clones (`clones`) before a chain's multiset walk, base contract, for at most this many of its
+# packings.
+CLONES = True
+CLONE_POINTS = 2_000
 LOCAL = True  # local moves around the first incumbent before the walks (`flowmaker.selection.local`)
 
 Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]]
@@ -649,6 +656,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
     again from the best variant known, until the deadline."""
     from flowmaker.selection import exact as ex
     from flowmaker.selection.chain import fan_group, is_chain, walk_chain
+    from flowmaker.selection.clones import AggregatedModel, clone_groups
     from flowmaker.selection.local import improve
     from flowmaker.selection.sharing_chain import tie_break
 
@@ -695,11 +703,29 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         # A fan (head, parallel stages, join) is walked by multisets too, under the base contract (GPU sharing's
         # placed bounds, `sharing_chain`, are a chain's).
         chain = is_chain(pw) or (not pb.sharing and fan_group(pw) is not None)
+        floor = 0.0  # a lower bound of the workflow's variants from the walk over groups of clones
+        images = None
+        if chain and CLONES and not pb.sharing and m.ok:
+            groups = clone_groups(m)
+            if groups is not None:
+                # Clones: the same walk over groups of them first (`clones`), for candidates, a floor and the images
+                # that the walk over profiles then keeps to.
+                am = AggregatedModel(m, groups)
+                fa = walk_chain(am, d2, best[0] if best else None, CLONE_POINTS)
+                for sc, choice, slots, places in fa.candidates:
+                    if best is None or better(*sc, best[0]):
+                        best = (sc, (pw, choice, slots, places))
+                evaluated += len(fa.candidates)
+                floor = fa.lower_bound
+                if fa.images_complete and fa.settled is not None:
+                    profs = sorted({ref for s in pw.llm for k, ref, _ in m.opts[s] if k == NEW})
+                    images = am.images(fa.settled, best[0][0] if best else INF, profs)
         if chain:
             # Chains: the multiset walk for a bounded amount of work, then (unless it settled the workflow) the
             # MILP walk from the best variant known. Both bounds hold for every variant: the larger one is kept.
             points = CHAIN_POINTS_FIRST if best is not None or not pb.sharing else SHARING_POINTS_BLIND
-            fr = walk_chain(m, d2, best[0] if best else None, points, CHAIN_MILPS_FIRST)
+            fr = walk_chain(m, d2, best[0] if best else None, points, CHAIN_MILPS_FIRST, images)
+            fr.lower_bound = max(fr.lower_bound, floor)
         else:
             fr = m.walk(d2, best[0] if best else None)
         for sc, choice, slots, places in fr.candidates:

@@ -363,22 +363,35 @@ def test_once_a_multiset_never_places_the_walk_checks_placement_before_packing(
     none of them can be placed on the cluster in any order. Its walk searched the packings of 103 multisets (2.2 s,
     over a 2 s budget) before it could say so; once it has seen one multiset that never places, it now asks that of
     each next multiset before searching its packing. Work, not time: the answer is still the proven NO_GPU_MEMORY,
-    after a handful of packing searches."""
+    after a handful of packing searches. (The walk over groups of clones before it, `clones`, cannot ask that of a
+    group, whose members place differently: its searches are counted apart, within its own limit.)"""
     from flowmaker.domain import Infeasibility
-    from flowmaker.selection import chain
+    from flowmaker.selection import chain, milp
 
     searched = [0]
+    grouped = [0]
+    in_groups = [False]
     real = chain.least_l_classes
+    walk = chain.walk_chain
 
     def counted(*a, **k):  # type: ignore[no-untyped-def]
-        searched[0] += 1
+        (grouped if in_groups[0] else searched)[0] += 1
         return real(*a, **k)
 
+    def flagged(model, *a, **k):  # type: ignore[no-untyped-def]
+        in_groups[0] = getattr(model, "relaxed", False)
+        try:
+            return walk(model, *a, **k)
+        finally:
+            in_groups[0] = False
+
     monkeypatch.setattr(chain, "least_l_classes", counted)
+    monkeypatch.setattr(chain, "walk_chain", flagged)
     req = hard_instance("chain_clones", 991023, "large").request
     res = select(dataclasses.replace(req, options=dataclasses.replace(req.options, time_budget_s=60.0)), "exact")
     assert res.variant is None and res.optimal and res.reason is Infeasibility.NO_GPU_MEMORY
     assert 1 <= searched[0] <= 5, searched[0]
+    assert grouped[0] <= milp.CLONE_POINTS, grouped[0]
 
 
 def test_the_relaxations_floors_are_below_the_optimums_memory_and_latency() -> None:
