@@ -169,3 +169,33 @@ def test_exact_cover_is_the_least_cover(seed: int) -> None:
 def test_a_packing_past_its_deadline_is_left_to_the_milp() -> None:
     so, loads, bins = _larger(0)
     assert _least_l_patterns(loads, so, _classes(bins), 0.0, INF, time.perf_counter() - 1.0) is None
+
+
+@pytest.mark.parametrize("most", [1, 4, 30])
+def test_least_l_by_widening_slacks_matches_brute_force(most: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the whole gap holding more than PAT_MOST patterns (cut to 1-30), the route widens its slack from the bound
+    (`chain.PAT_SLACK0`, doubling): whatever it settles is the brute force's least L (or nothing within the cap), and
+    it settles many."""
+    import flowmaker.selection.chain as chain
+
+    monkeypatch.setattr(chain, "PAT_MOST", most)
+    monkeypatch.setattr(chain, "PAT_SLACK0", 1e-4)
+    settled = 0
+    for seed in range(150):
+        so, loads, bins = _instance(1000 + seed)
+        tool = 0.5 if seed % 2 else 0.0
+        want = _brute(so, loads, bins, tool)
+        for cap_l in (INF, want * 1.01 if want < INF else 50.0, want if want < INF else 50.0):
+            got = _least_l_patterns(loads, so, _classes(bins), tool, cap_l, FAR)
+            if got is None:
+                continue  # past its work limits: never a claim
+            settled += 1
+            L, a, done = got
+            assert done
+            if want < INF and want <= cap_l:
+                assert a is not None, (seed, cap_l)
+                assert L == pytest.approx(want, rel=1e-9, abs=1e-12)
+                _check_assignment(so, loads, bins, a, tool, L)
+            else:
+                assert a is None and L == cap_l
+    assert settled >= 150
