@@ -856,7 +856,7 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
                 e.append((sym[(ref, b)], loads[j]))
             if (ref, b - 1) in sym:
                 e.append((sym[(ref, b - 1)], -loads[j]))
-    from flowmaker.selection.exact import _core_lp
+    from flowmaker.selection.exact import _core_lp, run_checked
 
     lp = _core_lp([0.0] * len(cols), [1.0] * len(cols), [c[4] for c in cols], entries, rows_lo, rows_hi)
     lp.integrality_ = [core.HighsVarType.kInteger] * len(cols)
@@ -871,8 +871,7 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
         return None
     h.setOptionValue("time_limit", left)  # the final deadline only; the work limit is mip_max_nodes
     h.passModel(lp)
-    h.run()
-    name = h.modelStatusToString(h.getModelStatus())
+    name = run_checked(h)
     if name == "Infeasible":
         return cap_l, None, True
     info = h.getInfo()
@@ -1137,9 +1136,10 @@ class _Pricer:
     the answers do not depend on the machine's load."""
 
     def __init__(self, so: list[list[tuple[float, str, int]]], loads: list[float]) -> None:
-        from flowmaker.selection.exact import _core_lp
+        from flowmaker.selection.exact import _core_lp, run_checked
         from flowmaker.selection.milp import _CORE
 
+        self.run_checked = run_checked
         self.h: Any = None
         if _CORE is None:  # pragma: no cover
             return
@@ -1189,8 +1189,7 @@ class _Pricer:
             h.changeRowsBounds(len(rows), np.array([self.crow[c] for c in rows], dtype=np.int32),
                                np.full(len(rows), -INF), np.array([room.get(c, 0.0) for c in rows]))
             self.room = dict(room)
-        h.run()
-        status = h.modelStatusToString(h.getModelStatus())
+        status = self.run_checked(h)
         if status == "Infeasible":
             return None
         if status != "Optimal":

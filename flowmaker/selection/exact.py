@@ -1270,15 +1270,32 @@ def _lp_longest_path(U: list[tuple[int, tuple[int, ...], tuple[int, ...], bool]]
     h.setOptionValue("threads", 1)
     lp = _core_lp(cols_lo, cols_hi, cost, entries, rlo, rhi)
     h.passModel(lp)
-    h.run()
-    status = h.getModelStatus()
-    name = h.modelStatusToString(status)
+    name = run_checked(h)
     if name == "Infeasible":
         return INF
     if name != "Optimal":
         return -INF  # no proof: the bound stays what it was
     v = h.getInfo().objective_function_value
     return v - 1e-6 * max(1.0, abs(v))  # solver tolerances: keep the bound safe
+
+
+def run_checked(h: Any) -> str:
+    """`h.run()` for a HiGHS model, and the name of its status. HiGHS' presolve has declared feasible models
+    infeasible (its issues 1164, 1517, 2388, 3090; here, with 1.16.0, `milp`'s relaxation of a two-stage request under
+    GPU sharing: the least L with M <= 10 "infeasible" although the least M is 10, so the walk's bound passed the
+    optimum and `milp` claimed a variant 0.02% above it). An infeasibility is a proof in every caller, so one found
+    with presolve on is asked again with it off, and that answer stands."""
+    h.run()
+    name = str(h.modelStatusToString(h.getModelStatus()))
+    if name == "Infeasible" and h.getOptionValue("presolve")[1] != "off":
+        was = h.getOptionValue("presolve")[1]
+        h.setOptionValue("presolve", "off")
+        try:
+            h.run()
+        finally:
+            h.setOptionValue("presolve", was)
+        name = str(h.modelStatusToString(h.getModelStatus()))
+    return name
 
 
 def _core_lp(cols_lo: list[float], cols_hi: list[float], cost: list[float], entries: list[list[tuple[int, float]]],

@@ -307,12 +307,13 @@ class RelaxedModel:
         h.setOptionValue("time_limit", max(left, 1e-3))
         h.setOptionValue("mip_max_nodes", nodes or HIGHS_NO_LIMIT)
         h.setOptionValue("presolve", "choose" if presolve else "off")
+        from flowmaker.selection.exact import run_checked
+
         try:
-            h.run()
+            name = run_checked(h)
         finally:
-            h.setOptionValue("presolve", "choose")  # (`least_memory_lp` runs this model with h.run() directly)
+            h.setOptionValue("presolve", "choose")  # (`least_memory_lp` runs this model without setting it)
         self.solves += 1
-        name = h.modelStatusToString(h.getModelStatus())
         info = h.getInfo()
         if name == "Infeasible":
             return "infeasible", INF, []
@@ -414,12 +415,13 @@ class RelaxedModel:
         h.changeColsCost(self.ncol, list(range(self.ncol)), cost)
         h.changeRowBounds(self.mem_row, -math.inf, math.inf)
         h.changeColBounds(self.L, 0.0, _tol(self.pb.lam))
+        from flowmaker.selection.exact import run_checked
+
         h.setOptionValue("solve_relaxation", True)
         try:
-            h.run()
+            name = run_checked(h)
         finally:
             h.setOptionValue("solve_relaxation", False)
-        name = h.modelStatusToString(h.getModelStatus())
         if name == "Infeasible":
             return INF
         if name != "Optimal":

@@ -314,6 +314,7 @@ def _least_l(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, tool: 
     again, when some instance is slowed, with its stages priced by the multiplier at its final load: `_convex_lp`, or
     the load bands of `_assignment_lp`): INF when none is within cap_l; HiGHS' dual bound when unsettled; None when
     the deadline passed."""
+    from flowmaker.selection.exact import run_checked
     from flowmaker.selection.milp import _CORE
 
     least = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
@@ -331,8 +332,7 @@ def _least_l(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, tool: 
         else:
             h, _ = _assignment_lp(pw, llm, bins, n_new, (cap_l - tool) * (1 + 1e-9) + 1e-12, integer, state=bands)
         h.setOptionValue("time_limit", left)
-        h.run()
-        name = h.modelStatusToString(h.getModelStatus())
+        name = run_checked(h)
         if name == "Infeasible":
             return INF
         info = h.getInfo()

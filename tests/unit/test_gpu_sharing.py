@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+import pytest
 from hypothesis import HealthCheck, event, given, seed, settings, target
 from hypothesis import strategies as st
 from test_selection_properties import LEVEL, capacity, close, dense_requests, longest, requests, stage_latency, topo
@@ -634,6 +635,39 @@ def test_exact_exhaustive_and_milp_equal_the_brute_force_with_busy_co_residents(
 @given(under_sharing(dense_requests()))
 def test_exact_and_milp_equal_the_brute_force_on_dense_requests_under_sharing(req: SelectionRequest) -> None:
     agree(req, ("exact", "milp"))
+
+
+def test_a_relaxation_highs_presolve_calls_infeasible_is_solved_again_without_it() -> None:
+    """Found by the property test above: two parallel stages, an m0 instance (10 GB, capacity 1000) that holds both
+    (L 3.0005, cost 30.005) or two m2 instances (20 GB, L 1.5005, cost 30.01). HiGHS 1.16.0's presolve called the
+    relaxation's least L with M <= 10 infeasible although its least M is 10, so `milp`'s walk bound passed the optimum
+    and it claimed 30.01, proven. Every infeasibility now holds only once HiGHS repeats it without presolve
+    (`exact.run_checked`)."""
+    import time
+
+    from flowmaker.selection import exact as ex
+    from flowmaker.selection.milp import RelaxedModel, _tol
+
+    wf = Workflow("w0", (Stage("s0", input_tokens=50, output_tokens=100, calls_per_request=2),
+                         Stage("s1", input_tokens=50, output_tokens=300)))
+    models = tuple(Model(f"m{i}", 0.1, float(i + 1), float(i + 1)) for i in range(3))
+    profiles = (Profile("m0", 1, 1, 10.0, 0.0, 1e-5, 0.01, 1000.0), Profile("m1", 1, 1, 4.0, 0.0, 1e-5, 0.005, 40.0),
+                Profile("m2", 1, 1, 10.0, 0.0, 1e-5, 0.005, 200.0))
+    gpus = tuple(Gpu(f"n{i}-g0", f"n{i}", 48.0, 0.0) for i in range(3))
+    req = SelectionRequest(Slo(0.0, 5.0, 0.5), (wf,), models, profiles, Cluster(gpus),
+                           SelectionOptions(allow_reuse=False))
+    req = sharing(req, 1.0, 2, False)
+    pb = Problem(req)
+    m = RelaxedModel(pb, pb.workflows[0], ex.usable_profiles(pb))
+    assert m._solve("M", math.inf, _tol(pb.lam), time.perf_counter() + 10)[:2] == ("optimal", 10.0)
+    st_, L, _ = m._solve("L", 10.0, _tol(pb.lam), time.perf_counter() + 10)
+    assert st_ == "optimal" and close(L, 3.0005), (st_, L)
+    want = brute_force(req).best
+    assert want is not None and close(want[0], 30.005)
+    for name in ("exact", "exhaustive", "milp"):
+        v = select(req, name).variant
+        assert v is not None and (v.cost, v.latency_s, v.new_gpus) == pytest.approx(want, rel=1e-9), name
+        recheck(req, v)
 
 
 def priced(req: SelectionRequest, price: float) -> SelectionRequest:
