@@ -104,6 +104,10 @@ MILP_NODES = 3_000  # branch-and-bound nodes of HiGHS for one packing; past it t
 # gained nothing on the hard families (seed 1071000: 94/100 within 1 s either way) and cost the adversarial `reuse` 1
 # its MILP walk's bound at the deadline (651 instead of 699).
 PATTERNS = True
+# Over groups of clones (`clones`), packings go to HiGHS too (False: a packing the searches and the pattern route leave
+# open keeps its bound: measured, chain_clones 1249013 spent 1.7 of its 2 s in two such MILPs of the walk over groups,
+# neither settled, and the walk over profiles got none)
+CLONE_MILPS = False
 PAT_ITERS = 80
 PAT_KNAP_NODES = 20_000
 PAT_MOST = 4_000
@@ -479,7 +483,7 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
                 if got is not None:
                     return got
             got = _least_l_milp(pb, [pw.load[s] for s in llm], so, y, profs, pos, tool, cap_l, deadline,
-                                MILP_QUICK_NODES)
+                                MILP_QUICK_NODES) if not relaxed or CLONE_MILPS else None
             if got is not None and got[2]:
                 milps[0] += 1
                 return got
@@ -508,7 +512,7 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
             got = _least_l_patterns([pw.load[s] for s in llm], so, pat_classes(y, so), tool, cap_l, deadline)
             if got is not None:
                 return got
-        if use_milp:  # the same question as a MILP (HiGHS)
+        if use_milp and (not relaxed or CLONE_MILPS):  # the same question as a MILP (HiGHS)
             milps[0] += 1
             got = _least_l_milp(pb, [pw.load[s] for s in llm], so, y, profs, pos, tool, cap_l, deadline)
             if got is not None and got[2]:
