@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 # 0.03 proved the same instances within 1 s (56, 58, 56); 0.005 left 1181017 unproven at 17.8%.
 CLONE_TOL = 0.02
 IMAGE_SLACK = 1e-7  # images kept up to the incumbent times (1 + this): more than the walks' own 1e-9 and float noise
-BELOW_MOST = 200_000  # images below some kept image, at most (past it expansions are not filtered)
+BELOW_MOST = 50_000  # images below some kept image, at most (past it expansions are not filtered; ~15 MB)
 
 
 def clone_groups(model: RelaxedModel) -> list[list[int]] | None:
