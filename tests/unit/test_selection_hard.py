@@ -38,6 +38,19 @@ def _variant(req: SelectionRequest, k: int) -> SelectionRequest:
     return req
 
 
+def agree_small(family: str, offset: int, note: str = "", k: int | None = None) -> None:
+    """`exact` and `milp` give the brute force's answers, proven, on EXAMPLES small instances of `family` from seed
+    SEED0 + offset (`_variant`: some under BUSY_TIME, some with replicas), or on instance k alone; a failure names
+    the seed to rerun."""
+    for k_ in range(EXAMPLES) if k is None else (k,):
+        seed = SEED0 + offset + k_
+        req = _variant(hard_instance(family, seed, "small").request, k_)
+        try:
+            agree(req, ("exact", "milp"), proven=True)
+        except AssertionError as e:
+            raise AssertionError(f"{family} seed {seed} (FLOWMAKER_HARD_SEED={SEED0}, instance {k_}{note}): {e}") from e
+
+
 @pytest.mark.parametrize("family", HARD_FAMILIES)
 def test_exact_and_milp_equal_the_brute_force_on_small_hard_instances(family: str) -> None:
     for k in range(EXAMPLES):
@@ -216,13 +229,7 @@ def test_small_chains_with_clones_equal_the_brute_force_when_packings_go_bin_by_
         monkeypatch.setattr(chain, "_least_l_milp", least_l_milp)
         monkeypatch.setattr(chain, "_least_l_patterns", counted_patterns)
     monkeypatch.setattr(milp, "first_nodes", lambda budget: 4)
-    for k in range(EXAMPLES):
-        seed = SEED0 + 500 + k
-        req = _variant(hard_instance("chain_clones", seed, "small").request, k)
-        try:
-            agree(req, ("exact", "milp"), proven=True)
-        except AssertionError as e:
-            raise AssertionError(f"chain_clones seed {seed} (FLOWMAKER_HARD_SEED={SEED0}, instance {k}): {e}") from e
+    agree_small("chain_clones", 500)
     assert calls and (any(calls) if bin_nodes > 3 or quick else not all(calls))
 
 
@@ -439,13 +446,7 @@ def test_the_walks_dives_keep_its_answers_and_bounds(family: str, monkeypatch: p
     monkeypatch.setattr(chain, "DIVE_EVERY", 1)
     monkeypatch.setattr(chain, "DIVES", 10**6)
     monkeypatch.setattr(chain, "walk_chain", counted)
-    for k in range(EXAMPLES):
-        seed = SEED0 + 900 + k
-        req = _variant(hard_instance(family, seed, "small").request, k)
-        try:
-            agree(req, ("exact", "milp"), proven=True)
-        except AssertionError as e:
-            raise AssertionError(f"{family} seed {seed} (FLOWMAKER_HARD_SEED={SEED0}, instance {k}): {e}") from e
+    agree_small(family, 900)
     assert any(dived), dived
 
 
