@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 # free loopback ports for processes that cannot bind port 0 themselves (the tests import it from here too)
-from flowmaker.ports import free_port
+from flowmaker.ports import free_port, free_ports  # noqa: F401 (free_port: re-exported for the tests)
 
 ETCD_BIN = os.environ.get("FLOWMAKER_TEST_ETCD", shutil.which("etcd") or "/usr/bin/etcd")
 
@@ -104,7 +104,7 @@ def start_etcd(base: Path, extra_args: tuple[str, ...] = ()) -> EtcdServer:
     """A real etcd on two free loopback ports, data and log under `base`; `extra_args` go on its command line."""
     if not os.path.exists(ETCD_BIN):
         pytest.skip(f"etcd not installed at {ETCD_BIN} (apt-get install etcd-server)")
-    cport, pport = free_port(), free_port()
+    cport, pport = free_ports(2)
     data_dir = base / "etcd-data"
     log_path = base / "etcd.log"
     curl, purl = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"

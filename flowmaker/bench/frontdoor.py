@@ -50,10 +50,10 @@ async def _time(fn: Callable[[], Awaitable[Any]], calls: int) -> dict[str, float
 
 
 def _start_etcd(work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    from flowmaker.launcher.stack import free_port
+    from flowmaker.ports import free_ports
 
     etcd = shutil.which("etcd") or "/usr/bin/etcd"
-    c, p = free_port(), free_port()
+    c, p = free_ports(2)
     proc = subprocess.Popen([etcd, "--data-dir", str(work / "etcd"), "--listen-client-urls", f"http://127.0.0.1:{c}",
                              "--advertise-client-urls", f"http://127.0.0.1:{c}",
                              "--listen-peer-urls", f"http://127.0.0.1:{p}", "--log-level", "error"],

@@ -535,11 +535,11 @@ def temporary_etcd(etcd_bin: str = "etcd") -> Iterator[str]:
     import urllib.request
 
     from flowmaker.launcher.procs import exec_dying_with_parent
-    from flowmaker.ports import free_port
+    from flowmaker.ports import free_ports
 
     exe = shutil.which(etcd_bin) or etcd_bin
 
-    cport, pport = free_port(), free_port()
+    cport, pport = free_ports(2)
     with tempfile.TemporaryDirectory(prefix="flowmaker-fuzz-etcd-") as d:
         curl, purl = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
         # It dies with this process, even a SIGKILLed one (a hung fuzz run killed by its caller left its etcd behind).

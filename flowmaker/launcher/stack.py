@@ -286,6 +286,9 @@ class LocalStack:
         self.work_dir: Path | None = None
         self.started_at = 0.0
         self._stopped = False
+        # Ports this stack has handed out or been given: none is drawn twice (`free_port` holds nothing, so two draws
+        # before the servers bind could agree; measured: a CI run's orchestrator found its port taken).
+        self._given: set[int] = {p for p in (*self.config.ports.values(), self.config.gateway_port) if p}
 
     # -- public ---------------------------------------------------------------------------
 
@@ -432,8 +435,9 @@ class LocalStack:
         except (OSError, ValueError):
             saved = {}
         port = saved.get(name)
-        if not isinstance(port, int) or not port_free(self.config.host, port):
-            port = free_port(self.config.host)
+        if not isinstance(port, int) or port in self._given or not port_free(self.config.host, port):
+            port = free_port(self.config.host, avoid=self._given)
+        self._given.add(port)
         if self._tmp is None:
             saved[name] = port
             with contextlib.suppress(OSError):

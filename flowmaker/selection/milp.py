@@ -714,9 +714,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
                 # that the walk over profiles then keeps to.
                 am = AggregatedModel(m, groups)
                 fa = walk_chain(am, d2, best[0] if best else None, CLONE_POINTS)
-                for sc, choice, slots, places in fa.candidates:
-                    if best is None or better(*sc, best[0]):
-                        best = (sc, (pw, choice, slots, places))
+                best = _take(best, pw, fa.candidates)
                 evaluated += len(fa.candidates)
                 floor = fa.lower_bound
                 if fa.images_complete and fa.settled is not None:
@@ -730,9 +728,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
             fr.lower_bound = max(fr.lower_bound, floor)
         else:
             fr = m.walk(d2, best[0] if best else None)
-        for sc, choice, slots, places in fr.candidates:
-            if best is None or better(*sc, best[0]):
-                best = (sc, (pw, choice, slots, places))
+        best = _take(best, pw, fr.candidates)
         settled_by_walk = fr.complete and (fr.lower_bound == INF  # (proven: no variant)
                                            or (best is not None and best[0][0] <= fr.lower_bound * (1 + 2e-9)))
         if chain and not settled_by_walk:
@@ -746,9 +742,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         lb = min(lb, fr.lower_bound)
         complete = complete and fr.complete
         evaluated += len(fr.candidates)
-        for sc, choice, slots, places in fr.candidates:
-            if best is None or better(*sc, best[0]):
-                best = (sc, (pw, choice, slots, places))
+        best = _take(best, pw, fr.candidates)
     # Under GPU sharing the walk's points are bounds (latency alone, placement relaxed) and its tie-break
     # argument does not hold: the branch and bound below proves the optimum from the best point instead.
     if complete and best is not None and not pb.sharing and best[0][0] <= lb * (1 + 2e-9) + 1e-300:
@@ -797,6 +791,16 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         return ex.finish(pb, strategy, s3, started, budget)
     s3.frontier = max(s3.frontier, lb)  # both are lower bounds of every variant not yet improved on
     return ex.finish(pb, strategy, s3, started, budget)
+
+
+def _take(best: Best | None, pw: PWorkflow, cands: list[tuple[tuple[float, float, int], list[Choice], list[int],
+                                                          list[tuple[str, tuple[str, ...]]]]]) -> Best | None:
+    """The better of `best` and a walk's candidates (score, choice, slots, placements) by (cost, L, new GPUs); of
+    equals, the one seen first."""
+    for sc, choice, slots, places in cands:
+        if best is None or better(*sc, best[0]):
+            best = (sc, (pw, choice, slots, places))
+    return best
 
 
 def _canonical_result(pb: Problem, strategy: str, best: Best, started: float, evaluated: int,

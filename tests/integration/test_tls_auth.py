@@ -279,9 +279,9 @@ async def test_etcd_over_mtls(pki: Path, tmp_path: Path) -> None:
     etcd_bin = os.environ.get("FLOWMAKER_TEST_ETCD", shutil.which("etcd") or "/usr/bin/etcd")
     if not os.path.exists(etcd_bin):
         pytest.skip("etcd not installed")
-    from tests.conftest import free_port
+    from flowmaker.ports import free_ports
 
-    cport, pport = free_port(), free_port()
+    cport, pport = free_ports(2)
     f = pki_files(pki, "etcd")
     curl, purl = f"https://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
     proc = subprocess.Popen([etcd_bin, "--name", "t", "--data-dir", str(tmp_path / "data"), "--listen-client-urls", curl,
