@@ -1,7 +1,7 @@
 """Near-identical profiles ("clones") merged into one optimistic profile: a relaxation of a chain's multiset walk.
 
 A catalog with many fine-tuned or re-quantised copies of a model (the hard family `chain_clones`: 20-40 clones
-within 0.5% of each other) gives the chain walk (`chain.walk_chain`) thousands of multisets of new instances that
+within 1-2% of each other) gives the chain walk (`chain.walk_chain`) thousands of multisets of new instances that
 differ only in which clone each instance is, and their bounds differ by a fraction of a percent. Its frontier then
 moves slowly (measured: chain_clones 1201025, 139,000 heap entries and 6.6 s to prove; 1181017 unproven at 2 s with a
 gap of 20%, its optimum 13% below the incumbent).
@@ -10,7 +10,8 @@ Here the profiles of a workflow's relaxation (`milp.RelaxedModel`) are grouped (
 replicas and stages, memory, capacity and every stage's latency within CLONE_TOL of each other), and each group
 becomes one profile that is at least as good as each member: the least memory, the largest capacity, each stage's
 least latency, the fewest replicas, in a room row (`milp.room_rows`) only when every member is. Every variant maps to
-a multiset of groups (its image) whose relaxed cost is at most its own, so the same walk over groups
+a multiset of groups (its image) whose relaxed cost is at most its own (a point counts at least the relaxation's
+memory floor, which bounds every variant while a group's memory only bounds its members'), so the same walk over groups
 (`AggregatedModel`; `walk_chain` sees `relaxed`) gives:
 
 - a lower bound of every variant's cost (its least bound over the groups' multisets);
