@@ -643,6 +643,13 @@ SHARING_POINTS_BLIND = 600
 CLONES = True
 CLONE_POINTS = 2_000
 LOCAL = True  # local moves around the first incumbent before the walks (`flowmaker.selection.local`)
+# GPU sharing, every workflow a chain whose walk completed: `sharing_chain.tie_break` over the multisets the walks
+# settled is exact whatever the walks' bound (every multiset that may hold a variant as cheap as the best is among
+# them), so it is tried when the best is within this of that bound. The bound's own margins (1e-9 a step, several
+# steps) put it a few 1e-9 below a proven cost: chain_clones 1071005 sat at a gap of 2.05e-9 against a 2e-9 gate, and
+# the branch and bound after it ran to the deadline. A wider gap means multisets whose search was left open, which
+# tie_break searches again (bounded by its node counts).
+SHARING_TIE_GAP = 1e-6
 
 Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]]
 
@@ -729,8 +736,9 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         else:
             fr = m.walk(d2, best[0] if best else None)
         best = _take(best, pw, fr.candidates)
+        gate = SHARING_TIE_GAP if pb.sharing and is_chain(pw) else 2e-9  # (sharing: `tie_break` settles the rest)
         settled_by_walk = fr.complete and (fr.lower_bound == INF  # (proven: no variant)
-                                           or (best is not None and best[0][0] <= fr.lower_bound * (1 + 2e-9)))
+                                           or (best is not None and best[0][0] <= fr.lower_bound * (1 + gate)))
         if chain and not settled_by_walk:
             fr2 = m.walk(d2, best[0] if best else None)
             fr2.candidates = fr.candidates + fr2.candidates
@@ -755,6 +763,18 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
             best = (alt[0], (pw, alt[1], alt[2], alt[3]))
         if alt is not None:
             return _canonical_result(pb, strategy, best, started, evaluated, grace)
+    if complete and best is not None and pb.sharing and len(settled) == len(pb.workflows) \
+            and best[0][0] <= lb * (1 + SHARING_TIE_GAP) + 1e-300:
+        # GPU sharing, every workflow a chain whose walk settled it: the variants that may tie or beat the best are
+        # looked for among the multisets each walk settled within the best's cost only (`sharing_chain.tie_break`),
+        # which finds a cheaper one too, so this holds at any gap; the canonical pass when the ties are many.
+        hi = best[0][0] * (1 + REL_TOL) + 1e-300
+        multisets = {i: [y for y, v in fr_set.items() if v <= hi] for i, fr_set in settled.items()}
+        won = tie_break(pb, models, multisets, best, grace, settled)
+        if won is not None and won[1]:
+            return pb.result(strategy, won[0][1], started, evaluated, optimal=True)
+        if won is not None:
+            return _canonical_result(pb, strategy, won[0], started, evaluated, grace)
     if complete and best is not None and pb.sharing and best[0][0] <= lb * (1 + 2e-9) + 1e-300:
         # GPU sharing: the walk's bound still holds (latencies are lower bounds of the slowed ones, placement
         # relaxed) and its candidates carry their true costs (`RelaxedModel.realize` checks Feasibility 5), so the
@@ -765,14 +785,6 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         # multiset of new instances up to the best's cost, only the multisets settled that cheap are left.
         hi = best[0][0] * (1 + REL_TOL) + 1e-300
         multisets = {i: [y for y, v in fr_set.items() if v <= hi] for i, fr_set in settled.items()}
-        if len(settled) == len(pb.workflows):
-            # Every workflow a chain whose walk settled it: the variants that may tie are looked for among those
-            # multisets only (`sharing_chain.tie_break`); the canonical pass when they are many.
-            won = tie_break(pb, models, multisets, best, grace, settled)
-            if won is not None and won[1]:
-                return pb.result(strategy, won[0][1], started, evaluated, optimal=True)
-            if won is not None:
-                return _canonical_result(pb, strategy, won[0], started, evaluated, grace)
         s4 = ex.make_search(pb, deadline=deadline, grace=grace, lat_cap=best[0][1], multisets=multisets)
         s4.best, s4.best_at = best
         s4.run()

@@ -812,11 +812,11 @@ def placed_value(model: Any, insts: Sequence[int], tool: float, val: float, cand
     from flowmaker.selection.problem import better
 
     pb = model.pb
-    if inc == INF:  # no incumbent: the walk cannot finish before it has one, so the work would be lost
-        return val, cand
     m = sum(pb.p_mem[pi] for pi in insts)
     val = max(val, m * multiset_bound(pb, model.pw, model.opts, insts, tool, cap_l, deadline, work))
-    if val > inc * (1 + 1e-9):
+    if val == INF or val > inc * (1 + 1e-9):
+        # (with no incumbent yet, cap_l is the latency target: INF proves that no variant has these instances,
+        # which is how a walk proves an instance infeasible, and the search below may find the first variant)
         return val, cand
     got, done = settle_multiset(model, insts, inc * (1 + 1e-9), deadline, work, floor=val, first=first)
     if got is not None and (cand is None or better(*got[0], cand[0])):
