@@ -667,7 +667,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
     from flowmaker.selection.chain import fan_group, is_chain, walk_chain
     from flowmaker.selection.clones import AggregatedModel, clone_groups
     from flowmaker.selection.local import improve
-    from flowmaker.selection.sharing_chain import tie_break
+    from flowmaker.selection.sharing_chain import _left_out, tie_break
 
     started = time.perf_counter()
     budget = req.options.time_budget_s or ex.DEFAULT_BUDGET_S
@@ -774,7 +774,11 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         if won is not None and won[1]:
             return pb.result(strategy, won[0][1], started, evaluated, optimal=True)
         if won is not None:
-            return _canonical_result(pb, strategy, won[0], started, evaluated, grace)
+            # Ties abound: the canonical pass decides, among the same multisets when the walks left out no
+            # profile that may tie (a tie has cost <= hi, so its multiset is one of them; measured: chain_clones
+            # 1307004 under sharing, five instances of one profile, 0.9 s for the pass over every multiset).
+            left = any(_left_out(pb, m_) for m_ in models.values())
+            return _canonical_result(pb, strategy, won[0], started, evaluated, grace, None if left else multisets)
     if complete and best is not None and pb.sharing and best[0][0] <= lb * (1 + 2e-9) + 1e-300:
         # GPU sharing: the walk's bound still holds (latencies are lower bounds of the slowed ones, placement
         # relaxed) and its candidates carry their true costs (`RelaxedModel.realize` checks Feasibility 5), so the
@@ -816,11 +820,12 @@ def _take(best: Best | None, pw: PWorkflow, cands: list[tuple[tuple[float, float
 
 
 def _canonical_result(pb: Problem, strategy: str, best: Best, started: float, evaluated: int,
-                      deadline: float) -> SelectionResult:
-    """The answer for a proven optimum: the canonical variant among its ties when the canonical pass settles it."""
+                      deadline: float, multisets: dict[int, list[tuple[int, ...]]] | None = None) -> SelectionResult:
+    """The answer for a proven optimum: the canonical variant among its ties when the canonical pass settles it
+    (`multisets`: per workflow, the only multisets of new instances a tie can have)."""
     from flowmaker.selection import exact as ex
 
-    at, canon = ex.canonical(pb, best[0], best[1], deadline)
+    at, canon = ex.canonical(pb, best[0], best[1], deadline, multisets)
     res = pb.result(strategy, at, started, evaluated, optimal=True)
     return res if canon else replace(res, reason_detail=ex.NOT_CANONICAL)
 

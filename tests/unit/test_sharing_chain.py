@@ -342,3 +342,31 @@ def test_a_walk_with_no_incumbent_places_its_multisets() -> None:
     within the latency target, the first multiset that places gives the incumbent, and the walk proves it (0.23 s)."""
     res = ex.select_exact(_hard("chain_clones", 1307008, 3.0))
     assert res.optimal and res.variant is not None, (res.gap, res.lower_bound)
+
+
+def test_the_canonical_pass_over_the_walks_multisets_equals_the_pass_over_all() -> None:
+    """When the tie-break finds too many ties to order them itself (TIE_FOUND = 0 forces it), the canonical pass looks
+    among the multisets the walks settled within the best's cost only. Whenever both settle, that pass and the one
+    over every multiset of new instances return the same variant (every tie's multiset is among those), and the
+    answers equal the brute force's."""
+    from flowmaker.selection.exact import _encoding
+
+    real_canon, real_found = ex.canonical, sharing_chain.TIE_FOUND
+    compared = [0]
+
+    def canon(pb: Problem, key: object, at: object, deadline: float, multisets: object = None) -> object:
+        got = real_canon(pb, key, at, deadline, multisets)  # type: ignore[arg-type]
+        if multisets is not None:
+            full = real_canon(pb, key, at, INF)  # type: ignore[arg-type]
+            if got[1] and full[1]:
+                compared[0] += 1
+                assert (got[0][0].index, _encoding(got[0][1], got[0][2])) == \
+                    (full[0][0].index, _encoding(full[0][1], full[0][2]))
+        return got
+
+    ex.canonical, sharing_chain.TIE_FOUND = canon, 0  # type: ignore[assignment]
+    try:
+        _chains_equal_the_brute_force()
+    finally:
+        ex.canonical, sharing_chain.TIE_FOUND = real_canon, real_found
+    assert compared[0] > 0
