@@ -57,6 +57,7 @@ from flowmaker.selection.binpack import Bin, least_l_bins, least_l_classes, max_
 from flowmaker.selection.clones import IMAGE_SLACK
 from flowmaker.selection.patterns import enumerate_patterns, exact_cover, knapsack
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
+from flowmaker.selection.sharing_alone import alone_floor
 from flowmaker.selection.sharing_chain import PLACED_WORK, multiset_bound, placed_value
 
 if TYPE_CHECKING:
@@ -72,6 +73,11 @@ CLASS_NODES = 20_000
 CLASS_NODES_MORE = 200_000
 SINGLE_BIN_NODES = 4_000  # the same when every class is one instance (the bin-by-bin search's former limit)
 FLOOR_NODES = 50  # HiGHS nodes of the least-L MILP under the walk's floors (0: no floors)
+# GPU sharing: the floor of `sharing_alone` under a chain walk's keys (its LP; a MILP of ALONE_NODES nodes when the LP's
+# floor is within ALONE_MILP_GAP of the latency target: the root alone took 0.2-1.3 s on the instances where it proved
+# nothing, 0.03 s on chain_clones 1319019, whose LP floor is 0.23% under the target and its MILP's above it)
+ALONE = True
+ALONE_MILP_GAP = 0.005
 FLOOR_PRESOLVE = False  # HiGHS presolve took 0.7-1 s on large sharing models (chain_clones 757008: 0.06 s without)
 # A dive: every DIVE_EVERY pops, at most DIVES times a walk, the waiting multiset of least bound has its packing
 # searched out of turn, without the HiGHS probe (`dive`). The walk orders multisets by bound, and where thousands of
@@ -94,6 +100,7 @@ MILP_QUICK_NODES = 50  # HiGHS nodes for a packing whose first search saw no ass
 # of chain_clones seeds 1019000 and 411000 took 13.7 s instead of 19.3 s, the same 11 settled. End to end (sixteenth
 # session) the same instances proven within 1 s on two fresh seeds (589/600), 597 within 2 s instead of 595.
 MILP_SUBMIPS = False
+HIGHS_TIME_SHARE = 0.5  # of the time left to the deadline, what a packing MILP may take (HiGHS overruns its limit)
 MILP_NODES = 3_000  # branch-and-bound nodes of HiGHS for one packing; past it the multiset keeps its bound
 # (measured on fresh chain_clones instances: 500 left packings of a single new instance unsettled that 3,000 settle)
 # A packing the class search gave up on goes to the pattern bound first (`_least_l_patterns`; PATTERNS = False: straight
@@ -260,6 +267,18 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
             return fr
         if math.isfinite(l_db):
             l_floor = max(0.0, l_db) * (1 - 1e-9)
+    if pb.sharing and ALONE and not relaxed and is_chain(pw):
+        # GPU sharing: the floor from how few new instances can run alone (`sharing_alone`): its LP, then (when that
+        # comes within ALONE_MILP_GAP of the target) a few MILP nodes. INF proves that no variant exists (measured
+        # on the hard families under sharing: 9 of the 17 chain_clones instances of six seeds that had no answer
+        # within 2 s, each in 0.01-0.04 s).
+        a_f = alone_floor(pb, pw, opts, tool, _tol(pb.lam), deadline, nodes=0, presolve=False)
+        if a_f < INF and a_f >= _tol(pb.lam) * (1 - ALONE_MILP_GAP):
+            a_f = max(a_f, alone_floor(pb, pw, opts, tool, _tol(pb.lam), deadline, presolve=False))
+        if a_f == INF:
+            fr.lower_bound, fr.complete = INF, True
+            return fr
+        l_floor = max(l_floor, a_f)
     lmin_all = max(lmin_all, l_floor)
     total_load = sum(pw.load[s] for s in llm)
     n_llm = len(llm)
@@ -873,7 +892,10 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
     left = deadline - time.perf_counter()
     if left <= 0:
         return None
-    h.setOptionValue("time_limit", left)  # the final deadline only; the work limit is mip_max_nodes
+    # The final deadline only (the work limit is mip_max_nodes), at half the time left: HiGHS checks its limit only
+    # now and then (its issues 885, 1278) and overran it by 0.4 s on a 0.73 s limit (chain_clones 1327009 under
+    # sharing, 1,674 nodes), past the caller's budget.
+    h.setOptionValue("time_limit", left * HIGHS_TIME_SHARE)
     h.passModel(lp)
     name = run_checked(h)
     if name == "Infeasible":

@@ -1,0 +1,180 @@
+"""GPU sharing: a floor under the slowed latency of every variant of a chain, from how few new instances can run
+alone (docs/selection-spec.md, "Extension: GPU sharing", "What is exact").
+
+The walks price each new instance at `Problem.bound_view`'s latency: every one of them on the least busy GPUs, so
+on a cluster with few idle GPUs a multiset of many fast instances looks as quick as one. It is not: an instance
+runs unslowed only when no GPU of it has a busy co-resident (a running instance busy some of the time, or another
+new instance, which is always busy some of the time). Those instances need idle GPUs of their own, and a node of I
+idle GPUs holds at most floor(I / k) of them with k GPUs each. Every other new instance has a co-resident busy at
+least `b_min` (the least busy share of any running instance's GPU, or of any new instance), so its stages take at
+least `f (1 - rho) / (1 - rho f)` times their latency alone with `f = 1 + kappa b_min`, and it carries at most
+u x C / f of load (Feasibility 5.2). Measured: chain_clones 1303009 under sharing needs four fast tp4 instances at
+a latency target 4% above the fastest chain, two of them fit alone, and the walk priced 3,800 multisets in 10 s
+without an answer; the branch and bound proved it infeasible after 44 s.
+
+`alone_floor` is the least L of an assignment of the chain's stages to reused instances, alone new instances and
+slowed new instances under those counts and capacities (a small MILP, HiGHS for a few nodes: its dual bound holds
+when unsettled). It bounds the L_s of every variant from below; INF proves that no variant exists. Floats with
+margins that only lower the bound.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow
+from flowmaker.sharing import busy_share, occupancy
+
+ALONE_NODES = 200  # HiGHS nodes of the floor's MILP (work, not time); unsettled, its dual bound
+_MARGIN = 1e-9
+
+Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedModel.opts`
+
+
+def alone_counts(pb: Problem, profs: Sequence[int]) -> tuple[dict[int, int], int]:
+    """(per k, at most how many new replicas of k or more GPUs each, of these profiles, can run with no busy
+    co-resident: sum over nodes of floor(idle GPUs where one fits / k); at most how many GPUs they take together).
+    A GPU is idle when no running instance on it is busy (its busy total is 0)."""
+    busy0 = pb._fast_totals()[1]
+    ks = sorted({pb.p_k[p] for p in profs})
+    least_need = min((pb.p_need[p] for p in profs), default=0)
+    counts: dict[int, int] = {}
+    for k in ks:
+        need = min(pb.p_need[p] for p in profs if pb.p_k[p] >= k)
+        counts[k] = sum(sum(1 for g in gids if busy0.get(g, 0.0) <= 0.0 and pb.free0[g] >= need) // k
+                        for gids in pb.layout.gpus_by_node)
+    gpus = sum(1 for gids in pb.layout.gpus_by_node for g in gids
+               if busy0.get(g, 0.0) <= 0.0 and pb.free0[g] >= least_need)
+    return counts, gpus
+
+
+def least_co_busy(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]) -> float:
+    """The least busy share a co-resident of a new instance can have: any running instance's GPU that is busy at
+    all, or any new replica (its quickest stage alone, `occupancy` as Feasibility 5 counts it)."""
+    busy0 = pb._fast_totals()[1]
+    least = min((b for b in busy0.values() if b > 0.0), default=INF)
+    for s in pw.llm:
+        for k, ref, _ in opts[s]:
+            if k == NEW:
+                least = min(least, occupancy(pb.rho * pw.lat_new[s][ref] / pb.p_reps[ref]))
+    return least * (1 - _MARGIN)
+
+
+def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], tool: float,
+                lat_cap: float, deadline: float = INF, nodes: int = ALONE_NODES, presolve: bool = True) -> float:
+    """A lower bound of the slowed L_s of every variant of chain `pw` (module docstring), `opts` the walk's options
+    per LLM stage, `tool` its TOOL stages' latency; INF when no variant meets `lat_cap`. 0.0 when it proves nothing
+    (no HiGHS, no interference, or every new instance may run alone)."""
+    from flowmaker.selection.exact import _core_lp, run_checked
+    from flowmaker.selection.milp import _CORE, MIP_TOL, _tol
+
+    if _CORE is None or not pb.sharing or float(pb.kappa) <= 0.0:
+        return 0.0
+    llm = [s for s in pw.llm if opts.get(s)]
+    if len(llm) != len(pw.llm):
+        return INF  # a stage with no option: nothing meets the target
+    profs = sorted({ref for s in llm for k, ref, _ in opts[s] if k == NEW})
+    if not profs:
+        return 0.0
+    counts, gpus = alone_counts(pb, profs)
+    b_min = least_co_busy(pb, pw, opts)
+    if not b_min < INF:
+        return 0.0
+    f = 1.0 + float(pb.kappa) * b_min
+    state = pb.share_state(pb.free0, *pb._fast_totals())
+    budget = pb.u * (1 + 1e-9) * (1 + 1e-7)
+    core = _CORE
+    lo: list[float] = []
+    hi: list[float] = []
+    integ: list[Any] = []
+    entries: list[list[tuple[int, float]]] = []
+    rlo: list[float] = []
+    rhi: list[float] = []
+
+    def row(a: float, b: float) -> int:
+        rlo.append(a)
+        rhi.append(b)
+        return len(rlo) - 1
+
+    def col(a: float, b: float, is_int: bool) -> int:
+        lo.append(a)
+        hi.append(b)
+        integ.append(core.HighsVarType.kInteger if is_int else core.HighsVarType.kContinuous)
+        entries.append([])
+        return len(lo) - 1
+
+    n = float(len(llm))
+    ya = {p: col(0.0, n, True) for p in profs}  # new instances (groups) of p that run alone
+    ys = {p: col(0.0, n, True) for p in profs}  # ... and that do not
+    cap_a = {p: row(-INF, 0.0) for p in profs}
+    cap_s = {p: row(-INF, 0.0) for p in profs}
+    for p in profs:
+        entries[ya[p]].append((cap_a[p], -_tol(pb.p_cap[p])))
+        slowed = pb.profiles[p].max_output_tokens_per_s * pb.p_reps[p] * budget / f
+        entries[ys[p]].append((cap_s[p], -min(_tol(pb.p_cap[p]), slowed)))
+    for k, most in counts.items():  # alone replicas of k or more GPUs, one node each, on idle GPUs of their own
+        r_ = row(-INF, float(most))
+        for p in profs:
+            if pb.p_k[p] >= k:
+                entries[ya[p]].append((r_, float(pb.p_reps[p])))
+    r_g = row(-INF, float(gpus))
+    for p in profs:
+        entries[ya[p]].append((r_g, float(pb.p_reps[p] * pb.p_k[p])))
+    reus = sorted({ref for s in llm for k, ref, _ in opts[s] if k == REUSE})
+    spare = {r: row(-INF, _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r]) for r in reus}
+    L = col(0.0, max(0.0, lat_cap - tool), False)
+    lat_row = row(0.0, 0.0)  # L = the stages' latencies summed (a chain)
+    entries[L].append((lat_row, -1.0))
+    for s in llm:
+        one = row(1.0, 1.0)
+        ld = pw.load[s]
+        for kind, ref, lat in opts[s]:
+            if kind == REUSE:
+                c = col(0.0, 1.0, True)
+                entries[c] += [(one, 1.0), (spare[ref], ld), (lat_row, lat)]
+                continue
+            c = col(0.0, 1.0, True)  # alone: its latency alone (m = 1 at f = 1), the walk's bound
+            link = row(-INF, 0.0)
+            entries[c] += [(one, 1.0), (cap_a[ref], ld), (lat_row, lat), (link, 1.0)]
+            entries[ya[ref]].append((link, -1.0))
+            m = state.multiplier_lb(f, busy_share(ld / pb.p_reps[ref], pb.profiles[ref].max_output_tokens_per_s))
+            if m < INF:  # slowed: at least f's multiplier at its own share
+                slow = max(lat, pw.lat_new[s][ref] * m * (1 - _MARGIN))
+                c = col(0.0, 1.0, True)
+                link = row(-INF, 0.0)
+                entries[c] += [(one, 1.0), (cap_s[ref], ld), (lat_row, slow), (link, 1.0)]
+                entries[ys[ref]].append((link, -1.0))
+    cost = [0.0] * len(lo)
+    cost[L] = 1.0
+    lp = _core_lp(lo, hi, cost, entries, rlo, rhi)
+    if nodes > 0:
+        lp.integrality_ = integ
+    h = core._Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("mip_feasibility_tolerance", MIP_TOL)
+    h.setOptionValue("primal_feasibility_tolerance", MIP_TOL)
+    h.setOptionValue("dual_feasibility_tolerance", MIP_TOL)
+    h.setOptionValue("mip_max_nodes", max(1, nodes))
+    h.setOptionValue("presolve", "choose" if presolve else "off")
+    left = deadline - time.perf_counter()
+    if left <= 0:
+        return 0.0
+    h.setOptionValue("time_limit", min(left * 0.5, 1e9))  # (HiGHS may overrun it: `chain.HIGHS_TIME_SHARE`)
+    h.passModel(lp)
+    name = run_checked(h)
+    if name == "Infeasible":
+        return INF
+    info = h.getInfo()
+    if nodes <= 0:  # the LP alone: its optimum, or nothing proven
+        db = info.objective_function_value if name == "Optimal" else None
+    else:
+        db = getattr(info, "mip_dual_bound", None)
+        if name == "Optimal":
+            db = min(db if db is not None and math.isfinite(db) else INF, info.objective_function_value)
+    if db is None or not math.isfinite(db):
+        return 0.0
+    return max(0.0, tool + db) * (1 - 1e-7)
