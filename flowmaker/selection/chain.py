@@ -279,6 +279,8 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
             fr.lower_bound, fr.complete = INF, True
             return fr
         l_floor = max(l_floor, a_f)
+        rm: Any = model  # a RelaxedModel here (not `relaxed`): the MILP walk after this one solves within it too
+        rm.l_floor = max(rm.l_floor, a_f)
     lmin_all = max(lmin_all, l_floor)
     total_load = sum(pw.load[s] for s in llm)
     n_llm = len(llm)

@@ -120,6 +120,7 @@ class RelaxedModel:
         self.pb, self.pw = pb, pw
         self.ok = True
         self.share_rows: list[tuple[int, float]] = []  # GPU sharing: (row, its upper bound) of the compute-room rows
+        self.l_floor = 0.0  # a proven lower bound of every variant's L (GPU sharing: `sharing_alone`), L's own bound
         core = _CORE
         lam = pb.lam
         llm = pw.llm
@@ -295,7 +296,7 @@ class RelaxedModel:
                 cost[c] = self.pb.p_mem[pi]
         h.changeColsCost(self.ncol, list(range(self.ncol)), cost)
         h.changeRowBounds(self.mem_row, -math.inf, mem_cap)
-        h.changeColBounds(self.L, 0.0, lat_cap)
+        h.changeColBounds(self.L, min(self.l_floor, lat_cap), lat_cap)
         left = deadline - time.perf_counter()
         if left <= 0:
             return "time", -INF, []
@@ -414,7 +415,7 @@ class RelaxedModel:
             cost[c] = self.pb.p_mem[pi]
         h.changeColsCost(self.ncol, list(range(self.ncol)), cost)
         h.changeRowBounds(self.mem_row, -math.inf, math.inf)
-        h.changeColBounds(self.L, 0.0, _tol(self.pb.lam))
+        h.changeColBounds(self.L, min(self.l_floor, _tol(self.pb.lam)), _tol(self.pb.lam))
         from flowmaker.selection.exact import run_checked
 
         h.setOptionValue("solve_relaxation", True)
@@ -643,6 +644,12 @@ SHARING_POINTS_BLIND = 600
 CLONES = True
 CLONE_POINTS = 2_000
 LOCAL = True  # local moves around the first incumbent before the walks (`flowmaker.selection.local`)
+# GPU sharing: the floor of `sharing_alone` under the MILP walk of a workflow that is not a chain (measured on the hard
+# families' wide fans: two proven infeasible at once, one of them had no answer within 2 s)
+ALONE_WALK = True
+# ... its MILP when the LP's floor is within this of the target (fans' MILPs are small: 0.00-0.19 s on the hard
+# families; wide_fan 1307009's LP is 4% under the target, its MILP above it at the root)
+ALONE_MILP_GAP_DAG = 0.1
 # GPU sharing, every workflow a chain whose walk completed: `sharing_chain.tie_break` over the multisets the walks
 # settled is exact whatever the walks' bound (every multiset that may hold a variant as cheap as the best is among
 # them), so it is tried when the best is within this of that bound. The bound's own margins (1e-9 a step, several
@@ -733,6 +740,9 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
             points = CHAIN_POINTS_FIRST if best is not None or not pb.sharing else SHARING_POINTS_BLIND
             fr = walk_chain(m, d2, best[0] if best else None, points, CHAIN_MILPS_FIRST, images)
             fr.lower_bound = max(fr.lower_bound, floor)
+        elif pb.sharing and m.ok and ALONE_WALK and _alone(pb, pw, m, d2) == INF:
+            fr = Front()  # GPU sharing: too few new instances can run alone for any variant (`sharing_alone`)
+            fr.lower_bound, fr.complete = INF, True
         else:
             fr = m.walk(d2, best[0] if best else None)
         best = _take(best, pw, fr.candidates)
@@ -807,6 +817,20 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
         return ex.finish(pb, strategy, s3, started, budget)
     s3.frontier = max(s3.frontier, lb)  # both are lower bounds of every variant not yet improved on
     return ex.finish(pb, strategy, s3, started, budget)
+
+
+def _alone(pb: Problem, pw: PWorkflow, m: RelaxedModel, deadline: float) -> float:
+    """GPU sharing, a workflow the MILP walk takes: `sharing_alone`'s floor (its LP; a few MILP nodes when that comes
+    within ALONE_MILP_GAP_DAG of the target), kept as the relaxed model's least L; INF: no variant exists."""
+    from flowmaker.selection.sharing_alone import alone_floor
+
+    cap = _tol(pb.lam)
+    a_f = alone_floor(pb, pw, m.opts, 0.0, cap, deadline, nodes=0, presolve=False)
+    if a_f < INF and a_f >= cap * (1 - ALONE_MILP_GAP_DAG):
+        a_f = max(a_f, alone_floor(pb, pw, m.opts, 0.0, cap, deadline, presolve=False))
+    if a_f < INF:
+        m.l_floor = max(m.l_floor, a_f)
+    return a_f
 
 
 def _take(best: Best | None, pw: PWorkflow, cands: list[tuple[tuple[float, float, int], list[Choice], list[int],

@@ -65,8 +65,9 @@ def least_co_busy(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option
 
 def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], tool: float,
                 lat_cap: float, deadline: float = INF, nodes: int = ALONE_NODES, presolve: bool = True) -> float:
-    """A lower bound of the slowed L_s of every variant of chain `pw` (module docstring), `opts` the walk's options
-    per LLM stage, `tool` its TOOL stages' latency; INF when no variant meets `lat_cap`. 0.0 when it proves nothing
+    """A lower bound of the slowed L_s of every variant of `pw` (module docstring), `opts` the walk's options per
+    LLM stage, `tool` a chain's TOOL stages' latency (a DAG's longest path counts them itself); INF when no variant
+    meets `lat_cap`. 0.0 when it proves nothing
     (no HiGHS, no interference, or every new instance may run alone)."""
     from flowmaker.selection.exact import _core_lp, run_checked
     from flowmaker.selection.milp import _CORE, MIP_TOL, _tol
@@ -125,27 +126,52 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
         entries[ya[p]].append((r_g, float(pb.p_reps[p] * pb.p_k[p])))
     reus = sorted({ref for s in llm for k, ref, _ in opts[s] if k == REUSE})
     spare = {r: row(-INF, _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r]) for r in reus}
-    L = col(0.0, max(0.0, lat_cap - tool), False)
-    lat_row = row(0.0, 0.0)  # L = the stages' latencies summed (a chain)
-    entries[L].append((lat_row, -1.0))
+    nv = len(pw.wf.stages)
+    chain = all(len(pw.preds[v]) <= 1 and len(pw.succs[v]) <= 1 for v in range(nv)) and \
+        sum(1 for v in range(nv) if not pw.preds[v]) <= 1  # one path: its latencies summed
+    lat_rows: dict[int, list[tuple[int, float]]] = {}  # per LLM stage, (row, sign) its latency enters
+    if chain:
+        L = col(0.0, max(0.0, lat_cap - tool), False)
+        lat_row = row(0.0, 0.0)  # L = the stages' latencies summed (a chain), its TOOL stages' apart
+        entries[L].append((lat_row, -1.0))
+        lat_rows = {s: [(lat_row, 1.0)] for s in llm}
+    else:  # t_v - t_p - latency of v >= 0 for each predecessor p (or none), L - t_v >= 0: L is the longest path
+        L = col(0.0, max(0.0, lat_cap), False)
+        tool = 0.0
+        t = [col(0.0, INF, False) for _ in range(nv)]
+        for v in range(nv):
+            base = pw.tool_lat[v] if not pw.wf.stages[v].is_llm else 0.0
+            mine = []
+            for p_ in pw.preds[v] or (None,):
+                r_ = row(base, INF)
+                entries[t[v]].append((r_, 1.0))
+                if p_ is not None:
+                    entries[t[p_]].append((r_, -1.0))
+                mine.append((r_, -1.0))
+            lat_rows[v] = mine
+            top = row(0.0, INF)
+            entries[L].append((top, 1.0))
+            entries[t[v]].append((top, -1.0))
+
+    def option(lat: float, rows: list[tuple[int, float]]) -> int:
+        c = col(0.0, 1.0, True)
+        entries[c] += rows + [(r_, sign * lat) for r_, sign in lat_rows[s]]
+        return c
+
     for s in llm:
         one = row(1.0, 1.0)
         ld = pw.load[s]
         for kind, ref, lat in opts[s]:
             if kind == REUSE:
-                c = col(0.0, 1.0, True)
-                entries[c] += [(one, 1.0), (spare[ref], ld), (lat_row, lat)]
+                option(lat, [(one, 1.0), (spare[ref], ld)])
                 continue
-            c = col(0.0, 1.0, True)  # alone: its latency alone (m = 1 at f = 1), the walk's bound
-            link = row(-INF, 0.0)
-            entries[c] += [(one, 1.0), (cap_a[ref], ld), (lat_row, lat), (link, 1.0)]
+            link = row(-INF, 0.0)  # alone: its latency alone (m = 1 at f = 1), the walk's bound
+            option(lat, [(one, 1.0), (cap_a[ref], ld), (link, 1.0)])
             entries[ya[ref]].append((link, -1.0))
             m = state.multiplier_lb(f, busy_share(ld / pb.p_reps[ref], pb.profiles[ref].max_output_tokens_per_s))
             if m < INF:  # slowed: at least f's multiplier at its own share
-                slow = max(lat, pw.lat_new[s][ref] * m * (1 - _MARGIN))
-                c = col(0.0, 1.0, True)
                 link = row(-INF, 0.0)
-                entries[c] += [(one, 1.0), (cap_s[ref], ld), (lat_row, slow), (link, 1.0)]
+                option(max(lat, pw.lat_new[s][ref] * m * (1 - _MARGIN)), [(one, 1.0), (cap_s[ref], ld), (link, 1.0)])
                 entries[ys[ref]].append((link, -1.0))
     cost = [0.0] * len(lo)
     cost[L] = 1.0

@@ -375,8 +375,13 @@ def test_the_canonical_pass_over_the_walks_multisets_equals_the_pass_over_all() 
 _ALONE = {"binding": 0, "infeasible": 0}
 
 
+def dags() -> st.SearchStrategy[SelectionRequest]:
+    return under_sharing(st.one_of(shared_requests(), shared_requests().map(with_clone), requests().map(with_clone),
+                                   requests()))
+
+
 @settings(max_examples=EXAMPLES // 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chains())
+@given(st.one_of(chains(), dags()))
 def _the_alone_floor_holds(req: SelectionRequest) -> None:
     from flowmaker.selection.milp import _tol
     from flowmaker.selection.sharing_alone import alone_floor
@@ -406,8 +411,8 @@ def _the_alone_floor_holds(req: SelectionRequest) -> None:
 
 
 def test_the_alone_floor_is_below_every_feasible_variants_latency() -> None:
-    """`sharing_alone.alone_floor` (its LP and its MILP) never exceeds the slowed L_s of a feasible variant, scored
-    from scratch, and is INF only when none meets the target; on some draws it is above the walk's own floor (every
+    """`sharing_alone.alone_floor` (its LP and its MILP; chains and other DAGs) never exceeds the slowed L_s of a
+    feasible variant, scored from scratch, and is INF only when none meets the target; on some draws it is above the walk's own floor (every
     stage on its quickest option) or proves infeasibility, so the check is not empty."""
     for k in _ALONE:
         _ALONE[k] = 0
@@ -427,4 +432,12 @@ def test_a_chain_that_needs_more_fast_instances_than_can_run_alone_is_proven_inf
     by at least 1.36x. The walk had no answer within 2 s (the branch and bound after it proved infeasibility after
     44 s); the alone floor's LP proves it at once."""
     res = ex.select_exact(_hard("chain_clones", 1303009, 3.0))
+    assert res.variant is None and res.optimal, (res.reason, res.lower_bound)
+
+
+def test_a_fan_whose_instances_cannot_run_alone_is_proven_infeasible_before_its_milp_walk() -> None:
+    """wide_fan 1307009 under sharing (a head, 9 parallel stages, a join): the alone floor's LP is 4% under the target
+    and its MILP proves at the root that no variant meets it. Before, the MILP walk and the branch and bound had no
+    answer within 2 s."""
+    res = ex.select_exact(_hard("wide_fan", 1307009, 3.0))
     assert res.variant is None and res.optimal, (res.reason, res.lower_bound)
