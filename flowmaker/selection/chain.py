@@ -73,11 +73,11 @@ CLASS_NODES = 20_000
 CLASS_NODES_MORE = 200_000
 SINGLE_BIN_NODES = 4_000  # the same when every class is one instance (the bin-by-bin search's former limit)
 FLOOR_NODES = 50  # HiGHS nodes of the least-L MILP under the walk's floors (0: no floors)
-# GPU sharing: the floor of `sharing_alone` under a chain walk's keys (its LP; a MILP of ALONE_NODES nodes when the LP's
-# floor is within ALONE_MILP_GAP of the latency target: the root alone took 0.2-1.3 s on the instances where it proved
-# nothing, 0.03 s on chain_clones 1319019, whose LP floor is 0.23% under the target and its MILP's above it)
+# GPU sharing: the floor of `sharing_alone` under a chain walk's keys (its LP; the MILP's root when the LP's floor is
+# within ALONE_MILP_GAP of the latency target: the root took 0.2-1.3 s on the instances where it proved nothing, 0.03 s
+# on chain_clones 1319019 and 1303015, whose LP floors are 0.23% and 1.5% under the target and their roots above it)
 ALONE = True
-ALONE_MILP_GAP = 0.005
+ALONE_MILP_GAP = 0.02
 FLOOR_PRESOLVE = False  # HiGHS presolve took 0.7-1 s on large sharing models (chain_clones 757008: 0.06 s without)
 # A dive: every DIVE_EVERY pops, at most DIVES times a walk, the waiting multiset of least bound has its packing
 # searched out of turn, without the HiGHS probe (`dive`). The walk orders multisets by bound, and where thousands of
@@ -274,7 +274,7 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
         # within 2 s, each in 0.01-0.04 s).
         a_f = alone_floor(pb, pw, opts, tool, _tol(pb.lam), deadline, nodes=0, presolve=False)
         if a_f < INF and a_f >= _tol(pb.lam) * (1 - ALONE_MILP_GAP):
-            a_f = max(a_f, alone_floor(pb, pw, opts, tool, _tol(pb.lam), deadline, presolve=False))
+            a_f = max(a_f, alone_floor(pb, pw, opts, tool, _tol(pb.lam), deadline, nodes=1, presolve=False))
         if a_f == INF:
             fr.lower_bound, fr.complete = INF, True
             return fr

@@ -28,39 +28,52 @@ from typing import Any
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow
 from flowmaker.sharing import busy_share, occupancy
 
+LEVELS = 4  # classes of slowed new instances by their co-residents' least busy total (`levels`)
 ALONE_NODES = 200  # HiGHS nodes of the floor's MILP (work, not time); unsettled, its dual bound
 _MARGIN = 1e-9
 
 Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedModel.opts`
 
 
-def alone_counts(pb: Problem, profs: Sequence[int]) -> tuple[dict[int, int], int]:
-    """(per k, at most how many new replicas of k or more GPUs each, of these profiles, can run with no busy
-    co-resident: sum over nodes of floor(idle GPUs where one fits / k); at most how many GPUs they take together).
-    A GPU is idle when no running instance on it is busy (its busy total is 0)."""
+def calm_counts(pb: Problem, profs: Sequence[int], below: float) -> tuple[dict[int, int], int]:
+    """(per k, at most how many new replicas of k or more GPUs each, of these profiles, can run on GPUs of their own
+    whose running instances are busy less than `below` in total: sum over nodes of floor(such GPUs where one fits /
+    k); at most how many GPUs they take together)."""
     busy0 = pb._fast_totals()[1]
-    ks = sorted({pb.p_k[p] for p in profs})
     least_need = min((pb.p_need[p] for p in profs), default=0)
     counts: dict[int, int] = {}
-    for k in ks:
+    for k in sorted({pb.p_k[p] for p in profs}):
         need = min(pb.p_need[p] for p in profs if pb.p_k[p] >= k)
-        counts[k] = sum(sum(1 for g in gids if busy0.get(g, 0.0) <= 0.0 and pb.free0[g] >= need) // k
+        counts[k] = sum(sum(1 for g in gids if busy0.get(g, 0.0) < below and pb.free0[g] >= need) // k
                         for gids in pb.layout.gpus_by_node)
     gpus = sum(1 for gids in pb.layout.gpus_by_node for g in gids
-               if busy0.get(g, 0.0) <= 0.0 and pb.free0[g] >= least_need)
+               if busy0.get(g, 0.0) < below and pb.free0[g] >= least_need)
     return counts, gpus
 
 
-def least_co_busy(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]) -> float:
-    """The least busy share a co-resident of a new instance can have: any running instance's GPU that is busy at
-    all, or any new replica (its quickest stage alone, `occupancy` as Feasibility 5 counts it)."""
-    busy0 = pb._fast_totals()[1]
-    least = min((b for b in busy0.values() if b > 0.0), default=INF)
+def least_new_busy(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]) -> float:
+    """The least busy share a new replica can have (its quickest stage alone, `occupancy` as Feasibility 5 counts
+    it), a little low."""
+    least = INF
     for s in pw.llm:
         for k, ref, _ in opts[s]:
             if k == NEW:
                 least = min(least, occupancy(pb.rho * pw.lat_new[s][ref] / pb.p_reps[ref]))
     return least * (1 - _MARGIN)
+
+
+def levels(pb: Problem, b_new: float, most: int = LEVELS) -> list[tuple[float, float]]:
+    """The classes of new instances by how busy their co-residents are at least, as (t_f, t_count) from class 1 up
+    (class 0: none busy). Class i has f >= 1 + kappa t_f[i]; classes below i run on GPUs of their own whose running
+    instances are busy less than t_count[i] (any other new replica is busy at least b_new >= t_count[i]). The
+    thresholds: the least positive running busy total and up to `most` - 1 more of them below b_new, evenly by rank,
+    then b_new itself."""
+    busy0 = pb._fast_totals()[1]
+    runs = sorted({b for b in busy0.values() if 0.0 < b < b_new})
+    picks = [runs[round(i * (len(runs) - 1) / max(1, most - 1))] for i in range(min(most, len(runs)))] if runs else []
+    out = [(b, b) for b in sorted(set(picks))]
+    out.append((b_new, b_new * (1 + 2 * _MARGIN)))  # (b_new carries a margin down: counted a little generously)
+    return out
 
 
 def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], tool: float,
@@ -80,11 +93,12 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     profs = sorted({ref for s in llm for k, ref, _ in opts[s] if k == NEW})
     if not profs:
         return 0.0
-    counts, gpus = alone_counts(pb, profs)
-    b_min = least_co_busy(pb, pw, opts)
-    if not b_min < INF:
+    b_new = least_new_busy(pb, pw, opts)
+    if not b_new < INF:
         return 0.0
-    f = 1.0 + float(pb.kappa) * b_min
+    lv = levels(pb, b_new)
+    kappa = float(pb.kappa)
+    fs = [1.0] + [1.0 + kappa * t_f * (1 - _MARGIN) for t_f, _ in lv]  # per class, the least f
     state = pb.share_state(pb.free0, *pb._fast_totals())
     budget = pb.u * (1 + 1e-9) * (1 + 1e-7)
     core = _CORE
@@ -108,22 +122,25 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
         return len(lo) - 1
 
     n = float(len(llm))
-    ya = {p: col(0.0, n, True) for p in profs}  # new instances (groups) of p that run alone
-    ys = {p: col(0.0, n, True) for p in profs}  # ... and that do not
-    cap_a = {p: row(-INF, 0.0) for p in profs}
-    cap_s = {p: row(-INF, 0.0) for p in profs}
+    ncls = len(fs)
+    y = {(p, c): col(0.0, n, True) for p in profs for c in range(ncls)}  # new groups of p in class c
+    cap_row = {(p, c): row(-INF, 0.0) for p in profs for c in range(ncls)}
     for p in profs:
-        entries[ya[p]].append((cap_a[p], -_tol(pb.p_cap[p])))
-        slowed = pb.profiles[p].max_output_tokens_per_s * pb.p_reps[p] * budget / f
-        entries[ys[p]].append((cap_s[p], -min(_tol(pb.p_cap[p]), slowed)))
-    for k, most in counts.items():  # alone replicas of k or more GPUs, one node each, on idle GPUs of their own
-        r_ = row(-INF, float(most))
+        for c, f_c in enumerate(fs):
+            most_load = pb.profiles[p].max_output_tokens_per_s * pb.p_reps[p] * budget / f_c  # (5.2)
+            entries[y[(p, c)]].append((cap_row[(p, c)], -min(_tol(pb.p_cap[p]), most_load)))
+    for i, (_, t_count) in enumerate(lv):  # classes 0..i: GPUs of their own, running busy < t_count, one node each
+        counts, gpus = calm_counts(pb, profs, t_count if i else min(t_count, 1e-300))
+        for k, most in counts.items():
+            r_ = row(-INF, float(most))
+            for p in profs:
+                if pb.p_k[p] >= k:
+                    for c in range(i + 1):
+                        entries[y[(p, c)]].append((r_, float(pb.p_reps[p])))
+        r_g = row(-INF, float(gpus))
         for p in profs:
-            if pb.p_k[p] >= k:
-                entries[ya[p]].append((r_, float(pb.p_reps[p])))
-    r_g = row(-INF, float(gpus))
-    for p in profs:
-        entries[ya[p]].append((r_g, float(pb.p_reps[p] * pb.p_k[p])))
+            for c in range(i + 1):
+                entries[y[(p, c)]].append((r_g, float(pb.p_reps[p] * pb.p_k[p])))
     reus = sorted({ref for s in llm for k, ref, _ in opts[s] if k == REUSE})
     spare = {r: row(-INF, _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r]) for r in reus}
     nv = len(pw.wf.stages)
@@ -165,14 +182,14 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
             if kind == REUSE:
                 option(lat, [(one, 1.0), (spare[ref], ld)])
                 continue
-            link = row(-INF, 0.0)  # alone: its latency alone (m = 1 at f = 1), the walk's bound
-            option(lat, [(one, 1.0), (cap_a[ref], ld), (link, 1.0)])
-            entries[ya[ref]].append((link, -1.0))
-            m = state.multiplier_lb(f, busy_share(ld / pb.p_reps[ref], pb.profiles[ref].max_output_tokens_per_s))
-            if m < INF:  # slowed: at least f's multiplier at its own share
-                link = row(-INF, 0.0)
-                option(max(lat, pw.lat_new[s][ref] * m * (1 - _MARGIN)), [(one, 1.0), (cap_s[ref], ld), (link, 1.0)])
-                entries[ys[ref]].append((link, -1.0))
+            rho = busy_share(ld / pb.p_reps[ref], pb.profiles[ref].max_output_tokens_per_s)
+            for c, f_c in enumerate(fs):  # at least the multiplier of its class's least f at its own share
+                m = state.multiplier_lb(f_c, rho) if c else 1.0
+                if m < INF:
+                    link = row(-INF, 0.0)
+                    option(max(lat, pw.lat_new[s][ref] * m * (1 - _MARGIN)) if c else lat,
+                           [(one, 1.0), (cap_row[(ref, c)], ld), (link, 1.0)])
+                    entries[y[(ref, c)]].append((link, -1.0))
     cost = [0.0] * len(lo)
     cost[L] = 1.0
     lp = _core_lp(lo, hi, cost, entries, rlo, rhi)
