@@ -59,7 +59,7 @@ from flowmaker.selection.binpack import Bin, least_l_bins, least_l_classes, max_
 from flowmaker.selection.clones import IMAGE_SLACK
 from flowmaker.selection.patterns import enumerate_patterns, exact_cover, knapsack
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
-from flowmaker.selection.sharing_alone import alone_floor
+from flowmaker.selection.sharing_alone import walk_floor
 from flowmaker.selection.sharing_chain import PLACED_WORK, multiset_bound, placed_value
 
 if TYPE_CHECKING:
@@ -274,9 +274,7 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
         # comes within ALONE_MILP_GAP of the target) a few MILP nodes. INF proves that no variant exists (measured
         # on the hard families under sharing: 9 of the 17 chain_clones instances of six seeds that had no answer
         # within 2 s, each in 0.01-0.04 s).
-        a_f = alone_floor(pb, pw, opts, tool, _tol(pb.lam), deadline, nodes=0, presolve=False)
-        if a_f < INF and a_f >= _tol(pb.lam) * (1 - ALONE_MILP_GAP):
-            a_f = max(a_f, alone_floor(pb, pw, opts, tool, _tol(pb.lam), deadline, nodes=1, presolve=False))
+        a_f = walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP, 1)
         if a_f == INF:
             fr.lower_bound, fr.complete = INF, True
             return fr

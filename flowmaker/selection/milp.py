@@ -822,12 +822,9 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
 def _alone(pb: Problem, pw: PWorkflow, m: RelaxedModel, deadline: float) -> float:
     """GPU sharing, a workflow the MILP walk takes: `sharing_alone`'s floor (its LP; a few MILP nodes when that comes
     within ALONE_MILP_GAP_DAG of the target), kept as the relaxed model's least L; INF: no variant exists."""
-    from flowmaker.selection.sharing_alone import alone_floor
+    from flowmaker.selection.sharing_alone import ALONE_NODES, walk_floor
 
-    cap = _tol(pb.lam)
-    a_f = alone_floor(pb, pw, m.opts, 0.0, cap, deadline, nodes=0, presolve=False)
-    if a_f < INF and a_f >= cap * (1 - ALONE_MILP_GAP_DAG):
-        a_f = max(a_f, alone_floor(pb, pw, m.opts, 0.0, cap, deadline, presolve=False))
+    a_f = walk_floor(pb, pw, m.opts, 0.0, deadline, ALONE_MILP_GAP_DAG, ALONE_NODES)
     if a_f < INF:
         m.l_floor = max(m.l_floor, a_f)
     return a_f

@@ -1,4 +1,4 @@
-"""GPU sharing: a floor under the slowed latency of every variant of a chain, from how few new instances can run
+"""GPU sharing: a floor under the slowed latency of every variant of a workflow, from how few new instances can run
 alone (docs/selection-spec.md, "Extension: GPU sharing", "What is exact").
 
 The walks price each new instance at `Problem.bound_view`'s latency: every one of them on the least busy GPUs, so
@@ -12,10 +12,14 @@ u x C / f of load (Feasibility 5.2). Measured: chain_clones 1303009 under sharin
 a latency target 4% above the fastest chain, two of them fit alone, and the walk priced 3,800 multisets in 10 s
 without an answer; the branch and bound proved it infeasible after 44 s.
 
-`alone_floor` is the least L of an assignment of the chain's stages to reused instances, alone new instances and
-slowed new instances under those counts and capacities (a small MILP, HiGHS for a few nodes: its dual bound holds
-when unsettled). It bounds the L_s of every variant from below; INF proves that no variant exists. Floats with
-margins that only lower the bound.
+The same holds level by level (`levels`): a new instance whose co-residents are busy less than t runs on GPUs of
+its own whose running instances are busy less than t (any other new instance is busy more), and one whose
+co-residents are busy at least t is slowed by 1 + kappa t at least.
+
+`alone_floor` is the least L of an assignment of the stages to reused instances and to new instances of each class
+under those counts and capacities (a small MILP, HiGHS for a few nodes: its dual bound holds when unsettled). It
+bounds the L_s of every variant from below; INF proves that no variant exists. Floats with margins that only lower
+the bound. `walk_floor` is what the walks call: the LP, then a few MILP nodes when the LP comes close to the target.
 """
 
 from __future__ import annotations
@@ -221,3 +225,16 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     if db is None or not math.isfinite(db):
         return 0.0
     return max(0.0, tool + db) * (1 - 1e-7)
+
+
+def walk_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], tool: float, deadline: float,
+          milp_gap: float, milp_nodes: int) -> float:
+    """The walks' use of `alone_floor` against the request's latency target: its LP, then (when the LP's floor is
+    within `milp_gap` of the target) its MILP for `milp_nodes` nodes, the larger kept; INF: no variant exists."""
+    from flowmaker.selection.milp import _tol
+
+    cap = _tol(pb.lam)
+    got = alone_floor(pb, pw, opts, tool, cap, deadline, nodes=0, presolve=False)
+    if got < INF and got >= cap * (1 - milp_gap):
+        got = max(got, alone_floor(pb, pw, opts, tool, cap, deadline, nodes=milp_nodes, presolve=False))
+    return got
