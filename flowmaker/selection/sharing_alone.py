@@ -27,9 +27,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow
+from flowmaker.selection.sharing_chain import HighsModel
 from flowmaker.sharing import busy_share, occupancy
 
 LEVELS = 4  # classes of slowed new instances by their co-residents' least busy total (`levels`)
@@ -86,8 +86,8 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     LLM stage, `tool` a chain's TOOL stages' latency (a DAG's longest path counts them itself); INF when no variant
     meets `lat_cap`. 0.0 when it proves nothing
     (no HiGHS, no interference, or every new instance may run alone)."""
-    from flowmaker.selection.exact import _core_lp, run_checked
-    from flowmaker.selection.milp import _CORE, MIP_TOL, _tol
+    from flowmaker.selection.exact import run_checked
+    from flowmaker.selection.milp import _CORE, _tol
 
     if _CORE is None or not pb.sharing or float(pb.kappa) <= 0.0:
         return 0.0
@@ -105,25 +105,11 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     fs = [1.0] + [1.0 + kappa * t_f * (1 - _MARGIN) for t_f, _ in lv]  # per class, the least f
     state = pb.share_state(pb.free0, *pb._fast_totals())
     budget = pb.u * (1 + 1e-9) * (1 + 1e-7)
-    core = _CORE
-    lo: list[float] = []
-    hi: list[float] = []
-    integ: list[Any] = []
-    entries: list[list[tuple[int, float]]] = []
-    rlo: list[float] = []
-    rhi: list[float] = []
-
-    def row(a: float, b: float) -> int:
-        rlo.append(a)
-        rhi.append(b)
-        return len(rlo) - 1
+    mdl = HighsModel(0)  # (no stage rows of its own: `one` below)
+    row, entries = mdl.row, mdl.entries
 
     def col(a: float, b: float, is_int: bool) -> int:
-        lo.append(a)
-        hi.append(b)
-        integ.append(core.HighsVarType.kInteger if is_int else core.HighsVarType.kContinuous)
-        entries.append([])
-        return len(lo) - 1
+        return mdl.col(0.0, [], a, b, is_int)
 
     n = float(len(llm))
     ncls = len(fs)
@@ -194,24 +180,14 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
                     option(max(lat, pw.lat_new[s][ref] * m * (1 - _MARGIN)) if c else lat,
                            [(one, 1.0), (cap_row[(ref, c)], ld), (link, 1.0)])
                     entries[y[(ref, c)]].append((link, -1.0))
-    cost = [0.0] * len(lo)
-    cost[L] = 1.0
-    lp = _core_lp(lo, hi, cost, entries, rlo, rhi)
-    if nodes > 0:
-        lp.integrality_ = integ
-    h = core._Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
-    h.setOptionValue("mip_feasibility_tolerance", MIP_TOL)
-    h.setOptionValue("primal_feasibility_tolerance", MIP_TOL)
-    h.setOptionValue("dual_feasibility_tolerance", MIP_TOL)
+    mdl.cost[L] = 1.0
+    h = mdl.highs(integer=nodes > 0)
     h.setOptionValue("mip_max_nodes", max(1, nodes))
     h.setOptionValue("presolve", "choose" if presolve else "off")
     left = deadline - time.perf_counter()
     if left <= 0:
         return 0.0
     h.setOptionValue("time_limit", min(left * 0.5, 1e9))  # (HiGHS may overrun it: `chain.HIGHS_TIME_SHARE`)
-    h.passModel(lp)
     name = run_checked(h)
     if name == "Infeasible":
         return INF

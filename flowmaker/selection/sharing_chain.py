@@ -221,7 +221,7 @@ def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     return bins
 
 
-class _Model:
+class HighsModel:
     """A HiGHS model built a row and a column at a time: the first `ns` rows (one per LLM stage) are equalities to
     1 (each stage on exactly one bin)."""
 
@@ -274,7 +274,7 @@ def _assignment_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, 
     one of LEVELS equal bands (a binary each), and a stage there costs its latency alone times the multiplier at the
     band's lower edge (or its own bound, when higher): the multiplier grows steeply with the load once slowed, which
     the stages' own bounds do not see."""
-    mdl = _Model(len(llm))
+    mdl = HighsModel(len(llm))
     row, col = mdl.row, mdl.col
     lat_row = row(-math.inf, lat_cap)
     cap_rows: list[int] = []
@@ -393,7 +393,7 @@ def _convex_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, lat_
     multiplier. Every bin within its capacity, each of the first `n_new` bins used, the sum at most `lat_cap`: HiGHS'
     model of it (a MILP when `integer`), each bin's load row (F_b - its stages' loads = its running load) and each
     bin's row "used" (the first `n_new`; None for the others)."""
-    mdl = _Model(len(llm))
+    mdl = HighsModel(len(llm))
     row = mdl.row
     lat_row = row(-math.inf, lat_cap)
     load_rows: list[int] = []

@@ -172,16 +172,20 @@ def _least_by_multiset(pb: Problem, model: milp.RelaxedModel) -> dict[tuple[int,
     return least
 
 
-def _multisets(req: SelectionRequest):  # type: ignore[no-untyped-def]
-    """Per workflow with a walk model and per non-empty multiset of its new instances: (problem, workflow, model,
-    tool latency, multiset, least (cost, L_s) of its feasible variants by brute force)."""
+def _models(req: SelectionRequest):  # type: ignore[no-untyped-def]
+    """Per workflow with a walk model: (problem, workflow, model, its TOOL stages' latency)."""
     pb = Problem(req)
     usable = ex.usable_profiles(pb)
     for pw in pb.workflows:
         model = milp.RelaxedModel(pb, pw, usable)
-        if not model.ok:
-            continue
-        tool = sum(pw.tool_lat[v] for v in range(len(pw.wf.stages)) if not pw.wf.stages[v].is_llm)
+        if model.ok:
+            yield pb, pw, model, sum(pw.tool_lat[v] for v in range(len(pw.wf.stages)) if not pw.wf.stages[v].is_llm)
+
+
+def _multisets(req: SelectionRequest):  # type: ignore[no-untyped-def]
+    """Per workflow with a walk model and per non-empty multiset of its new instances: (problem, workflow, model,
+    tool latency, multiset, least (cost, L_s) of its feasible variants by brute force)."""
+    for pb, pw, model, tool in _models(req):
         for key, least in _least_by_multiset(pb, model).items():
             if key:
                 yield pb, pw, model, tool, key, least
@@ -386,18 +390,9 @@ def _the_alone_floor_holds(req: SelectionRequest) -> None:
     from flowmaker.selection.milp import _tol
     from flowmaker.selection.sharing_alone import alone_floor
 
-    pb = Problem(req)
-    usable = ex.usable_profiles(pb)
-    for pw in pb.workflows:
-        model = milp.RelaxedModel(pb, pw, usable)
-        if not model.ok:
-            continue
-        tool = sum(pw.tool_lat[v] for v in range(len(pw.wf.stages)) if not pw.wf.stages[v].is_llm)
-        least = INF  # the least L_s of a feasible variant among the walk's options
-        for choice, slots in itertools.islice(_variants(pb, model), 4000):
-            code, places = pb.check(pw, choice, slots)
-            if code == 5:
-                least = min(least, pb.score(pw, choice, slots, places)[1])
+    for pb, pw, model, tool in _models(req):
+        # the least L_s of a feasible variant among the walk's options (a multiset's least cost is its least L_s)
+        least = min((lat for _, lat in _least_by_multiset(pb, model).values()), default=INF)
         trivial = tool + sum(min(lat for _, _, lat in model.opts[s]) for s in pw.llm)
         for nodes in (0, 50):
             a = alone_floor(pb, pw, model.opts, tool, _tol(pb.lam), nodes=nodes)
