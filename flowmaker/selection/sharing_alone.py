@@ -86,6 +86,7 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     LLM stage, `tool` a chain's TOOL stages' latency (a DAG's longest path counts them itself); INF when no variant
     meets `lat_cap`. 0.0 when it proves nothing
     (no HiGHS, no interference, or every new instance may run alone)."""
+    from flowmaker.selection.chain import HIGHS_TIME_SHARE, is_chain
     from flowmaker.selection.exact import run_checked
     from flowmaker.selection.milp import _CORE, _tol
 
@@ -134,8 +135,7 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     reus = sorted({ref for s in llm for k, ref, _ in opts[s] if k == REUSE})
     spare = {r: row(-INF, _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r]) for r in reus}
     nv = len(pw.wf.stages)
-    chain = all(len(pw.preds[v]) <= 1 and len(pw.succs[v]) <= 1 for v in range(nv)) and \
-        sum(1 for v in range(nv) if not pw.preds[v]) <= 1  # one path: its latencies summed
+    chain = is_chain(pw)  # one path: its latencies summed
     lat_rows: dict[int, list[tuple[int, float]]] = {}  # per LLM stage, (row, sign) its latency enters
     if chain:
         L = col(0.0, max(0.0, lat_cap - tool), False)
@@ -187,7 +187,7 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     left = deadline - time.perf_counter()
     if left <= 0:
         return 0.0
-    h.setOptionValue("time_limit", min(left * 0.5, 1e9))  # (HiGHS may overrun it: `chain.HIGHS_TIME_SHARE`)
+    h.setOptionValue("time_limit", min(left * HIGHS_TIME_SHARE, 1e9))  # (HiGHS may overrun its limit)
     name = run_checked(h)
     if name == "Infeasible":
         return INF
@@ -204,7 +204,7 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
 
 
 def walk_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], tool: float, deadline: float,
-          milp_gap: float, milp_nodes: int) -> float:
+               milp_gap: float, milp_nodes: int) -> float:
     """The walks' use of `alone_floor` against the request's latency target: its LP, then (when the LP's floor is
     within `milp_gap` of the target) its MILP for `milp_nodes` nodes, the larger kept; INF: no variant exists."""
     from flowmaker.selection.milp import _tol
