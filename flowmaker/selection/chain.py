@@ -39,7 +39,8 @@ variant of the workflow.
 
 A FAN (`fan_group`: a path, then two or more LLM stages side by side, then a path; the hard family `wide_fan`, whose
 MILP walk took 0.3-1 s a solve and left 8 of 60 fresh instances unproven at 2 s with gaps of 16-30%) is walked the
-same way, under the base contract: its L is the path stages' sum plus the largest parallel latency, so every sum
+same way (under GPU sharing too, its multisets placed by `sharing_chain` as a chain's): its L is the path stages' sum
+plus the largest parallel latency, so every sum
 above becomes that (`agg`), and the Lagrangian bound takes the best path through the fan (for any path P and prices
 mu >= 0, L >= sum over P of min_o (lat + mu load) + sum over the other stages of min_o (mu load) - the penalty).
 Its least L(y) is the least over thresholds T of T + the least path sum with every parallel stage on an option no
@@ -269,12 +270,17 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
             return fr
         if math.isfinite(l_db):
             l_floor = max(0.0, l_db) * (1 - 1e-9)
-    if pb.sharing and ALONE and not relaxed and is_chain(pw):
+    if pb.sharing and ALONE and not relaxed:
         # GPU sharing: the floor from how few new instances can run alone (`sharing_alone`): its LP, then (when that
         # comes within ALONE_MILP_GAP of the target) a few MILP nodes. INF proves that no variant exists (measured
         # on eight seeds of the hard families under sharing: 14 of the 24 instances that had no answer within 2 s,
         # now proven infeasible in 0.1-0.4 s).
-        a_f = walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP, 1)
+        if fan is None:
+            a_f = walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP, 1)
+        else:  # a fan: the DAG's floor (its paths count the TOOL stages), as the MILP walk takes it
+            from flowmaker.selection.milp import ALONE_MILP_GAP_DAG
+            from flowmaker.selection.sharing_alone import ALONE_NODES
+            a_f = walk_floor(pb, pw, opts, 0.0, deadline, ALONE_MILP_GAP_DAG, ALONE_NODES)
         if a_f == INF:
             fr.lower_bound, fr.complete = INF, True
             return fr

@@ -1,5 +1,7 @@
 """GPU sharing on a chain's multiset walk (`chain.walk_chain`): multisets of new instances once placed, and the
-tie-break (docs/selection-spec.md, "Extension: GPU sharing", "A chain's multisets, placed").
+tie-break (docs/selection-spec.md, "Extension: GPU sharing", "A chain's multisets, placed"). A fan (`fan_of`) is
+walked the same way: its L sums its path stages and takes the largest parallel stage's latency, so its bounds take each
+stage's bound on its own (`_agg`, `_search_order_fan`) where a chain's sum them per instance.
 
 The walk prices each option at `Problem.bound_view`'s latency, which lets every new instance land on the least busy
 GPUs that fit it and carry its full capacity u x C. A multiset of several new instances cannot all do that: the
@@ -63,6 +65,22 @@ _MARGIN = 1e-7
 Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedModel.opts`
 
 
+def fan_of(pw: PWorkflow) -> frozenset[int] | None:
+    """The parallel LLM stages of a fan (`chain.fan_group`), None for a chain: a fan's L is its TOOL stages' latency
+    plus its other LLM stages' summed plus the largest of its parallel stages'; a chain's, all summed."""
+    from flowmaker.selection.chain import fan_group, is_chain
+
+    return None if is_chain(pw) else fan_group(pw)
+
+
+def _agg(fan: frozenset[int] | None, stages: Sequence[int], lat: Sequence[float]) -> float:
+    """L of these per-stage latencies (TOOL stages apart; `fan_of`)."""
+    if fan is None:
+        return sum(lat)
+    return (sum(v for s, v in zip(stages, lat, strict=True) if s not in fan)
+            + max((v for s, v in zip(stages, lat, strict=True) if s in fan), default=0.0))
+
+
 def _orders(insts: Sequence[int]) -> list[tuple[int, ...]] | None:
     """The distinct orders of a multiset of profile indices; None when there are more than MAX_ORDERS."""
     counts: dict[int, int] = {}
@@ -110,6 +128,7 @@ def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Optio
         return 0.0
     best = INF
     llm = [s for s in pw.llm if opts.get(s)]
+    fan = fan_of(pw)
     total = sum(pw.load[s] for s in llm)
     state = pb.share_state(pb.free0, *pb._fast_totals())
     for order in orders:
@@ -120,8 +139,11 @@ def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Optio
         bins = placed_bins(pb, pw, opts, order)
         if bins is None or sum(b.cap - b.load0 for b in bins) < total * (1 - 1e-9):
             continue  # it does not place, or its instances cannot hold the load even together
-        if len(orders) > MILP_ORDERS:  # many orders: each at its stages' least bounds, capacity left out
-            got: float | None = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
+        if len(orders) > MILP_ORDERS or fan is not None:
+            # many orders (or a fan, whose L the LPs below do not state): each stage at its least bound, capacity
+            # left out
+            got: float | None = tool + _agg(fan, llm, [min((b.lb.get(s, INF) for b in bins), default=INF)
+                                                       for s in llm])
         else:
             got = _least_l(pw, llm, bins, len(order), tool, cap_l, deadline, state)
             if work is not None:
@@ -465,7 +487,7 @@ Candidate = tuple[tuple[float, float, int], list[Any], list[int], list[tuple[str
 def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, budget: list[int],
                strict: bool | None, most: int = 0, floor_l: float = 0.0, first: Sequence[int] | None = None
                ) -> tuple[list[Candidate], bool]:
-    """Feasible variants of chain `model.pw` (`model`: its `milp.RelaxedModel`) whose new instances are exactly
+    """Feasible variants of chain or fan `model.pw` (`model`: its `milp.RelaxedModel`) whose new instances are exactly
     `insts` and whose L_s is at most `cap_l`, scored from scratch (`RelaxedModel.realize`): all of them (`strict`
     None; not complete once more than `most` are found), or each below the one found before it (so the last is a
     least one; `strict`: each shorter than the one before by more than the spec's 1e-12, so that no variant that
@@ -489,14 +511,22 @@ def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, 
     orders = _orders(insts)
     if orders is None:
         return out, False
+    fan = fan_of(pw)
     if first is not None and tuple(first) in orders:
         orders = [tuple(first)] + [o for o in orders if o != tuple(first)]
     cap = [min(pb.lam * (1 + 1e-9) + 1e-12, cap_l)]
     floor = floor_l if strict is False else -INF
     for order in orders:
         bins = placed_bins(pb, pw, opts, order)
-        if bins is not None and not _search_order(model, llm, topo, tool, state, bins, len(order), cap, out, strict,
-                                                  most, budget, deadline, floor):
+        if bins is None:
+            continue
+        if fan is not None:
+            more = _search_order_fan(model, llm, topo, tool, state, bins, len(order), cap, out, strict, most, budget,
+                                     deadline, floor, fan)
+        else:
+            more = _search_order(model, llm, topo, tool, state, bins, len(order), cap, out, strict, most, budget,
+                                 deadline, floor)
+        if not more:
             return out, bool(out) and out[-1][0][1] <= floor * (1 + 1e-12)
     return out, True
 
@@ -685,10 +715,174 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
     return go(0, tool)
 
 
+def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool: float, state: Any,
+                      bins: list[_Bin], k_new: int, cap: list[float], out: list[Candidate], strict: bool | None,
+                      most: int, budget: list[int], deadline: float, floor: float, fan: frozenset[int]) -> bool:
+    """`_search_order` for a fan (`fan_of`): the same depth-first search, opening rule and leaves, with each stage's
+    latency bounded on its own (its bound there, or its latency alone times its instance's multiplier at the load and
+    busy shares so far, which only grow) and L the TOOL stages' latency + the other stages' bounds summed + the
+    largest parallel stage's; a stage not yet placed counts at its least bound over the bins."""
+    pw, pb = model.pw, model.pb
+    n = len(llm)
+    for bi in range(1, k_new):  # (as `_search_order`: new instance i opens at its first stage, in this order)
+        b = bins[bi]
+        for s in [s for s in b.lb if topo[s] < bi]:
+            del b.lb[s], b.alone[s]
+    par = [s in fan for s in llm]
+    least = [min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm]
+    if any(v == INF for v in least):
+        return True
+    rem_p = [0.0] * (n + 1)  # the path stages j.. at their least bounds, summed
+    rem_g = [0.0] * (n + 1)  # the parallel stages j.. at their least bounds, the largest
+    for j in range(n - 1, -1, -1):
+        rem_p[j] = rem_p[j + 1] + (0.0 if par[j] else least[j])
+        rem_g[j] = max(rem_g[j + 1], least[j] if par[j] else 0.0)
+    if tool + rem_p[0] + rem_g[0] > cap[0]:
+        return True
+    by_stage = [sorted(((b.lb[s], bi) for bi, b in enumerate(bins) if s in b.lb)) for s in llm]
+    ld_suf = [0.0] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        ld_suf[j] = ld_suf[j + 1] + pw.load[llm[j]]
+    min_ld = [[INF] * len(bins) for _ in range(n + 1)]
+    for j in range(n - 1, -1, -1):
+        min_ld[j] = list(min_ld[j + 1])
+        for _, bi in by_stage[j]:
+            min_ld[j][bi] = min(min_ld[j][bi], pw.load[llm[j]])
+    first_left = [[INF] * k_new for _ in range(n + 1)]
+    for j in range(n - 1, -1, -1):
+        first_left[j] = list(first_left[j + 1])
+        for _, bi in by_stage[j]:
+            if bi < k_new:
+                first_left[j][bi] = min(first_left[j][bi], topo[llm[j]])
+    first = [INF] * k_new
+    fill = [b.load0 for b in bins]
+    used = [0] * len(bins)
+    alone = [0.0] * len(bins)
+    cur = [0.0] * n  # each placed stage's bound now
+    on: list[list[int]] = [[] for _ in bins]  # the placed stages (positions in llm) on each bin
+    assign: dict[int, tuple[str, int]] = {}
+    inst: dict[int, int] = {}
+    opened = [0]
+    kappa, rate = float(pb.kappa), pb.rho
+    tot = dict(pb._fast_totals()[1])
+    for b in bins:
+        if b.kind == NEW:
+            for gids in b.gpus:
+                for g in gids:
+                    tot[g] = tot.get(g, 0.0) + b.busy0
+    own = [b.busy0 for b in bins]
+    gpus_of = [sorted({g for gids in b.gpus for g in gids}) for b in bins]
+    near = [[bj for bj in range(len(bins)) if set(gpus_of[bi]) & set(gpus_of[bj])] for bi in range(len(bins))]
+
+    def mult(bi: int) -> float:
+        b = bins[bi]
+        worst = max((tot[g] - own[bi] for gids in b.gpus for g in gids), default=0.0)
+        return float(state.multiplier_lb(max(b.f, 1.0 + kappa * worst), fill[bi] / b.unit))
+
+    def busy_of(bi: int) -> float:
+        b = bins[bi]
+        x = rate * alone[bi]
+        got = occupancy(x / b.reps) if b.kind == NEW else add_offered(b.busy0, x)
+        return max(b.busy0, got * (1 - _MARGIN))
+
+    def placed_l(k: int, j: int) -> tuple[float, float]:
+        """(tool + the path stages ..k-1's bounds now + the path stages j.. at their least, the largest parallel
+        bound over the stages ..k-1 now and the stages j.. at their least)."""
+        p_, g_ = tool + rem_p[j], rem_g[j]
+        for jj in range(k):
+            if par[jj]:
+                g_ = max(g_, cur[jj])
+            else:
+                p_ += cur[jj]
+        return p_, g_
+
+    def go(j: int) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0 or (budget[0] & 255 == 0 and time.perf_counter() > deadline):
+            return False
+        if k_new - opened[0] > n - j:
+            return True
+        fl = first_left[j]
+        for i in range(1, k_new):
+            if min(first[i - 1], fl[i - 1]) > first[i]:
+                return True
+        if j == n:
+            got = model.realize(assign, inst)
+            if got is not None and got[0][1] <= cap[0]:
+                out.append(got)
+                if strict is None:
+                    return len(out) <= most
+                cap[0] = got[0][1] * (1 - 1e-12) if strict else got[0][1]
+                if got[0][1] <= floor * (1 + 1e-12):
+                    return False
+            return True
+        room = 0.0
+        for bi, b in enumerate(bins):
+            r = b.cap - fill[bi]
+            if r >= min_ld[j][bi]:
+                room += r
+        if ld_suf[j] > room * (1 + 1e-9) + 1e-9:
+            return True
+        s, ld = llm[j], pw.load[llm[j]]
+        p0, g0 = placed_l(j, j + 1)  # (stage j at none: its bound is added below)
+        for lb, bi in by_stage[j]:
+            if (p0 + max(g0, lb) if par[j] else p0 + lb + g0) > cap[0]:
+                break  # fastest first
+            b = bins[bi]
+            if fill[bi] + ld > b.cap:
+                continue
+            f0, a0, o0 = fill[bi], alone[bi], own[bi]
+            saved_t = [tot[g] for g in gpus_of[bi]]
+            saved_c = [(jj, cur[jj]) for bk in near[bi] for jj in on[bk]]
+            fill[bi], alone[bi] = f0 + ld, a0 + b.alone[s]
+            own[bi] = busy_of(bi)
+            d = own[bi] - o0
+            if d:
+                for gids in b.gpus:
+                    for g in gids:
+                        tot[g] += d
+            on[bi].append(j)
+            for bk in near[bi]:
+                m = mult(bk)
+                bb = bins[bk]
+                for jj in on[bk]:
+                    cur[jj] = max(bb.lb[llm[jj]], bb.alone[llm[jj]] * m)
+            p2, g2 = placed_l(j + 1, j + 1)
+            if p2 + g2 <= cap[0]:
+                used[bi] += 1
+                opened[0] += b.kind == NEW and used[bi] == 1
+                assign[s] = (b.kind, b.ref)
+                first_b = INF
+                if b.kind == NEW:
+                    inst[s] = b.i
+                    first_b = first[bi]
+                    first[bi] = min(first_b, topo[s])
+                else:
+                    inst.pop(s, None)
+                ok = go(j + 1)
+                if b.kind == NEW:
+                    first[bi] = first_b
+                opened[0] -= b.kind == NEW and used[bi] == 1
+                used[bi] -= 1
+            else:
+                ok = True
+            on[bi].pop()
+            fill[bi], alone[bi], own[bi] = f0, a0, o0
+            for g, t in zip(gpus_of[bi], saved_t, strict=True):
+                tot[g] = t
+            for jj, c in saved_c:
+                cur[jj] = c
+            if not ok:
+                return False
+        return True
+
+    return go(0)
+
+
 def settle_multiset(model: Any, insts: Sequence[int], cap_cost: float, deadline: float,
                     work: list[int] | None = None, floor: float = 0.0, first: Sequence[int] | None = None
                     ) -> tuple[Candidate | None, bool]:
-    """A least-cost feasible variant of chain `model.pw` with exactly the new instances `insts` among those of cost
+    """A least-cost feasible variant of chain or fan `model.pw` with exactly the new instances `insts` among those of cost
     at most `cap_cost` (None: there is none), and whether that is settled: within SETTLE_NODES depth-first nodes,
     and within the caller's `work` (NODE_WORK nodes a unit; decremented). `floor`: a lower bound of the cost of every
     such variant (one found that cheap is a least one); `first`: an opening order to search first."""
@@ -782,7 +976,9 @@ def _left_out(pb: Problem, model: Any) -> bool:
     one; accuracy met; placeable; some stage could run on it within lambda and its capacity) and that may tie: not
     when a walked profile p places the same (GPUs, memory per GPU, replicas), has no more memory, at least its
     capacity and is faster alone on every stage by more than 1e-9 relative, since then every variant on q has a
-    variant on p placed alike, no busier, no more loaded, strictly shorter and no costlier."""
+    variant on p placed alike, no busier, no more loaded, strictly shorter and no costlier. Not on a fan, where a
+    parallel stage off the longest path may run faster and leave L_s as it was (measured: wide_fan 1373016 under
+    sharing, a tp1 and its clone on such a stage, equal memory, tied)."""
     from flowmaker.selection.exact import _dominated, _placeable
     from flowmaker.selection.problem import leq
 
@@ -792,6 +988,8 @@ def _left_out(pb: Problem, model: Any) -> bool:
     dom, place = _dominated(pb, by_earlier=True), _placeable(pb)
 
     def beaten(q: int) -> bool:
+        if fan_of(pw) is not None:
+            return False  # a fan: a parallel stage off the longest path may be faster and leave L as it was
         return any(pb.p_k[p] == pb.p_k[q] and pb.p_need[p] == pb.p_need[q] and pb.p_reps[p] == pb.p_reps[q]
                    and pb.p_mem[p] <= pb.p_mem[q] and pb.p_cap[p] >= pb.p_cap[q]
                    and all(pw.lat_new[s][q] > pw.lat_new[s][p] * (1 + 1e-9) for s in pw.llm) for p in walked)
