@@ -1392,12 +1392,13 @@ NOT_CANONICAL = ("proven optimal; the tie-break beyond (cost, L, new GPUs) was n
 
 
 def canonical(pb: Problem, key: tuple[float, float, int], at: BestAt, deadline: float,
-              multisets: dict[int, list[tuple[int, ...]]] | None = None) -> tuple[BestAt, bool]:
+              multisets: dict[int, list[tuple[int, ...]]] | None = None, max_nodes: int = CANON_NODES
+              ) -> tuple[BestAt, bool]:
     """The canonical variant among those that tie the proven optimum `key` (docs/selection-spec.md, "Cost"):
     the first of them in the canonical order, found by a branch and bound that visits children in that order
-    and prunes every subtree that cannot tie; and True. (`at`, False) when CANON_NODES nodes or the deadline
+    and prunes every subtree that cannot tie; and True. (`at`, False) when `max_nodes` nodes or the deadline
     pass first. `multisets` (as `_Search`'s): per workflow, the only multisets of new instances a tie can have."""
-    s = _Search(pb, canonical=key, deadline=deadline, grace=0.0, max_nodes=CANON_NODES, multisets=multisets)
+    s = _Search(pb, canonical=key, deadline=deadline, grace=0.0, max_nodes=max_nodes, multisets=multisets)
     s.canon_wf, s.canon_enc = at[0].index, _encoding(at[1], at[2])
     s.run()
     if s.done and s.best_at is not None:

@@ -658,6 +658,12 @@ ALONE_MILP_GAP_DAG = 0.1
 # the branch and bound after it ran to the deadline. A wider gap means multisets whose search was left open, which
 # tie_break searches again (bounded by its node counts).
 SHARING_TIE_GAP = 1e-6
+# ... and when `tie_break`'s enumeration of the ties ran out of its nodes (not past TIE_FOUND ties), the canonical pass
+# over the same multisets has this work limit instead of CANON_NODES: it searches the same assignments and rarely gets
+# further (measured on chain_clones under sharing, seven seeds x 20: all 9 such passes ran out of 2,500 nodes, in
+# 0.3-0.9 s each; after more than TIE_FOUND ties 26 of 27 settled, within 16-1,080 nodes). Out of nodes, the answer
+# is the same variant (the tie-break's), marked not canonical.
+CANON_NODES_UNORDERED = 250
 # GPU sharing: a fan takes the multiset walk (its multisets placed and settled by `sharing_chain`, as a chain's) only
 # once the first branch and bound found a variant. Without one, the walk settles multisets whose every assignment
 # fails Feasibility 5 only at its leaves (running co-residents slowed past what they tolerate), where the MILP walk
@@ -796,7 +802,8 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
             # profile that may tie (a tie has cost <= hi, so its multiset is one of them; measured: chain_clones
             # 1307004 under sharing, five instances of one profile, 0.9 s for the pass over every multiset).
             left = any(_left_out(pb, m_) for m_ in models.values())
-            return _canonical_result(pb, strategy, won[0], started, evaluated, grace, None if left else multisets)
+            return _canonical_result(pb, strategy, won[0], started, evaluated, grace, None if left else multisets,
+                                     ex.CANON_NODES if won[2] or left else CANON_NODES_UNORDERED)
     if complete and best is not None and pb.sharing and best[0][0] <= lb * (1 + 2e-9) + 1e-300:
         # GPU sharing: the walk's bound still holds (latencies are lower bounds of the slowed ones, placement
         # relaxed) and its candidates carry their true costs (`RelaxedModel.realize` checks Feasibility 5), so the
@@ -849,12 +856,14 @@ def _take(best: Best | None, pw: PWorkflow, cands: list[tuple[tuple[float, float
 
 
 def _canonical_result(pb: Problem, strategy: str, best: Best, started: float, evaluated: int,
-                      deadline: float, multisets: dict[int, list[tuple[int, ...]]] | None = None) -> SelectionResult:
+                      deadline: float, multisets: dict[int, list[tuple[int, ...]]] | None = None,
+                      max_nodes: int | None = None) -> SelectionResult:
     """The answer for a proven optimum: the canonical variant among its ties when the canonical pass settles it
-    (`multisets`: per workflow, the only multisets of new instances a tie can have)."""
+    (`multisets`: per workflow, the only multisets of new instances a tie can have; `max_nodes`: its work limit,
+    `exact.CANON_NODES` unless given)."""
     from flowmaker.selection import exact as ex
 
-    at, canon = ex.canonical(pb, best[0], best[1], deadline, multisets)
+    at, canon = ex.canonical(pb, best[0], best[1], deadline, multisets, max_nodes or ex.CANON_NODES)
     res = pb.result(strategy, at, started, evaluated, optimal=True)
     return res if canon else replace(res, reason_detail=ex.NOT_CANONICAL)
 

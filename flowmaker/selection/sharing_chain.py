@@ -901,7 +901,7 @@ Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Any], list[int], li
 
 def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Sequence[tuple[int, ...]]],
               best: Best, deadline: float, values: Mapping[int, Mapping[tuple[int, ...], float]] | None = None
-              ) -> tuple[Best, bool] | None:
+              ) -> tuple[Best, bool, bool] | None:
     """Once the chain walks proved the cost of `best` (every workflow a chain, `multisets` the multisets of new
     instances each walk settled within that cost): the spec's answer. First every variant that may tie it
     (`_enumerate` up to that cost), when they are at most TIE_FOUND: then the spec's order picks among them,
@@ -910,7 +910,9 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
     L_s, new GPUs) is looked for, with each multiset's latency cap at what a better one needs (a shorter L_s at this
     cost, fewer new GPUs at this cost and L_s, or a lower cost), so that no tie is visited, and the second value is
     False: the canonical order among the ties is then `exact.canonical`'s. None when that search runs out of its
-    TIE_NODES depth-first nodes or the deadline passes. `values`: per workflow, each multiset's value in the walk
+    TIE_NODES depth-first nodes or the deadline passes. The third value says whether the ties were left unordered
+    because there were more than TIE_FOUND of them (False: the enumeration ran out of its nodes or the deadline
+    first, which the canonical pass then rarely gets past either). `values`: per workflow, each multiset's value in the walk
     (`milp.Front.settled`: a proven lower bound of the cost of its variants); a multiset that can hold a better
     variant only by a lower cost or a shorter L_s, whose value is within half the tie tolerance of the best's cost
     and whose memory is no more than the best's, holds none (every variant of it costs at least that, so it is no
@@ -922,6 +924,7 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
     budget = [TIE_KEEP_NODES]
     entries: list[Best] = [best]
     complete = True
+    many = False
     for idx, ys in multisets.items():
         model = models[idx]
         for insts in ys:
@@ -932,6 +935,7 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
             entries.extend((sc, (model.pw, choice, slots, places)) for sc, choice, slots, places in got)
             complete = complete and done
             if not done:
+                many = len(got) > TIE_FOUND
                 break
     if complete:
         c = min(sc[0] for sc, _ in entries)
@@ -943,7 +947,7 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
         won = min(left, key=lambda e: (e[1][0].index, _encoding(e[1][1], e[1][2])))
         # The walks leave out profiles that another dominates; a tie on one that comes earlier in the request would
         # come first in the canonical order: then the canonical pass (which keeps those) decides.
-        return won, not any(_left_out(pb, m) for m in models.values())
+        return won, not any(_left_out(pb, m) for m in models.values()), False
     if time.perf_counter() > deadline:
         return None
     budget = [TIE_NODES]
@@ -968,7 +972,7 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
             for sc, choice, slots, places in got:
                 if better(*sc, best[0]):
                     best = (sc, (model.pw, choice, slots, places))
-    return best, False
+    return best, False, many
 
 
 def _left_out(pb: Problem, model: Any) -> bool:

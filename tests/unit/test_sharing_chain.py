@@ -191,6 +191,33 @@ def test_the_tie_break_skips_multisets_their_walk_value_settles_and_equals_the_b
     assert skipped[0] > 0
 
 
+def test_a_tie_enumeration_out_of_nodes_gets_the_short_canonical_pass_and_equals_the_brute_force() -> None:
+    """With TIE_KEEP_NODES = 1 the enumeration of the ties runs out of nodes (not past TIE_FOUND ties): `tie_break`
+    says so, the canonical pass after it gets CANON_NODES_UNORDERED nodes, and the answers still equal the brute
+    force's."""
+    real_tb, real_keep, real_canon = sharing_chain.tie_break, sharing_chain.TIE_KEEP_NODES, ex.canonical
+    seen = {"out of nodes": 0, "short pass": 0}
+
+    def tb(*a: object, **kw: object) -> object:
+        got = real_tb(*a, **kw)  # type: ignore[arg-type]
+        if got is not None and not got[1] and not got[2]:
+            seen["out of nodes"] += 1
+        return got
+
+    def canon(pb: object, key: object, at: object, deadline: float, multisets: object = None,
+              max_nodes: int = ex.CANON_NODES) -> object:
+        if max_nodes == milp.CANON_NODES_UNORDERED:
+            seen["short pass"] += 1
+        return real_canon(pb, key, at, deadline, multisets, max_nodes)  # type: ignore[arg-type]
+
+    sharing_chain.tie_break, sharing_chain.TIE_KEEP_NODES, ex.canonical = tb, 1, canon  # type: ignore[assignment]
+    try:
+        _chains_equal_the_brute_force()
+    finally:
+        sharing_chain.tie_break, sharing_chain.TIE_KEEP_NODES, ex.canonical = real_tb, real_keep, real_canon
+    assert seen["out of nodes"] > 0 and seen["short pass"] > 0, seen
+
+
 def _variants(pb: Problem, model: milp.RelaxedModel):  # type: ignore[no-untyped-def]
     """Every choice of the chain's stages among the walk's options (a running instance, an instance opened before,
     or a new one of an option's profile), with its slots."""
@@ -446,8 +473,9 @@ def test_the_canonical_pass_over_the_walks_multisets_equals_the_pass_over_all() 
     real_canon, real_found = ex.canonical, sharing_chain.TIE_FOUND
     compared = [0]
 
-    def canon(pb: Problem, key: object, at: object, deadline: float, multisets: object = None) -> object:
-        got = real_canon(pb, key, at, deadline, multisets)  # type: ignore[arg-type]
+    def canon(pb: Problem, key: object, at: object, deadline: float, multisets: object = None,
+              max_nodes: int = ex.CANON_NODES) -> object:
+        got = real_canon(pb, key, at, deadline, multisets, max_nodes)  # type: ignore[arg-type]
         if multisets is not None:
             full = real_canon(pb, key, at, INF)  # type: ignore[arg-type]
             if got[1] and full[1]:
