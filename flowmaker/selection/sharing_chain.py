@@ -45,7 +45,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flowmaker.selection.problem import EPS, INF, NEW, REUSE, Problem, PWorkflow
+from flowmaker.selection.problem import EPS, INF, NEW, REL_TOL, REUSE, Problem, PWorkflow
 from flowmaker.sharing import add_offered, busy_share, occupancy
 
 MAX_ORDERS = 120  # distinct opening orders of a multiset tried; past it the multiset keeps the walk's bound
@@ -912,12 +912,13 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
     False: the canonical order among the ties is then `exact.canonical`'s. None when that search runs out of its
     TIE_NODES depth-first nodes or the deadline passes. The third value says whether the ties were left unordered
     because there were more than TIE_FOUND of them (False: the enumeration ran out of its nodes or the deadline
-    first, which the canonical pass then rarely gets past either). `values`: per workflow, each multiset's value in the walk
-    (`milp.Front.settled`: a proven lower bound of the cost of its variants); a multiset that can hold a better
-    variant only by a lower cost or a shorter L_s, whose value is within half the tie tolerance of the best's cost
-    and whose memory is no more than the best's, holds none (every variant of it costs at least that, so it is no
-    cheaper by more than the tolerance, and with no more memory no shorter), and is not searched (measured: the
-    best's own multiset, settled at its cost, took the whole budget to search again on chain_clones 761003)."""
+    first, which the canonical pass then rarely gets past either). `values`: per workflow, each multiset's value in
+    the walk (`milp.Front.settled`: a proven lower bound of the cost of its variants); a multiset that can hold a
+    better variant only by a lower cost or a shorter L_s, whose value v is no more than the tie tolerance below the
+    best's cost, and v / its memory (a bound of its variants' L_s) no more than the tolerance below the best's L_s,
+    holds none (`problem.better`'s comparisons, on bounds) and is not searched (measured: the best's own multiset,
+    settled at its cost, took the whole budget to search again on chain_clones 761003; on 1301005 and 1327011 its
+    value is the cost less the walk point's 1e-12 margin, which half the tolerance did not admit)."""
     from flowmaker.selection.exact import _encoding
     from flowmaker.selection.problem import better
 
@@ -963,8 +964,8 @@ def tie_break(pb: Problem, models: Mapping[int, Any], multisets: Mapping[int, Se
                 cap = c * (1 + 1e-12) / m
             else:  # only a lower cost, or this cost with a shorter L_s
                 v = values.get(idx, {}).get(insts, 0.0) if values is not None else 0.0
-                if v >= c * (1 - 0.5e-12) and m <= sum(pb.p_mem[pi] for pi in best[1][2]):
-                    continue  # its variants cost at least v: none is better (docstring)
+                if v >= c - REL_TOL * c and v / m >= lat - REL_TOL * lat:
+                    continue  # its variants cost at least v, so L_s at least v / m: none is better (docstring)
                 cap = max(c * (1 - 1e-12) / m, lat * (1 - 1e-12))
             got, done = _enumerate(model, insts, cap, deadline, budget, strict=True)
             if not done:
