@@ -643,6 +643,8 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
             if min(first[i - 1], fl[i - 1]) > first[i]:
                 return True  # instance i - 1 can no longer open before instance i: another order's search
         if j == n:
+            if time.perf_counter() > deadline:
+                return False  # (a leaf is checked from scratch: up to 5 ms under sharing, so the clock is read here too)
             got = model.realize(assign, inst)
             if got is not None and got[0][1] <= cap[0]:
                 out.append(got)
@@ -807,6 +809,8 @@ def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool:
             if min(first[i - 1], fl[i - 1]) > first[i]:
                 return True
         if j == n:
+            if time.perf_counter() > deadline:
+                return False  # (a leaf is checked from scratch: up to 5 ms under sharing, so the clock is read here too)
             got = model.realize(assign, inst)
             if got is not None and got[0][1] <= cap[0]:
                 out.append(got)
