@@ -813,8 +813,12 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
         if key > inc * (1 + slack):
             break
         if time.perf_counter() > deadline or fr.solves >= (max_points or CHAIN_POINTS) or work[0] > CHAIN_NODES \
-                or len(preps) > CHAIN_PREPS * (max_points or CHAIN_POINTS) or (max_milps and milps[0] >= max_milps):
-            stopped = True  # the final deadline, or the work this walk may do
+                or len(preps) > CHAIN_PREPS * (max_points or CHAIN_POINTS) or (max_milps and milps[0] >= max_milps) \
+                or (pb.sharing and fan is not None and placed_work[0] <= 0):
+            # the final deadline, or the work this walk may do (a fan under sharing: its placed bounds' work, past
+            # which its multisets keep relaxed bounds that their placements fail; the MILP walk and the branch and
+            # bound have the rest)
+            stopped = True
             break
         heapq.heappop(heap)
         pops += 1

@@ -116,7 +116,10 @@ class Front:
 class RelaxedModel:
     """The MILP of one workflow with placement relaxed (see the module docstring)."""
 
-    def __init__(self, pb: Problem, pw: PWorkflow, usable: list[bool], check_cap: bool = True) -> None:
+    def __init__(self, pb: Problem, pw: PWorkflow, usable: list[bool], check_cap: bool = True,
+                 placed: bool | None = None) -> None:
+        """`placed`: the multiset walk's placed bounds will bound this model's multisets (GPU sharing; None: on a
+        chain), which keeps only dominance by a profile placed alike (`_dominated_here`)."""
         self.pb, self.pw = pb, pw
         self.ok = True
         self.share_rows: list[tuple[int, float]] = []  # GPU sharing: (row, its upper bound) of the compute-room rows
@@ -143,7 +146,7 @@ class RelaxedModel:
         if self.ok:
             # (GPU sharing: dominance on the latencies the model uses, `bv`'s, so that a dominated option's
             # dominator is an option of the same stage.)
-            drop = _dominated_here(pb, bv, sorted({ref for s in llm for k, ref, _ in opts[s] if k == NEW}))
+            drop = _dominated_here(pb, bv, sorted({ref for s in llm for k, ref, _ in opts[s] if k == NEW}), placed)
             for s in llm:
                 opts[s] = [o for o in opts[s] if not (o[0] == NEW and o[1] in drop)]
         self.opts = opts
@@ -571,19 +574,20 @@ def room_rows(pb: Problem, profs: list[int], most: int) -> list[tuple[list[int],
     return [(list(m), c) for m, c in out.items()]
 
 
-def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int]) -> set[int]:
+def _dominated_here(pb: Problem, pw: PWorkflow, profs: list[int], placed: bool | None = None) -> set[int]:
     """Profiles that another one dominates in this workflow with placement relaxed: no more memory, at least
     the capacity, no more GPUs, no slower on any LLM stage (ties: the lower index stays), and no harder to place (no
     more GPUs an instance, no more memory on each, no more replicas). Any instance of a dominated
     profile can be swapped for one of the other without raising M or L or breaking capacity. Under GPU sharing, on a
     chain or a fan (whose walk bounds its multisets once placed), only a profile placed alike (GPUs, memory per GPU, replicas)
     and no slower alone dominates: the swap then leaves the placement as it was and no instance busier or slower."""
-    from flowmaker.selection.chain import fan_group, is_chain
+    from flowmaker.selection.chain import is_chain
 
     out: set[int] = set()
     lat = {pi: [pw.lat_new[s][pi] for s in pw.llm] for pi in profs}
-    # GPU sharing: the multiset walk's placed bounds (chains and fans) must cover the dropped
-    placed = pb.sharing and (is_chain(pw) or fan_group(pw) is not None)
+    # GPU sharing: the multiset walk's placed bounds (a chain's, or a fan's that the caller walks so) must cover the
+    # dropped
+    placed = pb.sharing and (is_chain(pw) if placed is None else placed)
     alone_pw = pb.workflows[pw.index]  # (`pw` is the bound view; latencies alone here)
     alone = {pi: [alone_pw.lat_new[s][pi] for s in pw.llm] for pi in profs}
     for p in profs:
@@ -727,12 +731,12 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
     exact_ties: dict[int, bool] = {}
     settled: dict[int, dict[tuple[int, ...], float]] = {}  # chain workflows' settled multisets (`Front.settled`)
     for pw in pb.workflows:
-        m = RelaxedModel(pb, pw, usable)
-        models[pw.index] = m
         # A fan (head, parallel stages, join) is walked by multisets too (under GPU sharing with an incumbent:
         # FANS_NEED_INCUMBENT).
         chain = is_chain(pw) or (fan_group(pw) is not None and (
             not pb.sharing or best is not None or not FANS_NEED_INCUMBENT))
+        m = RelaxedModel(pb, pw, usable, placed=chain)
+        models[pw.index] = m
         floor = 0.0  # a lower bound of the workflow's variants from the walk over groups of clones
         images = None
         if chain and CLONES and not pb.sharing and m.ok:
