@@ -463,6 +463,15 @@ def test_a_fans_tie_on_a_stage_off_its_longest_path_goes_to_the_canonical_varian
     assert got.optimal and alone.optimal and got.variant == alone.variant
 
 
+def test_a_fan_without_an_incumbent_keeps_the_milp_walk_and_its_dominance() -> None:
+    """wide_fan 1399033 under sharing is infeasible, and the first branch and bound finds no variant: the fan stays
+    with the MILP walk, whose relaxation may drop a profile dominated by one placed otherwise (only the multiset walk's
+    placed bounds need the stricter rule). Proven infeasible in about 0.5 s; with the stricter rule there too it had
+    no answer within 2 s."""
+    res = ex.select_exact(_hard("wide_fan", 1399033, 3.0))
+    assert res.variant is None and res.optimal, (res.reason, res.lower_bound)
+
+
 def test_the_canonical_pass_over_the_walks_multisets_equals_the_pass_over_all() -> None:
     """When the tie-break finds too many ties to order them itself (TIE_FOUND = 0 forces it), the canonical pass looks
     among the multisets the walks settled within the best's cost only. Whenever both settle, that pass and the one
