@@ -531,25 +531,99 @@ def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, 
     return out, True
 
 
+class _Tables:
+    """What both depth-first searches of one opening order precompute (`_order_tables`)."""
+
+    __slots__ = ("by_stage", "first_left", "gpus_of", "ld_suf", "min_ld", "near", "own", "tot")
+
+    def __init__(self, by_stage: list[list[tuple[float, int]]], ld_suf: list[float], min_ld: list[list[float]],
+                 first_left: list[list[float]], tot: dict[str, float], own: list[float], gpus_of: list[list[str]],
+                 near: list[list[int]]) -> None:
+        self.by_stage, self.ld_suf, self.min_ld, self.first_left = by_stage, ld_suf, min_ld, first_left
+        self.tot, self.own, self.gpus_of, self.near = tot, own, gpus_of, near
+
+
+def _order_tables(pb: Problem, pw: PWorkflow, llm: list[int], topo: Mapping[int, int], bins: list[_Bin],
+                  k_new: int) -> _Tables:
+    """For one opening order (`bins` its `placed_bins`, the first `k_new` of them new), in place: the opening rule
+    (new instance i opens at its first stage, after the i instances before it opened at earlier stages, so no stage
+    before the i-th LLM stage in topological order runs on it). And the tables of the searches: per stage, its bins by
+    bound (fastest first); the load of the stages j..; per bin, the least load of a stage j.. that may use it (room
+    below it is wasted); per new bin, the earliest (topological) stage j.. that may use it (its first stage can be no
+    earlier, which cuts assignments whose instances cannot open in this order); the busy shares now (each GPU's total,
+    each bin's own: a bin's f is 1 + kappa x its co-residents' total on its most crowded GPU, so a stage that makes an
+    instance busier raises the bound of the instances beside it too); each bin's GPUs, and the bins sharing one."""
+    n = len(llm)
+    for bi in range(1, k_new):
+        b = bins[bi]
+        for s in [s for s in b.lb if topo[s] < bi]:
+            del b.lb[s], b.alone[s]
+    by_stage = [sorted(((b.lb[s], bi) for bi, b in enumerate(bins) if s in b.lb)) for s in llm]
+    ld_suf = [0.0] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        ld_suf[j] = ld_suf[j + 1] + pw.load[llm[j]]
+    min_ld = [[INF] * len(bins) for _ in range(n + 1)]
+    for j in range(n - 1, -1, -1):
+        min_ld[j] = list(min_ld[j + 1])
+        for _, bi in by_stage[j]:
+            min_ld[j][bi] = min(min_ld[j][bi], pw.load[llm[j]])
+    first_left = [[INF] * k_new for _ in range(n + 1)]
+    for j in range(n - 1, -1, -1):
+        first_left[j] = list(first_left[j + 1])
+        for _, bi in by_stage[j]:
+            if bi < k_new:
+                first_left[j][bi] = min(first_left[j][bi], topo[llm[j]])
+    tot = dict(pb._fast_totals()[1])
+    for b in bins:
+        if b.kind == NEW:
+            for gids in b.gpus:
+                for g in gids:
+                    tot[g] = tot.get(g, 0.0) + b.busy0
+    gpus_of = [sorted({g for gids in b.gpus for g in gids}) for b in bins]
+    near = [[bj for bj in range(len(bins)) if set(gpus_of[bi]) & set(gpus_of[bj])] for bi in range(len(bins))]
+    return _Tables(by_stage, ld_suf, min_ld, first_left, tot, [b.busy0 for b in bins], gpus_of, near)
+
+
+def _busy_of(b: _Bin, alone: float, rate: float) -> float:
+    """Bin b's busy share at least, its stages' latencies alone summing to `alone` (new: from nothing; reused: on its
+    running share)."""
+    x = rate * alone
+    got = occupancy(x / b.reps) if b.kind == NEW else add_offered(b.busy0, x)
+    return max(b.busy0, got * (1 - _MARGIN))
+
+
+def _leaf(model: Any, assign: dict[int, tuple[str, int]], inst: dict[int, int], cap: list[float],
+          out: list[Candidate], strict: bool | None, most: int, floor: float, deadline: float) -> bool:
+    """A complete assignment of the searches: checked from scratch, kept when within the cap (which then tightens, as
+    `_enumerate` says); False when the search ends here (out of time, past `most`, or at `floor`)."""
+    if time.perf_counter() > deadline:
+        return False  # (a leaf is checked from scratch: up to 5 ms under sharing, so the clock is read here too)
+    got = model.realize(assign, inst)
+    if got is not None and got[0][1] <= cap[0]:
+        out.append(got)
+        if strict is None:
+            return len(out) <= most
+        cap[0] = got[0][1] * (1 - 1e-12) if strict else got[0][1]
+        if got[0][1] <= floor * (1 + 1e-12):
+            return False  # no variant is shorter (but for the spec's 1e-12 of a tie): a least one
+    return True
+
+
 def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: float, state: Any, bins: list[_Bin],
                   k_new: int, cap: list[float], out: list[Candidate], strict: bool | None, most: int,
                   budget: list[int], deadline: float, floor: float = -INF) -> bool:
     """`_enumerate`'s search for one opening order (`bins` its `placed_bins`, the first `k_new` of them new): the
     variants it finds go to `out`; False when it ran out of work or time, or found one of L_s at most `floor`."""
-    pw = model.pw
+    pw, pb = model.pw, model.pb
     n = len(llm)
-    # New instance i opens at its first stage, after the i instances before it opened at earlier stages: no stage
-    # before the i-th LLM stage (topological order) runs on it (`placed_bins` makes the bins afresh for each order).
-    for bi in range(1, k_new):
-        b = bins[bi]
-        for s in [s for s in b.lb if topo[s] < bi]:
-            del b.lb[s], b.alone[s]
+    tb = _order_tables(pb, pw, llm, topo, bins, k_new)
+    by_stage, ld_suf, min_ld, first_left = tb.by_stage, tb.ld_suf, tb.min_ld, tb.first_left
+    tot, own, gpus_of, near = tb.tot, tb.own, tb.gpus_of, tb.near
     rem = [0.0] * (n + 1)
     for j in range(n - 1, -1, -1):
-        rem[j] = rem[j + 1] + min((b.lb.get(llm[j], INF) for b in bins), default=INF)
+        rem[j] = rem[j + 1] + (by_stage[j][0][0] if by_stage[j] else INF)
     if tool + rem[0] > cap[0]:
         return True
-    by_stage = [sorted(((b.lb[s], bi) for bi, b in enumerate(bins) if s in b.lb)) for s in llm]
     # A Lagrangian bound of the stages left: with prices mu >= 0 of the bins' room, their latency is at least
     # sum of min over bins (bound + mu x load) - sum of mu x room left (the LP's prices).
     mu = _prices(pw, llm, bins, k_new)
@@ -560,23 +634,6 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
     pen = [sum(p_ * (b.cap - b.load0) for p_, b in zip(mu, bins, strict=True))]
     if tool + rem_mu[0] - pen[0] > cap[0] * (1 + 1e-9):
         return True
-    ld_suf = [0.0] * (n + 1)  # the load of stages j..
-    for j in range(n - 1, -1, -1):
-        ld_suf[j] = ld_suf[j + 1] + pw.load[llm[j]]
-    # per bin, the least load of a stage j.. that may use it: room below it is wasted
-    min_ld = [[INF] * len(bins) for _ in range(n + 1)]
-    for j in range(n - 1, -1, -1):
-        min_ld[j] = list(min_ld[j + 1])
-        for _, bi in by_stage[j]:
-            min_ld[j][bi] = min(min_ld[j][bi], pw.load[llm[j]])
-    # per new bin, the earliest (topological) stage j.. that may use it: its first stage can be no earlier, which
-    # cuts assignments whose instances cannot open in this order
-    first_left = [[INF] * k_new for _ in range(n + 1)]
-    for j in range(n - 1, -1, -1):
-        first_left[j] = list(first_left[j + 1])
-        for _, bi in by_stage[j]:
-            if bi < k_new:
-                first_left[j][bi] = min(first_left[j][bi], topo[llm[j]])
     first = [INF] * k_new  # per new bin, its earliest stage so far
     fill = [b.load0 for b in bins]
     used = [0] * len(bins)
@@ -586,20 +643,7 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
     assign: dict[int, tuple[str, int]] = {}
     inst: dict[int, int] = {}
     opened = [0]
-    # Busy shares as the stages come (they only grow): each bin's own now and each GPU's total now. A bin's f is
-    # 1 + kappa x its co-residents' total on its most crowded GPU, so a stage that makes an instance busier raises
-    # the bound of the instances beside it too (a reused instance's new stages slow a new instance next to it).
-    pb = model.pb
     kappa, rate = float(pb.kappa), pb.rho
-    tot = dict(pb._fast_totals()[1])
-    for b in bins:
-        if b.kind == NEW:
-            for gids in b.gpus:
-                for g in gids:
-                    tot[g] = tot.get(g, 0.0) + b.busy0
-    own = [b.busy0 for b in bins]
-    gpus_of = [sorted({g for gids in b.gpus for g in gids}) for b in bins]
-    near = [[bj for bj in range(len(bins)) if set(gpus_of[bi]) & set(gpus_of[bj])] for bi in range(len(bins))]
 
     def contrib_of(bi: int) -> float:
         if not alone[bi]:
@@ -608,12 +652,6 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
         worst = max((tot[g] - own[bi] for gids in b.gpus for g in gids), default=0.0)
         f = max(b.f, 1.0 + kappa * worst)
         return max(lbs[bi], alone[bi] * state.multiplier_lb(f, fill[bi] / b.unit))
-
-    def busy_of(bi: int) -> float:
-        b = bins[bi]
-        n = rate * alone[bi]
-        got = occupancy(n / b.reps) if b.kind == NEW else add_offered(b.busy0, n)
-        return max(b.busy0, got * (1 - _MARGIN))
 
     def rest_ok(j: int, part: float) -> bool:
         """Whether the stages j.. may still complete within the cap, each at its least bound on a bin that has room
@@ -643,17 +681,7 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
             if min(first[i - 1], fl[i - 1]) > first[i]:
                 return True  # instance i - 1 can no longer open before instance i: another order's search
         if j == n:
-            if time.perf_counter() > deadline:
-                return False  # (a leaf is checked from scratch: up to 5 ms under sharing, so the clock is read here too)
-            got = model.realize(assign, inst)
-            if got is not None and got[0][1] <= cap[0]:
-                out.append(got)
-                if strict is None:
-                    return len(out) <= most
-                cap[0] = got[0][1] * (1 - 1e-12) if strict else got[0][1]
-                if got[0][1] <= floor * (1 + 1e-12):
-                    return False  # no variant is shorter (but for the spec's 1e-12 of a tie): a least one
-            return True
+            return _leaf(model, assign, inst, cap, out, strict, most, floor, deadline)
         room = 0.0
         for bi, b in enumerate(bins):
             r = b.cap - fill[bi]
@@ -674,7 +702,7 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
             saved_c = [contrib[bk] for bk in near[bi]]
             saved_t = [tot[g] for g in gpus_of[bi]]
             fill[bi], alone[bi], lbs[bi] = f0 + ld, a0 + b.alone[s], l0 + lb
-            own[bi] = busy_of(bi)
+            own[bi] = _busy_of(b, alone[bi], rate)
             d = own[bi] - o0
             if d:
                 for gids in b.gpus:
@@ -726,12 +754,11 @@ def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool:
     largest parallel stage's; a stage not yet placed counts at its least bound over the bins."""
     pw, pb = model.pw, model.pb
     n = len(llm)
-    for bi in range(1, k_new):  # (as `_search_order`: new instance i opens at its first stage, in this order)
-        b = bins[bi]
-        for s in [s for s in b.lb if topo[s] < bi]:
-            del b.lb[s], b.alone[s]
+    tb = _order_tables(pb, pw, llm, topo, bins, k_new)
+    by_stage, ld_suf, min_ld, first_left = tb.by_stage, tb.ld_suf, tb.min_ld, tb.first_left
+    tot, own, gpus_of, near = tb.tot, tb.own, tb.gpus_of, tb.near
     par = [s in fan for s in llm]
-    least = [min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm]
+    least = [by_stage[j][0][0] if by_stage[j] else INF for j in range(n)]
     if any(v == INF for v in least):
         return True
     rem_p = [0.0] * (n + 1)  # the path stages j.. at their least bounds, summed
@@ -741,21 +768,6 @@ def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool:
         rem_g[j] = max(rem_g[j + 1], least[j] if par[j] else 0.0)
     if tool + rem_p[0] + rem_g[0] > cap[0]:
         return True
-    by_stage = [sorted(((b.lb[s], bi) for bi, b in enumerate(bins) if s in b.lb)) for s in llm]
-    ld_suf = [0.0] * (n + 1)
-    for j in range(n - 1, -1, -1):
-        ld_suf[j] = ld_suf[j + 1] + pw.load[llm[j]]
-    min_ld = [[INF] * len(bins) for _ in range(n + 1)]
-    for j in range(n - 1, -1, -1):
-        min_ld[j] = list(min_ld[j + 1])
-        for _, bi in by_stage[j]:
-            min_ld[j][bi] = min(min_ld[j][bi], pw.load[llm[j]])
-    first_left = [[INF] * k_new for _ in range(n + 1)]
-    for j in range(n - 1, -1, -1):
-        first_left[j] = list(first_left[j + 1])
-        for _, bi in by_stage[j]:
-            if bi < k_new:
-                first_left[j][bi] = min(first_left[j][bi], topo[llm[j]])
     first = [INF] * k_new
     fill = [b.load0 for b in bins]
     used = [0] * len(bins)
@@ -766,26 +778,11 @@ def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool:
     inst: dict[int, int] = {}
     opened = [0]
     kappa, rate = float(pb.kappa), pb.rho
-    tot = dict(pb._fast_totals()[1])
-    for b in bins:
-        if b.kind == NEW:
-            for gids in b.gpus:
-                for g in gids:
-                    tot[g] = tot.get(g, 0.0) + b.busy0
-    own = [b.busy0 for b in bins]
-    gpus_of = [sorted({g for gids in b.gpus for g in gids}) for b in bins]
-    near = [[bj for bj in range(len(bins)) if set(gpus_of[bi]) & set(gpus_of[bj])] for bi in range(len(bins))]
 
     def mult(bi: int) -> float:
         b = bins[bi]
         worst = max((tot[g] - own[bi] for gids in b.gpus for g in gids), default=0.0)
         return float(state.multiplier_lb(max(b.f, 1.0 + kappa * worst), fill[bi] / b.unit))
-
-    def busy_of(bi: int) -> float:
-        b = bins[bi]
-        x = rate * alone[bi]
-        got = occupancy(x / b.reps) if b.kind == NEW else add_offered(b.busy0, x)
-        return max(b.busy0, got * (1 - _MARGIN))
 
     def placed_l(k: int, j: int) -> tuple[float, float]:
         """(tool + the path stages ..k-1's bounds now + the path stages j.. at their least, the largest parallel
@@ -809,17 +806,7 @@ def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool:
             if min(first[i - 1], fl[i - 1]) > first[i]:
                 return True
         if j == n:
-            if time.perf_counter() > deadline:
-                return False  # (a leaf is checked from scratch: up to 5 ms under sharing, so the clock is read here too)
-            got = model.realize(assign, inst)
-            if got is not None and got[0][1] <= cap[0]:
-                out.append(got)
-                if strict is None:
-                    return len(out) <= most
-                cap[0] = got[0][1] * (1 - 1e-12) if strict else got[0][1]
-                if got[0][1] <= floor * (1 + 1e-12):
-                    return False
-            return True
+            return _leaf(model, assign, inst, cap, out, strict, most, floor, deadline)
         room = 0.0
         for bi, b in enumerate(bins):
             r = b.cap - fill[bi]
@@ -839,7 +826,7 @@ def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool:
             saved_t = [tot[g] for g in gpus_of[bi]]
             saved_c = [(jj, cur[jj]) for bk in near[bi] for jj in on[bk]]
             fill[bi], alone[bi] = f0 + ld, a0 + b.alone[s]
-            own[bi] = busy_of(bi)
+            own[bi] = _busy_of(b, alone[bi], rate)
             d = own[bi] - o0
             if d:
                 for gids in b.gpus:
