@@ -60,7 +60,7 @@ from flowmaker.selection.binpack import Bin, least_l_bins, least_l_classes, max_
 from flowmaker.selection.clones import IMAGE_SLACK
 from flowmaker.selection.patterns import enumerate_patterns, exact_cover, knapsack
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
-from flowmaker.selection.sharing_alone import walk_floor
+from flowmaker.selection.sharing_alone import ALONE_NODES, walk_floor
 from flowmaker.selection.sharing_chain import PLACED_WORK, multiset_bound, placed_value
 
 if TYPE_CHECKING:
@@ -279,7 +279,6 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
             a_f = walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP, 1)
         else:  # a fan: the DAG's floor (its paths count the TOOL stages), as the MILP walk takes it
             from flowmaker.selection.milp import ALONE_MILP_GAP_DAG
-            from flowmaker.selection.sharing_alone import ALONE_NODES
             a_f = walk_floor(pb, pw, opts, 0.0, deadline, ALONE_MILP_GAP_DAG, ALONE_NODES)
         if a_f == INF:
             fr.lower_bound, fr.complete = INF, True

@@ -43,7 +43,7 @@ import itertools
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from flowmaker.selection.problem import EPS, INF, NEW, REL_TOL, REUSE, Problem, PWorkflow
 from flowmaker.sharing import add_offered, busy_share, occupancy
@@ -531,16 +531,17 @@ def _enumerate(model: Any, insts: Sequence[int], cap_l: float, deadline: float, 
     return out, True
 
 
-class _Tables:
+class _Tables(NamedTuple):
     """What both depth-first searches of one opening order precompute (`_order_tables`)."""
 
-    __slots__ = ("by_stage", "first_left", "gpus_of", "ld_suf", "min_ld", "near", "own", "tot")
-
-    def __init__(self, by_stage: list[list[tuple[float, int]]], ld_suf: list[float], min_ld: list[list[float]],
-                 first_left: list[list[float]], tot: dict[str, float], own: list[float], gpus_of: list[list[str]],
-                 near: list[list[int]]) -> None:
-        self.by_stage, self.ld_suf, self.min_ld, self.first_left = by_stage, ld_suf, min_ld, first_left
-        self.tot, self.own, self.gpus_of, self.near = tot, own, gpus_of, near
+    by_stage: list[list[tuple[float, int]]]
+    ld_suf: list[float]
+    min_ld: list[list[float]]
+    first_left: list[list[float]]
+    tot: dict[str, float]
+    own: list[float]
+    gpus_of: list[list[str]]
+    near: list[list[int]]
 
 
 def _order_tables(pb: Problem, pw: PWorkflow, llm: list[int], topo: Mapping[int, int], bins: list[_Bin],
@@ -983,12 +984,13 @@ def _left_out(pb: Problem, model: Any) -> bool:
     bv = pb.bound_view(pw)
     dom, place = _dominated(pb, by_earlier=True), _placeable(pb)
 
+    fan = fan_of(pw) is not None  # a fan: a parallel stage off the longest path may be faster and leave L as it was
+
     def beaten(q: int) -> bool:
-        if fan_of(pw) is not None:
-            return False  # a fan: a parallel stage off the longest path may be faster and leave L as it was
-        return any(pb.p_k[p] == pb.p_k[q] and pb.p_need[p] == pb.p_need[q] and pb.p_reps[p] == pb.p_reps[q]
-                   and pb.p_mem[p] <= pb.p_mem[q] and pb.p_cap[p] >= pb.p_cap[q]
-                   and all(pw.lat_new[s][q] > pw.lat_new[s][p] * (1 + 1e-9) for s in pw.llm) for p in walked)
+        return not fan and any(
+            pb.p_k[p] == pb.p_k[q] and pb.p_need[p] == pb.p_need[q] and pb.p_reps[p] == pb.p_reps[q]
+            and pb.p_mem[p] <= pb.p_mem[q] and pb.p_cap[p] >= pb.p_cap[q]
+            and all(pw.lat_new[s][q] > pw.lat_new[s][p] * (1 + 1e-9) for s in pw.llm) for p in walked)
 
     return any(pb.p_ok[q] and not dom[q] and place[q] and q not in walked
                and any(leq(bv.lat_new[s][q], pb.lam) and leq(pw.load[s], pb.p_cap[q]) for s in pw.llm)
