@@ -61,7 +61,7 @@ from flowmaker.selection.clones import IMAGE_SLACK
 from flowmaker.selection.patterns import enumerate_patterns, exact_cover, knapsack
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow, better, leq
 from flowmaker.selection.sharing_alone import ALONE_NODES, walk_floor
-from flowmaker.selection.sharing_chain import PLACED_WORK, multiset_bound, placed_value
+from flowmaker.selection.sharing_chain import PLACED_WORK, multiset_bound, placed_cheap, placed_value
 
 if TYPE_CHECKING:
     from flowmaker.selection.clones import AggregatedModel, Images
@@ -81,6 +81,7 @@ FLOOR_NODES = 50  # HiGHS nodes of the least-L MILP under the walk's floors (0: 
 # on chain_clones 1319019 and 1303015, whose LP floors are 0.23% and 1.5% under the target and their roots above it)
 ALONE = True
 ALONE_MILP_GAP = 0.02
+PLACED_FIRST = True  # GPU sharing: `placed_cheap` before a multiset's packing (`settle`)
 FLOOR_PRESOLVE = False  # HiGHS presolve took 0.7-1 s on large sharing models (chain_clones 757008: 0.06 s without)
 # A dive: every DIVE_EVERY pops, at most DIVES times a walk, the waiting multiset of least bound has its packing
 # searched out of turn, without the HiGHS probe (`dive`). The walk orders multisets by bound, and where thousands of
@@ -725,6 +726,15 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
             return  # no variant has exactly these new instances: no packing to search
         m = m_key(m_of(y))
         cap_l = min(_tol(pb.lam), inc * (1 + slack) / m if m > 0 else INF)
+        if i == 1 and pb.sharing and PLACED_FIRST and not relaxed and any(y):
+            # GPU sharing: the multiset once placed, cheaply (no HiGHS), before its packing is searched: beyond
+            # cap_l, no variant with exactly these new instances is within the target or the incumbent
+            work[0] += 1
+            b_pl = placed_cheap(pb, pw, opts, y_insts(y), tool)
+            if b_pl > cap_l:
+                key_y = tuple(y_insts(y))
+                settled[key_y] = min(m * b_pl, settled.get(key_y, INF))  # (a lower bound of its variants' cost)
+                return
         L, a, done = least_l(y, cap_l, use_milp=i > 1)
         fr.solves += 1
         if not done:

@@ -39,7 +39,28 @@ _MARGIN = 1e-9
 Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedModel.opts`
 
 
-def calm_counts(pb: Problem, profs: Sequence[int], below: float) -> tuple[dict[int, int], int]:
+def blocked_gpus(pb: Problem, b_new: float) -> frozenset[str]:
+    """The GPUs no new instance may use: one busy `b_new` (the least a new instance is) there slows a running
+    co-resident past Feasibility 5.4 (`sharing_chain._co_fails`), and busy shares only grow."""
+    from flowmaker.selection.sharing_chain import CO_CHECK, _co, _co_fails
+
+    if not CO_CHECK:
+        return frozenset()
+    busy0 = pb._fast_totals()[1]
+    kappa, top = float(pb.kappa), pb.u * (1 + 1e-9) * (1 + 1e-7)
+    out = set()
+    for g in pb.free0:
+        on = pb.on_gpu.get(g, ())
+        if on:
+            bl = dict(busy0)
+            bl[g] = bl.get(g, 0.0) + b_new
+            if any(_co_fails(c, bl, c.b0, c.rho0, kappa, top) for c in (_co(pb, i) for i in on)):
+                out.add(g)
+    return frozenset(out)
+
+
+def calm_counts(pb: Problem, profs: Sequence[int], below: float, blocked: frozenset[str] = frozenset()
+                ) -> tuple[dict[int, int], int]:
     """(per k, at most how many new replicas of k or more GPUs each, of these profiles, can run on GPUs of their own
     whose running instances are busy less than `below` in total: sum over nodes of floor(such GPUs where one fits /
     k); at most how many GPUs they take together)."""
@@ -48,10 +69,11 @@ def calm_counts(pb: Problem, profs: Sequence[int], below: float) -> tuple[dict[i
     counts: dict[int, int] = {}
     for k in sorted({pb.p_k[p] for p in profs}):
         need = min(pb.p_need[p] for p in profs if pb.p_k[p] >= k)
-        counts[k] = sum(sum(1 for g in gids if busy0.get(g, 0.0) < below and pb.free0[g] >= need) // k
+        counts[k] = sum(sum(1 for g in gids if busy0.get(g, 0.0) < below and pb.free0[g] >= need
+                            and g not in blocked) // k
                         for gids in pb.layout.gpus_by_node)
     gpus = sum(1 for gids in pb.layout.gpus_by_node for g in gids
-               if busy0.get(g, 0.0) < below and pb.free0[g] >= least_need)
+               if busy0.get(g, 0.0) < below and pb.free0[g] >= least_need and g not in blocked)
     return counts, gpus
 
 
@@ -66,14 +88,15 @@ def least_new_busy(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Optio
     return least * (1 - _MARGIN)
 
 
-def levels(pb: Problem, b_new: float, most: int = LEVELS) -> list[tuple[float, float]]:
+def levels(pb: Problem, b_new: float, most: int = LEVELS, blocked: frozenset[str] = frozenset()
+           ) -> list[tuple[float, float]]:
     """The classes of new instances by how busy their co-residents are at least, as (t_f, t_count) from class 1 up
     (class 0: none busy). Class i has f >= 1 + kappa t_f[i]; classes below i run on GPUs of their own whose running
     instances are busy less than t_count[i] (any other new replica is busy at least b_new >= t_count[i]). The
     thresholds: the least positive running busy total and up to `most` - 1 more of them below b_new, evenly by rank,
     then b_new itself."""
     busy0 = pb._fast_totals()[1]
-    runs = sorted({b for b in busy0.values() if 0.0 < b < b_new})
+    runs = sorted({b for g, b in busy0.items() if 0.0 < b < b_new and g not in blocked})
     picks = [runs[round(i * (len(runs) - 1) / max(1, most - 1))] for i in range(min(most, len(runs)))] if runs else []
     out = [(b, b) for b in sorted(set(picks))]
     out.append((b_new, b_new * (1 + 2 * _MARGIN)))  # (b_new carries a margin down: counted a little generously)
@@ -101,7 +124,8 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     b_new = least_new_busy(pb, pw, opts)
     if not b_new < INF:
         return 0.0
-    lv = levels(pb, b_new)
+    blocked = blocked_gpus(pb, b_new)
+    lv = levels(pb, b_new, blocked=blocked)
     kappa = float(pb.kappa)
     fs = [1.0] + [1.0 + kappa * t_f * (1 - _MARGIN) for t_f, _ in lv]  # per class, the least f
     state = pb.share_state(pb.free0, *pb._fast_totals())
@@ -121,7 +145,7 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
             most_load = pb.profiles[p].max_output_tokens_per_s * pb.p_reps[p] * budget / f_c  # (5.2)
             entries[y[(p, c)]].append((cap_row[(p, c)], -min(_tol(pb.p_cap[p]), most_load)))
     for i, (_, t_count) in enumerate(lv):  # classes 0..i: GPUs of their own, running busy < t_count, one node each
-        counts, gpus = calm_counts(pb, profs, t_count if i else min(t_count, 1e-300))
+        counts, gpus = calm_counts(pb, profs, t_count if i else min(t_count, 1e-300), blocked)
         for k, most in counts.items():
             r_ = row(-INF, float(most))
             for p in profs:
@@ -132,6 +156,16 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
         for p in profs:
             for c in range(i + 1):
                 entries[y[(p, c)]].append((r_g, float(pb.p_reps[p] * pb.p_k[p])))
+    # Every new replica lies on GPUs no running co-resident forbids (`blocked_gpus`): their compute budgets (5.1)
+    # hold its shares, and their free memory its memory
+    comp0 = pb._fast_totals()[0]
+    least_need = min(pb.p_need[p] for p in profs)
+    open_g = [g for g in pb.free0 if g not in blocked and pb.free0[g] >= least_need]
+    room_row = row(-INF, sum(max(0.0, budget - comp0.get(g, 0.0)) for g in open_g) * (1 + 1e-7) + 1e-9)
+    mem_row = row(-INF, float(sum(pb.free0[g] for g in open_g)))
+    for p in profs:
+        for c in range(ncls):
+            entries[y[(p, c)]].append((mem_row, float(pb.p_reps[p] * pb.p_k[p] * pb.p_need[p])))
     reus = sorted({ref for s in llm for k, ref, _ in opts[s] if k == REUSE})
     spare = {r: row(-INF, _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r]) for r in reus}
     nv = len(pw.wf.stages)
@@ -178,7 +212,8 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
                 if m < INF:
                     link = row(-INF, 0.0)
                     option(max(lat, pw.lat_new[s][ref] * m * (1 - _MARGIN)) if c else lat,
-                           [(one, 1.0), (cap_row[(ref, c)], ld), (link, 1.0)])
+                           [(one, 1.0), (cap_row[(ref, c)], ld), (link, 1.0),
+                            (room_row, pb.p_reps[ref] * pb.p_k[ref] * rho * (1 - _MARGIN))])
                     entries[y[(ref, c)]].append((link, -1.0))
     mdl.cost[L] = 1.0
     h = mdl.highs(integer=nodes > 0)

@@ -61,6 +61,7 @@ LEVEL_MILP = False  # the bands as a MILP too (measured: 80-160 ms an order, for
 PLACED_WORK = 800  # work of the placed bounds per chain walk: orders placed, HiGHS solves SOLVE_WORK each
 SOLVE_WORK = 8  # measured: an order's placement and cheap bounds 0.1-0.5 ms, a HiGHS solve 2-20 ms
 _MARGIN = 1e-7
+CO_CHECK = True  # Feasibility 5.4 (running co-residents) in `placed_bins` and the searches
 
 Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedModel.opts`
 
@@ -98,7 +99,7 @@ class _Bin:
     """One instance a stage may run on, as a placement leaves it: a new instance (position `i` in the opening order,
     profile `ref`) or a reused one (`ref` its index in `Problem.reusable`)."""
 
-    __slots__ = ("alone", "busy0", "cap", "f", "gpus", "i", "kind", "lb", "load0", "ref", "reps", "unit")
+    __slots__ = ("alone", "amax", "busy0", "cap", "f", "gpus", "i", "kind", "lb", "load0", "ref", "reps", "unit")
 
     def __init__(self, kind: str, ref: int, i: int, cap: float, f: float, unit: float, load0: float,
                  gpus: list[tuple[str, ...]], busy0: float, reps: int) -> None:
@@ -112,6 +113,9 @@ class _Bin:
         self.reps = reps
         self.lb: dict[int, float] = {}  # per LLM stage that may use it, a bound of its latency there
         self.alone: dict[int, float] = {}  # per such stage, its latency alone
+        # the most its stages' latencies alone may sum to (a new instance whose busy share beyond this slows a
+        # running co-resident past Feasibility 5.4, with the other new instances at their least; INF: no limit)
+        self.amax = INF
 
 
 def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], insts: Sequence[int],
@@ -156,6 +160,80 @@ def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Optio
     return best
 
 
+def placed_cheap(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], insts: Sequence[int],
+                 tool: float) -> float:
+    """`multiset_bound` without HiGHS: over the opening orders of `insts`, the least of each stage's least bound once
+    placed (`_agg`), the orders that do not place or cannot hold the load together left out. INF: no variant has
+    exactly these new instances; 0.0 when there are more than MAX_ORDERS orders (nothing proven). For the chain walk,
+    before a multiset's packing is searched (measured: chain_clones 1381006 and 1433010 under sharing, whose walks
+    spent 1.6-26 s solving the packings of multisets that this proves empty in about a millisecond each)."""
+    orders = _orders(insts)
+    if orders is None:
+        return 0.0
+    llm = [s for s in pw.llm if opts.get(s)]
+    fan = fan_of(pw)
+    total = sum(pw.load[s] for s in llm)
+    best = INF
+    for order in orders:
+        bins = placed_bins(pb, pw, opts, order)
+        if bins is None or sum(b.cap - b.load0 for b in bins) < total * (1 - 1e-9):
+            continue
+        best = min(best, tool + _agg(fan, llm, [min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm]))
+    return best
+
+
+class _Co(NamedTuple):
+    """A running instance as Feasibility 5.4 sees it (`_co_fails`); `rb` its reused bin in a search, else -1."""
+
+    gpus: tuple[str, ...]
+    b0: float
+    rho0: float
+    f0: float
+    most: float  # its tolerance max_slowdown x (1 + EPS), margin added; INF when it has none
+    rb: int
+
+
+def _co(pb: Problem, inst: Any, rb: int = -1) -> _Co:
+    busy0 = pb._fast_totals()[1]
+    b0, rho0 = pb.run_busy0[inst.id], pb.run_rho0[inst.id]
+    f0 = 1.0 + float(pb.kappa) * max(0.0, max(busy0.get(g, 0.0) - b0 for g in inst.gpu_ids))
+    most = inst.max_slowdown * (1 + EPS) * (1 + _MARGIN) if inst.max_slowdown > 0 else INF
+    return _Co(tuple(inst.gpu_ids), b0, rho0, f0, most, rb)
+
+
+def _f_most(c: _Co, u: float) -> float:
+    """The largest f1 that running instance `c` bears once made slower (Feasibility 5.4 at its running compute share):
+    rho0 f1 <= u (1 + EPS), and m1 <= its tolerance: f (1 - rho0) / (1 - rho0 f) <= most iff
+    f <= most / (1 - rho0 + most rho0). Margins up."""
+    got = u * (1 + EPS) / c.rho0 if c.rho0 > 0 else INF
+    if c.most < INF:
+        got = min(got, c.most / (1 - c.rho0 + c.most * c.rho0))
+    return got * (1 + _MARGIN)
+
+
+def _co_fails(c: _Co, busy: Mapping[str, float], b1: float, rho1: float, kappa: float, top: float) -> bool:
+    """Whether running instance `c` fails Feasibility 5.4 in every variant whose GPUs' busy totals are at least
+    `busy` (its own busy share `b1` among them, its compute share at least `rho1`; `top` = u (1 + EPS), margin
+    added): the busy shares only grow as stages are added, so its co-residents' total on its most crowded GPU, f1 and
+    x1 = rho1 f1 only grow. It must be clearly made slower (f1 above f0, so m1 > m0 whatever its own load) before the
+    budget and its tolerance apply; m1 infinite fails whatever m0. Margins only keep a variant (the exact check
+    decides)."""
+    worst = 0.0
+    for g in c.gpus:
+        x = busy.get(g, 0.0) - b1
+        if x > worst:
+            worst = x
+    f1 = 1.0 + kappa * worst
+    x1 = rho1 * f1
+    if x1 > 1.0 + _MARGIN:
+        return True
+    if not f1 > c.f0 * (1 + _MARGIN):
+        return False
+    if x1 > top:
+        return True
+    return c.most < INF and x1 < 1.0 - _MARGIN and f1 * (1 - c.rho0) / (1 - x1) > c.most
+
+
 def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], order: Sequence[int]
                 ) -> list[_Bin] | None:
     """What one opening order of new instances leaves each instance a stage may use (module docstring): the new
@@ -196,6 +274,36 @@ def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
                 new_c[g] = new_c.get(g, 0.0) + c_lb[i]
                 new_b[g] = new_b.get(g, 0.0) + b_lb[i]
 
+    if CO_CHECK:
+        # Feasibility 5.4 with the new instances' least busy shares: a running co-resident that these alone slow
+        # past what it may bear fails every variant of this order (measured: chain_clones 1433010 under sharing,
+        # whose multiset searches spent their 20,000 nodes on complete assignments that 5.4 refused)
+        busy_lb = dict(busy0)
+        for g, x in new_b.items():
+            busy_lb[g] = busy_lb.get(g, 0.0) + x
+        kappa_f, top = float(pb.kappa), pb.u * (1 + EPS) * (1 + _MARGIN)
+        cos = {}
+        for inst in pb._on_gpus(new_b):
+            c = cos[inst.id] = _co(pb, inst)
+            if _co_fails(c, busy_lb, c.b0, c.rho0, kappa_f, top):
+                return None
+        # Each new instance's most busy share: what its co-residents bear with the other new instances at their least
+        b_most = [INF] * len(order)
+        for i, placed in enumerate(places):
+            on_g: dict[str, int] = {}
+            for gids in placed:
+                for g in gids:
+                    on_g[g] = on_g.get(g, 0) + 1
+            for inst in pb._on_gpus(on_g):
+                c = cos[inst.id]
+                f_most = min(max(c.f0, _f_most(c, pb.u)), 1.0 / c.rho0 if c.rho0 > 0 else INF) * (1 + _MARGIN)
+                w = (f_most - 1.0) / kappa_f if kappa_f > 0 else INF
+                for g in c.gpus:
+                    n_g = on_g.get(g, 0)
+                    if n_g:
+                        others = busy_lb.get(g, 0.0) - n_g * b_lb[i] - c.b0
+                        b_most[i] = min(b_most[i], (w - others) / n_g)
+
     def squeeze(gids: Sequence[str], own_c: float, own_b: float) -> tuple[float, float]:
         """(the co-residents' busy total on the most crowded of these GPUs, the most compute share the instance
         may add to them within the budget), with the new instances' least shares counted less its own."""
@@ -219,11 +327,17 @@ def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
             return None  # it cannot carry even its lightest stage
         b = _Bin(NEW, pi, i, min(top * unit * reps * (1 + _MARGIN), _tol(pb.p_cap[pi])), f, unit * reps, 0.0,
                  places[i], b_lb[i], reps)
+        if CO_CHECK and b_most[i] < INF:
+            # occupancy(rate x A / reps) <= b_most: A <= -log(1 - b_most) x reps / rate (margin up)
+            b.amax = (INF if b_most[i] >= 1.0 else -math.log1p(-b_most[i]) * reps / pb.rho * (1 + 1e-6) + 1e-12) \
+                if pb.rho > 0 else INF
         for s in llm:
             for k, ref, lb in opts[s]:
-                if k == NEW and ref == pi:
+                if k == NEW and ref == pi and pw.lat_new[s][pi] <= b.amax:
                     b.alone[s] = pw.lat_new[s][pi]
                     b.lb[s] = max(lb, b.alone[s] * state.multiplier_lb(f, busy_share(pw.load[s] / reps, unit)))
+        if not b.lb:
+            return None  # no stage it may take leaves its co-residents within 5.4
         bins.append(b)
     for r in sorted({ref for s in llm for k, ref, _ in opts[s] if k == REUSE}):
         inst = pb.reusable[r]
@@ -305,6 +419,7 @@ def _assignment_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, 
         must = row(1.0, math.inf) if bi < n_new else None
         bands = LEVELS if state is not None and b.f > 1 + 1e-9 and room > 0 else 1
         one = row(-math.inf, 1.0) if bands > 1 else None
+        busy_r = row(-math.inf, b.amax) if b.amax < sum(b.alone.values()) else None  # (Feasibility 5.4)
         for k in range(bands):
             lo_ld, hi_ld = room * k / bands, room * (k + 1) / bands
             cap_r = row(-math.inf, 0.0 if bands > 1 else room)
@@ -326,6 +441,8 @@ def _assignment_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, 
                 e = [(j, 1.0), (cap_r, ld), (lat_row, lb)]
                 if must is not None:
                     e.append((must, 1.0))
+                if busy_r is not None:
+                    e.append((busy_r, b.alone[s]))
                 col(lb, e)
     return mdl.highs(integer), cap_rows
 
@@ -426,6 +543,7 @@ def _convex_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, lat_
         load_rows.append(lr)
         must = row(1.0, math.inf) if bi < n_new else None
         must_rows.append(must)
+        busy_r = row(-math.inf, b.amax) if b.amax < sum(b.alone.values()) else None  # (Feasibility 5.4)
         for j, s in enumerate(llm):
             if s not in b.lb or b.lb[s] == INF:
                 continue
@@ -435,6 +553,8 @@ def _convex_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, lat_
             ent = [(j, 1.0), (lr, -pw.load[s]), (lat_row, e)]
             if must is not None:
                 ent.append((must, 1.0))
+            if busy_r is not None:
+                ent.append((busy_r, b.alone[s]))
             mdl.col(e, ent)
         # z_b >= r (F - load0) m(F), under its tangents; F_b in [load0, cap]
         cuts: list[tuple[float, float]] = []  # (slope, value at F = 0) of each tangent
@@ -542,6 +662,7 @@ class _Tables(NamedTuple):
     own: list[float]
     gpus_of: list[list[str]]
     near: list[list[int]]
+    co: list[list[_Co]]
 
 
 def _order_tables(pb: Problem, pw: PWorkflow, llm: list[int], topo: Mapping[int, int], bins: list[_Bin],
@@ -582,7 +703,32 @@ def _order_tables(pb: Problem, pw: PWorkflow, llm: list[int], topo: Mapping[int,
                     tot[g] = tot.get(g, 0.0) + b.busy0
     gpus_of = [sorted({g for gids in b.gpus for g in gids}) for b in bins]
     near = [[bj for bj in range(len(bins)) if set(gpus_of[bi]) & set(gpus_of[bj])] for bi in range(len(bins))]
-    return _Tables(by_stage, ld_suf, min_ld, first_left, tot, [b.busy0 for b in bins], gpus_of, near)
+    # per bin, the running instances on its GPUs (Feasibility 5.4: a stage there makes them busier), each with its
+    # reused bin if it has one
+    co: list[list[_Co]] = [[] for _ in bins]
+    if CO_CHECK:
+        rbin = {pb.reusable[b.ref].id: bi for bi, b in enumerate(bins) if b.kind == REUSE}
+        recs: dict[str, _Co] = {}
+        for bi in range(len(bins)):
+            for inst in pb._on_gpus(gpus_of[bi]):
+                if inst.id not in recs:
+                    recs[inst.id] = _co(pb, inst, rbin.get(inst.id, -1))
+                co[bi].append(recs[inst.id])
+    return _Tables(by_stage, ld_suf, min_ld, first_left, tot, [b.busy0 for b in bins], gpus_of, near, co)
+
+
+def _co_ok(cos: Sequence[_Co], bins: list[_Bin], tot: Mapping[str, float], own: Sequence[float],
+           fill: Sequence[float], kappa: float, top: float) -> bool:
+    """The searches' Feasibility 5.4 check of the running instances `cos` beside a bin that just took a stage (the busy
+    totals `tot` so far; a reused one at its bin's busy share and load): False when one fails every completion."""
+    for c in cos:
+        if c.rb >= 0:
+            b1, rho1 = own[c.rb], fill[c.rb] / bins[c.rb].unit
+        else:
+            b1, rho1 = c.b0, c.rho0
+        if _co_fails(c, tot, b1, rho1, kappa, top):
+            return False
+    return True
 
 
 def _busy_of(b: _Bin, alone: float, rate: float) -> float:
@@ -619,7 +765,8 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
     n = len(llm)
     tb = _order_tables(pb, pw, llm, topo, bins, k_new)
     by_stage, ld_suf, min_ld, first_left = tb.by_stage, tb.ld_suf, tb.min_ld, tb.first_left
-    tot, own, gpus_of, near = tb.tot, tb.own, tb.gpus_of, tb.near
+    tot, own, gpus_of, near, co = tb.tot, tb.own, tb.gpus_of, tb.near, tb.co
+    top = pb.u * (1 + EPS) * (1 + _MARGIN)
     rem = [0.0] * (n + 1)
     for j in range(n - 1, -1, -1):
         rem[j] = rem[j + 1] + (by_stage[j][0][0] if by_stage[j] else INF)
@@ -697,7 +844,7 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
             if part + lb + rem[j + 1] > cap[0]:
                 break  # fastest first
             b = bins[bi]
-            if fill[bi] + ld > b.cap:
+            if fill[bi] + ld > b.cap or alone[bi] + b.alone[s] > b.amax:
                 continue
             f0, a0, l0, o0 = fill[bi], alone[bi], lbs[bi], own[bi]
             saved_c = [contrib[bk] for bk in near[bi]]
@@ -714,7 +861,8 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
                 c = contrib_of(bk)
                 p2 += c - contrib[bk]
                 contrib[bk] = c
-            if p2 + rem[j + 1] <= cap[0] and rest_ok(j + 1, p2):
+            if p2 + rem[j + 1] <= cap[0] and (not co[bi] or _co_ok(co[bi], bins, tot, own, fill, kappa, top)) \
+                    and rest_ok(j + 1, p2):
                 used[bi] += 1
                 pen[0] -= mu[bi] * ld
                 opened[0] += b.kind == NEW and used[bi] == 1
@@ -757,7 +905,8 @@ def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool:
     n = len(llm)
     tb = _order_tables(pb, pw, llm, topo, bins, k_new)
     by_stage, ld_suf, min_ld, first_left = tb.by_stage, tb.ld_suf, tb.min_ld, tb.first_left
-    tot, own, gpus_of, near = tb.tot, tb.own, tb.gpus_of, tb.near
+    tot, own, gpus_of, near, co = tb.tot, tb.own, tb.gpus_of, tb.near, tb.co
+    top = pb.u * (1 + EPS) * (1 + _MARGIN)
     par = [s in fan for s in llm]
     least = [by_stage[j][0][0] if by_stage[j] else INF for j in range(n)]
     if any(v == INF for v in least):
@@ -821,7 +970,7 @@ def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool:
             if (p0 + max(g0, lb) if par[j] else p0 + lb + g0) > cap[0]:
                 break  # fastest first
             b = bins[bi]
-            if fill[bi] + ld > b.cap:
+            if fill[bi] + ld > b.cap or alone[bi] + b.alone[s] > b.amax:
                 continue
             f0, a0, o0 = fill[bi], alone[bi], own[bi]
             saved_t = [tot[g] for g in gpus_of[bi]]
@@ -840,7 +989,7 @@ def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool:
                 for jj in on[bk]:
                     cur[jj] = max(bb.lb[llm[jj]], bb.alone[llm[jj]] * m)
             p2, g2 = placed_l(j + 1, j + 1)
-            if p2 + g2 <= cap[0]:
+            if p2 + g2 <= cap[0] and (not co[bi] or _co_ok(co[bi], bins, tot, own, fill, kappa, top)):
                 used[bi] += 1
                 opened[0] += b.kind == NEW and used[bi] == 1
                 assign[s] = (b.kind, b.ref)

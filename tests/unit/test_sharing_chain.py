@@ -561,3 +561,43 @@ def test_a_fan_whose_instances_cannot_run_alone_is_proven_infeasible_before_its_
     answer within 2 s."""
     res = ex.select_exact(_hard("wide_fan", 1307009, 3.0))
     assert res.variant is None and res.optimal, (res.reason, res.lower_bound)
+
+
+def test_blocked_gpus_host_no_new_replica_of_any_feasible_variant() -> None:
+    """`sharing_alone.blocked_gpus` (a GPU where a new instance, busy at least the least any new instance is, slows a
+    running co-resident past Feasibility 5.4): no variant that passes Feasibility 5 (the spec's brute force, which
+    knows nothing of it) has a new replica there. The draws must block some GPU while variants stay feasible."""
+    from test_gpu_sharing import brute_force
+
+    from flowmaker.selection.sharing_alone import blocked_gpus, least_new_busy
+
+    seen = {"blocked": 0, "feasible_beside": 0, "new_replicas": 0}
+
+    @settings(max_examples=max(EXAMPLES // 2, 20), deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(under_sharing(shared_requests()))
+    def check(req: SelectionRequest) -> None:
+        pb = Problem(req)
+        for pw in pb.workflows:
+            opts = {s: [(NEW, pi, pw.lat_new[s][pi]) for pi in range(len(pb.profiles)) if pw.lat_new[s][pi] < INF]
+                    for s in pw.llm}
+            b_new = least_new_busy(pb, pw, opts)
+            if not b_new < INF:
+                continue
+            blocked = blocked_gpus(pb, b_new)
+            if not blocked:
+                continue
+            seen["blocked"] += 1
+            one = dataclasses.replace(req, workflows=(pw.wf,))
+
+            def visit(used: dict, s0: dict) -> None:
+                for key, (gids, _) in used.items():
+                    if key.startswith("new/"):
+                        assert not set(gids) & blocked, (key, gids, sorted(blocked))
+                        seen["new_replicas"] += 1
+                seen["feasible_beside"] += 1
+
+            brute_force(one, prune=False, visit=visit)
+
+    check()
+    assert seen["blocked"] > 0 and seen["feasible_beside"] > 0 and seen["new_replicas"] > 0, seen
