@@ -165,13 +165,18 @@ def _dominated(pb: Problem, by_earlier: bool = False) -> list[bool]:
 
 
 def _placeable(pb: Problem) -> list[bool]:
-    """Profiles that fit on the cluster at least alone: some node has tp*pp GPUs with enough free memory."""
+    """Profiles that fit on the cluster at least alone: some node has tp*pp GPUs with enough free memory (under GPU
+    sharing, none of them barred to every new instance)."""
     kth: dict[int, int] = {}
     for ids in pb.layout.gpus_by_node:
         free = sorted((pb.free0[g] for g in ids), reverse=True)
         for k in range(1, len(free) + 1):
             kth[k] = max(kth.get(k, -1), free[k - 1])
     out = [pb.p_need[i] <= kth.get(pb.p_k[i], -1) for i in range(len(pb.profiles))]
+    if pb.sharing:  # GPU sharing: on GPUs that no running co-resident or compute budget bars (`placeable_new`)
+        from flowmaker.selection.sharing_alone import placeable_new
+
+        out = [o and q for o, q in zip(out, placeable_new(pb), strict=True)]
     for i, reps in enumerate(pb.p_reps):  # a replica group must fit replica after replica
         if reps > 1 and out[i]:
             if pb.sharing:  # the load-aware rule may choose other GPUs for the earlier replicas

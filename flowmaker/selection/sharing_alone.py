@@ -39,24 +39,60 @@ _MARGIN = 1e-9
 Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedModel.opts`
 
 
-def blocked_gpus(pb: Problem, b_new: float) -> frozenset[str]:
+def blocked_gpus(pb: Problem, b_new: float, c_new: float = 0.0) -> frozenset[str]:
     """The GPUs no new instance may use: one busy `b_new` (the least a new instance is) there slows a running
-    co-resident past Feasibility 5.4 (`sharing_chain._co_fails`), and busy shares only grow."""
+    co-resident past Feasibility 5.4 (`sharing_chain._co_fails`), and busy shares only grow; or its compute share
+    `c_new` (the least a new replica adds) takes the GPU past its budget (5.1)."""
     from flowmaker.selection.sharing_chain import CO_CHECK, _co, _co_fails
 
     if not CO_CHECK:
         return frozenset()
-    busy0 = pb._fast_totals()[1]
+    comp0, busy0 = pb._fast_totals()
     kappa, top = float(pb.kappa), pb.u * (1 + 1e-9) * (1 + 1e-7)
     out = set()
     for g in pb.free0:
         on = pb.on_gpu.get(g, ())
-        if on:
+        if on and comp0.get(g, 0.0) + c_new > top:
+            out.add(g)
+        elif on:
             bl = dict(busy0)
             bl[g] = bl.get(g, 0.0) + b_new
             if any(_co_fails(c, bl, c.b0, c.rho0, kappa, top) for c in (_co(pb, i) for i in on)):
                 out.add(g)
     return frozenset(out)
+
+
+def placeable_new(pb: Problem) -> list[bool]:
+    """GPU sharing: per profile, whether a new instance of it may be placed in some feasible variant: some node has
+    k GPUs with its memory free that no workflow's least new instance is barred from (`blocked_gpus`, with the least
+    busy and compute shares of a new instance over every workflow and profile). A replica of k GPUs lies on k GPUs of
+    one node, none of them barred, in every variant that passes Feasibility 5, so without such a node no variant has
+    one. Once per request."""
+    got = getattr(pb, "_placeable_new", None)
+    if got is not None:
+        return got
+    out = [True] * len(pb.profiles)
+    if pb.sharing and float(pb.kappa) > 0.0:
+        b_new = c_new = INF
+        for pw in pb.workflows:
+            for s in pw.llm:
+                for pi in range(len(pb.profiles)):
+                    lat = pw.lat_new[s][pi]
+                    if lat < INF:
+                        b_new = min(b_new, occupancy(pb.rho * lat / pb.p_reps[pi]))
+                        c_new = min(c_new, busy_share(pw.load[s] / pb.p_reps[pi],
+                                                      pb.profiles[pi].max_output_tokens_per_s))
+        if b_new < INF:
+            blocked = blocked_gpus(pb, b_new * (1 - _MARGIN), c_new * (1 - _MARGIN))
+            if blocked:
+                kth: dict[int, int] = {}  # per k, the most free memory of a k-th GPU of a node, barred ones left out
+                for ids in pb.layout.gpus_by_node:
+                    free = sorted((pb.free0[g] for g in ids if g not in blocked), reverse=True)
+                    for k in range(1, len(free) + 1):
+                        kth[k] = max(kth.get(k, -1), free[k - 1])
+                out = [pb.p_need[i] <= kth.get(pb.p_k[i], -1) for i in range(len(pb.profiles))]
+    pb._placeable_new = out  # type: ignore[attr-defined]
+    return out
 
 
 def calm_counts(pb: Problem, profs: Sequence[int], below: float, blocked: frozenset[str] = frozenset()
@@ -124,7 +160,9 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     b_new = least_new_busy(pb, pw, opts)
     if not b_new < INF:
         return 0.0
-    blocked = blocked_gpus(pb, b_new)
+    c_new = min(busy_share(pw.load[s] / pb.p_reps[ref], pb.profiles[ref].max_output_tokens_per_s)
+                for s in llm for k, ref, _ in opts[s] if k == NEW) * (1 - _MARGIN)
+    blocked = blocked_gpus(pb, b_new, c_new)
     lv = levels(pb, b_new, blocked=blocked)
     kappa = float(pb.kappa)
     fs = [1.0] + [1.0 + kappa * t_f * (1 - _MARGIN) for t_f, _ in lv]  # per class, the least f
