@@ -223,7 +223,9 @@ class Problem:
         return self._fast0
 
     def share_state(self, free: Mapping[str, int], comp: Mapping[str, float], busy: Mapping[str, float]) -> ShareState:
-        return ShareState(self.layout.gpus_by_node, free, comp, busy, float(self.kappa), self.u)
+        from flowmaker.selection.sharing_alone import barred
+
+        return ShareState(self.layout.gpus_by_node, free, comp, busy, float(self.kappa), self.u, barred(self))
 
     def new_latency_lb(self, state: ShareState, pw: PWorkflow, s: int, pi: int) -> float:
         """GPU sharing: a lower bound of stage s's slowed latency on a new instance of profile pi opened from

@@ -62,16 +62,13 @@ def blocked_gpus(pb: Problem, b_new: float, c_new: float = 0.0) -> frozenset[str
     return frozenset(out)
 
 
-def placeable_new(pb: Problem) -> list[bool]:
-    """GPU sharing: per profile, whether a new instance of it may be placed in some feasible variant: some node has
-    k GPUs with its memory free that no workflow's least new instance is barred from (`blocked_gpus`, with the least
-    busy and compute shares of a new instance over every workflow and profile). A replica of k GPUs lies on k GPUs of
-    one node, none of them barred, in every variant that passes Feasibility 5, so without such a node no variant has
-    one. Once per request."""
-    got = getattr(pb, "_placeable_new", None)
+def barred(pb: Problem) -> frozenset[str]:
+    """GPU sharing: the GPUs no new instance of any workflow may use (`blocked_gpus` at the least busy and compute
+    shares a new replica has over every workflow and profile). Once per request."""
+    got = getattr(pb, "_barred", None)
     if got is not None:
         return got
-    out = [True] * len(pb.profiles)
+    out: frozenset[str] = frozenset()
     if pb.sharing and float(pb.kappa) > 0.0:
         b_new = c_new = INF
         for pw in pb.workflows:
@@ -83,16 +80,24 @@ def placeable_new(pb: Problem) -> list[bool]:
                         c_new = min(c_new, busy_share(pw.load[s] / pb.p_reps[pi],
                                                       pb.profiles[pi].max_output_tokens_per_s))
         if b_new < INF:
-            blocked = blocked_gpus(pb, b_new * (1 - _MARGIN), c_new * (1 - _MARGIN))
-            if blocked:
-                kth: dict[int, int] = {}  # per k, the most free memory of a k-th GPU of a node, barred ones left out
-                for ids in pb.layout.gpus_by_node:
-                    free = sorted((pb.free0[g] for g in ids if g not in blocked), reverse=True)
-                    for k in range(1, len(free) + 1):
-                        kth[k] = max(kth.get(k, -1), free[k - 1])
-                out = [pb.p_need[i] <= kth.get(pb.p_k[i], -1) for i in range(len(pb.profiles))]
-    pb._placeable_new = out  # type: ignore[attr-defined]
+            out = blocked_gpus(pb, b_new * (1 - _MARGIN), c_new * (1 - _MARGIN))
+    pb._barred = out  # type: ignore[attr-defined]
     return out
+
+
+def placeable_new(pb: Problem) -> list[bool]:
+    """GPU sharing: per profile, whether a new instance of it may be placed in some feasible variant: some node has
+    k GPUs with its memory free, none of them `barred`. A replica of k GPUs lies on k GPUs of one node, none of them
+    barred, in every variant that passes Feasibility 5, so without such a node no variant has one."""
+    bar = barred(pb)
+    if not bar:
+        return [True] * len(pb.profiles)
+    kth: dict[int, int] = {}  # per k, the most free memory of a k-th GPU of a node, barred ones left out
+    for ids in pb.layout.gpus_by_node:
+        free = sorted((pb.free0[g] for g in ids if g not in bar), reverse=True)
+        for k in range(1, len(free) + 1):
+            kth[k] = max(kth.get(k, -1), free[k - 1])
+    return [pb.p_need[i] <= kth.get(pb.p_k[i], -1) for i in range(len(pb.profiles))]
 
 
 def calm_counts(pb: Problem, profs: Sequence[int], below: float, blocked: frozenset[str] = frozenset()

@@ -36,13 +36,15 @@ _MARGIN = 1e-9
 
 
 class ShareState:
-    """Per-GPU compute and busy totals (floats) and free memory (the spec's units) of one search state."""
+    """Per-GPU compute and busy totals (floats) and free memory (the spec's units) of one search state, and the GPUs
+    that no new instance may use."""
 
-    __slots__ = ("_by_need", "budget", "busy", "comp", "free", "kappa", "layout", "u")
+    __slots__ = ("_by_need", "barred", "budget", "busy", "comp", "free", "kappa", "layout", "u")
 
     def __init__(self, layout: Sequence[Sequence[str]], free: Mapping[str, int], comp: Mapping[str, float],
-                 busy: Mapping[str, float], kappa: float, u: float) -> None:
+                 busy: Mapping[str, float], kappa: float, u: float, barred: frozenset[str] = frozenset()) -> None:
         self.layout = layout
+        self.barred = barred  # GPUs no new instance may use in any variant (`sharing_alone.barred`)
         self.free = free
         self.comp = comp
         self.busy = busy
@@ -67,7 +69,8 @@ class ShareState:
             free, busy, comp = self.free, self.busy, self.comp
             got = []
             for ids in self.layout:
-                cand = sorted((busy.get(g, 0.0), comp.get(g, 0.0)) for g in ids if free[g] >= need)
+                cand = sorted((busy.get(g, 0.0), comp.get(g, 0.0)) for g in ids
+                              if free[g] >= need and g not in self.barred)
                 if cand:
                     got.append(cand)
             self._by_need[need] = got

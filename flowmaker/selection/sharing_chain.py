@@ -149,6 +149,9 @@ def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Optio
             got: float | None = tool + _agg(fan, llm, [min((b.lb.get(s, INF) for b in bins), default=INF)
                                                        for s in llm])
         else:
+            least = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
+            if least > cap_l * (1 + 1e-9):
+                continue  # beyond the cap without HiGHS (`_least_l`'s own first test): no solve to count
             got = _least_l(pw, llm, bins, len(order), tool, cap_l, deadline, state)
             if work is not None:
                 work[0] -= SOLVE_WORK
