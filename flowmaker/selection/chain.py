@@ -730,7 +730,7 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
             # GPU sharing: the multiset once placed, cheaply (no HiGHS), before its packing is searched: beyond
             # cap_l, no variant with exactly these new instances is within the target or the incumbent
             work[0] += 1
-            b_pl = placed_cheap(pb, pw, opts, y_insts(y), tool)
+            b_pl = placed_cheap(pb, pw, opts, y_insts(y), tool, cap_l)
             if b_pl > cap_l:
                 key_y = tuple(y_insts(y))
                 settled[key_y] = min(m * b_pl, settled.get(key_y, INF))  # (a lower bound of its variants' cost)
@@ -764,13 +764,23 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
         cand = model.realize(assign, inst)
         key_y = tuple(y_insts(y))
         if pb.sharing and (cand is None or cand[0][0] > val * (1 + 1e-9)):  # GPU sharing: the multiset once placed
-            opened: list[tuple[int, int]] = []  # the assignment's new instances in the order they open
-            for s_ in pw.llm:
-                k_, ref_ = assign[s_]
-                if k_ == NEW and (ref_, inst[s_]) not in opened:
-                    opened.append((ref_, inst[s_]))
             val, cand = placed_value(model, key_y, tool, val, cand, inc, cap_l, deadline, placed_work,
-                                     first=[ref_ for ref_, _ in opened])
+                                     first=_opened(assign, inst))
+        record(y, key_y, val, cand)
+
+    def _opened(assign: dict[int, tuple[str, int]], inst: dict[int, int]) -> list[int]:
+        """The profiles of an assignment's new instances in the order they open."""
+        opened: list[tuple[int, int]] = []
+        for s_ in pw.llm:
+            k_, ref_ = assign[s_]
+            if k_ == NEW and (ref_, inst[s_]) not in opened:
+                opened.append((ref_, inst[s_]))
+        return [ref_ for ref_, _ in opened]
+
+    def record(y: tuple[int, ...], key_y: tuple[int, ...], val: float, cand: Any) -> None:
+        """What `settle` proved of multiset y: `val` a lower bound of its variants' costs (their least when settled),
+        `cand` its best variant found (None: none)."""
+        nonlocal lb, unplaced, best, inc
         settled[key_y] = min(val, settled.get(key_y, INF))
         if cand is None:
             if never(y):

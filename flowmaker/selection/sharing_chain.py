@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 from flowmaker.selection.problem import EPS, INF, NEW, REL_TOL, REUSE, Problem, PWorkflow
 from flowmaker.sharing import add_offered, busy_share, occupancy
 
+CHEAP_ORDERS = 24  # `placed_cheap`'s most orders (measured: dag_mix 1447018 under sharing, 10,575 placements in 1.7 s with 120)
 MAX_ORDERS = 120  # distinct opening orders of a multiset tried; past it the multiset keeps the walk's bound
 MILP_ORDERS = 40  # up to this many orders, each one's least L is solved (`_least_l`), else bounded per stage
 MILP_NODES = 10  # HiGHS nodes of such a MILP (work, not time); an unsettled one gives its dual bound
@@ -135,12 +136,13 @@ def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Optio
     fan = fan_of(pw)
     total = sum(pw.load[s] for s in llm)
     state = pb.share_state(pb.free0, *pb._fast_totals())
+    memo: dict[tuple[int, ...], Any] = {}
     for order in orders:
         if work is not None:
             if work[0] <= 0:
                 return 0.0
             work[0] -= 1
-        bins = placed_bins(pb, pw, opts, order)
+        bins = placed_bins(pb, pw, opts, order, memo)
         if bins is None or sum(b.cap - b.load0 for b in bins) < total * (1 - 1e-9):
             continue  # it does not place, or its instances cannot hold the load even together
         if len(orders) > MILP_ORDERS or fan is not None:
@@ -164,24 +166,28 @@ def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Optio
 
 
 def placed_cheap(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], insts: Sequence[int],
-                 tool: float) -> float:
-    """`multiset_bound` without HiGHS: over the opening orders of `insts`, the least of each stage's least bound once
-    placed (`_agg`), the orders that do not place or cannot hold the load together left out. INF: no variant has
-    exactly these new instances; 0.0 when there are more than MAX_ORDERS orders (nothing proven). For the chain walk,
-    before a multiset's packing is searched (measured: chain_clones 1381006 and 1433010 under sharing, whose walks
-    spent 1.6-26 s solving the packings of multisets that this proves empty in about a millisecond each)."""
+                 tool: float, cap_l: float) -> float:
+    """`multiset_bound` without HiGHS, against `cap_l`: over the opening orders of `insts`, the least of each stage's
+    least bound once placed (`_agg`), the orders that do not place or cannot hold the load together left out; the
+    first order within `cap_l` ends it (that order's value). INF: no variant has exactly these new instances; 0.0
+    when there are more than CHEAP_ORDERS orders (nothing proven). For the chain walk, before a multiset's packing is
+    searched (measured: chain_clones 1381006 and 1433010 under sharing, whose walks spent 1.6-26 s solving the
+    packings of multisets that this proves empty in about a millisecond each)."""
     orders = _orders(insts)
-    if orders is None:
+    if orders is None or len(orders) > CHEAP_ORDERS:
         return 0.0
     llm = [s for s in pw.llm if opts.get(s)]
     fan = fan_of(pw)
     total = sum(pw.load[s] for s in llm)
     best = INF
+    memo: dict[tuple[int, ...], Any] = {}
     for order in orders:
-        bins = placed_bins(pb, pw, opts, order)
+        bins = placed_bins(pb, pw, opts, order, memo)
         if bins is None or sum(b.cap - b.load0 for b in bins) < total * (1 - 1e-9):
             continue
         best = min(best, tool + _agg(fan, llm, [min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm]))
+        if best <= cap_l:
+            break
     return best
 
 
@@ -237,17 +243,53 @@ def _co_fails(c: _Co, busy: Mapping[str, float], b1: float, rho1: float, kappa: 
     return c.most < INF and x1 < 1.0 - _MARGIN and f1 * (1 - c.rho0) / (1 - x1) > c.most
 
 
-def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], order: Sequence[int]
-                ) -> list[_Bin] | None:
+_LEAST: list[Any] = [None, None]  # (the options mapping, `_least_shares` of it): the walks ask with one mapping
+
+
+def _least_shares(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
+                  ) -> dict[int, tuple[float, float]]:
+    """Per profile some stage may use new, the least a new instance of it puts on its GPUs: its lightest stage's
+    compute share and its quickest one's busy share (per replica, margins down)."""
+    if _LEAST[0] is opts:
+        return _LEAST[1]
+    mine: dict[int, list[int]] = {}
+    for s in pw.llm:
+        for k, ref, _ in opts.get(s, ()):
+            if k == NEW and (not mine.get(ref) or mine[ref][-1] != s):
+                mine.setdefault(ref, []).append(s)
+    out = {}
+    for pi, ss in mine.items():
+        reps, unit = pb.p_reps[pi], pb.profiles[pi].max_output_tokens_per_s
+        out[pi] = (busy_share(min(pw.load[s] for s in ss) / reps, unit) * (1 - _MARGIN),
+                   occupancy(min(pb.rho * pw.lat_new[s][pi] for s in ss) / reps) * (1 - _MARGIN))
+    _LEAST[0], _LEAST[1] = opts, out
+    return out
+
+
+def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], order: Sequence[int],
+                memo: dict[tuple[int, ...], Any] | None = None) -> list[_Bin] | None:
     """What one opening order of new instances leaves each instance a stage may use (module docstring): the new
     instances in that order, then the reusable running ones; None when it does not place or some instance cannot
-    carry even its lightest stage."""
+    carry even its lightest stage. `memo`: the placements of the orders' prefixes, shared by calls for one multiset
+    (its orders share prefixes)."""
     from flowmaker.selection.milp import _tol
 
-    free = dict(pb.free0)
-    occ = dict(pb.occ_units)
+    least = _least_shares(pb, pw, opts)
+    if any(pi not in least for pi in order):
+        return None  # no stage can use it: no variant has exactly these instances
+    free, occ = pb.free0, pb.occ_units
     places: list[list[tuple[str, ...]]] = []  # per instance, its replicas' GPUs
-    for pi in order:
+    start = 0
+    if memo is not None:
+        for j in range(len(order) - 1, 0, -1):
+            got = memo.get(tuple(order[:j]))
+            if got is not None:
+                free, occ, places = got
+                start = j
+                break
+    free, occ, places = dict(free), dict(occ), list(places)
+    for j in range(start, len(order)):
+        pi = order[j]
         placed: list[tuple[str, ...]] = []
         for _ in range(pb.p_reps[pi]):
             pl = pb.place_new(free, occ, pi)
@@ -255,20 +297,15 @@ def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
                 return None
             placed.append(pl[1])
         places.append(placed)
+        if memo is not None and j + 1 < len(order):
+            memo[tuple(order[:j + 1])] = (dict(free), dict(occ), list(places))
     comp0, busy0 = pb._fast_totals()
     kappa = float(pb.kappa)
     budget = pb.u * (1 + EPS) * (1 + _MARGIN)
     llm = [s for s in pw.llm if opts.get(s)]
     # The least each new instance puts on its GPUs: its lightest stage's compute share, its quickest one's busy share.
-    c_lb: list[float] = []
-    b_lb: list[float] = []
-    for pi in order:
-        reps, unit = pb.p_reps[pi], pb.profiles[pi].max_output_tokens_per_s
-        mine = [s for s in llm if any(k == NEW and ref == pi for k, ref, _ in opts[s])]
-        if not mine:
-            return None  # no stage can use it: no variant has exactly these instances
-        c_lb.append(busy_share(min(pw.load[s] for s in mine) / reps, unit) * (1 - _MARGIN))
-        b_lb.append(occupancy(min(pb.rho * pw.lat_new[s][pi] for s in mine) / reps) * (1 - _MARGIN))
+    c_lb = [least[pi][0] for pi in order]
+    b_lb = [least[pi][1] for pi in order]
     new_c: dict[str, float] = {}
     new_b: dict[str, float] = {}
     for i, placed in enumerate(places):
