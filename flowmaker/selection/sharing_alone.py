@@ -205,10 +205,10 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     least_need = min(pb.p_need[p] for p in profs)
     open_g = [g for g in pb.free0 if g not in blocked and pb.free0[g] >= least_need]
     room_row = row(-INF, sum(max(0.0, budget - comp0.get(g, 0.0)) for g in open_g) * (1 + 1e-7) + 1e-9)
-    mem_row = row(-INF, float(sum(pb.free0[g] for g in open_g)))
+    mem_row = row(-INF, sum(pb.free0[g] for g in open_g) / 1e6 * (1 + 1e-9) + 1e-9)  # (in GB: rows of like scale)
     for p in profs:
         for c in range(ncls):
-            entries[y[(p, c)]].append((mem_row, float(pb.p_reps[p] * pb.p_k[p] * pb.p_need[p])))
+            entries[y[(p, c)]].append((mem_row, pb.p_reps[p] * pb.p_k[p] * pb.p_need[p] / 1e6))
     reus = sorted({ref for s in llm for k, ref, _ in opts[s] if k == REUSE})
     spare = {r: row(-INF, _tol(pb.p_cap[pb.r_prof[r]]) - pb.r_load0[r]) for r in reus}
     nv = len(pw.wf.stages)
