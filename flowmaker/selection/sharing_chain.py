@@ -243,15 +243,18 @@ def _co_fails(c: _Co, busy: Mapping[str, float], b1: float, rho1: float, kappa: 
     return c.most < INF and x1 < 1.0 - _MARGIN and f1 * (1 - c.rho0) / (1 - x1) > c.most
 
 
-_LEAST: list[Any] = [None, None]  # (the options mapping, `_least_shares` of it): the walks ask with one mapping
+# (the options mapping, `_least_shares` of it), one tuple so that concurrent selections read a consistent pair: the
+# walks ask with one mapping many times
+_LEAST: list[Any] = [None]
 
 
 def _least_shares(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
                   ) -> dict[int, tuple[float, float]]:
     """Per profile some stage may use new, the least a new instance of it puts on its GPUs: its lightest stage's
     compute share and its quickest one's busy share (per replica, margins down)."""
-    if _LEAST[0] is opts:
-        return _LEAST[1]
+    got = _LEAST[0]
+    if got is not None and got[0] is opts:
+        return got[1]
     mine: dict[int, list[int]] = {}
     for s in pw.llm:
         for k, ref, _ in opts.get(s, ()):
@@ -262,7 +265,7 @@ def _least_shares(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option
         reps, unit = pb.p_reps[pi], pb.profiles[pi].max_output_tokens_per_s
         out[pi] = (busy_share(min(pw.load[s] for s in ss) / reps, unit) * (1 - _MARGIN),
                    occupancy(min(pb.rho * pw.lat_new[s][pi] for s in ss) / reps) * (1 - _MARGIN))
-    _LEAST[0], _LEAST[1] = opts, out
+    _LEAST[0] = (opts, out)
     return out
 
 
