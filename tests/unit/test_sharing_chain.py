@@ -590,7 +590,7 @@ def test_blocked_gpus_host_no_new_replica_of_any_feasible_variant() -> None:
             seen["blocked"] += 1
             one = dataclasses.replace(req, workflows=(pw.wf,))
 
-            def visit(used: dict, s0: dict) -> None:
+            def visit(used: dict, s0: dict, blocked: frozenset[str] = blocked) -> None:
                 for key, (gids, _) in used.items():
                     if key.startswith("new/"):
                         assert not set(gids) & blocked, (key, gids, sorted(blocked))
