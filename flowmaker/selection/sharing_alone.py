@@ -69,18 +69,21 @@ def barred(pb: Problem) -> frozenset[str]:
     if got is not None:
         return got
     out: frozenset[str] = frozenset()
-    if pb.sharing and float(pb.kappa) > 0.0:
-        b_new = c_new = INF
+    if pb.sharing and float(pb.kappa) > 0.0 and pb.on_gpu:
+        # the least latency alone per replica and the least load share per unit of capacity (occupancy and busy_share
+        # grow with them: one call each at the end; a request of many workflows and profiles takes milliseconds)
+        reps = pb.p_reps
+        per_cap = [1.0 / (r * p.max_output_tokens_per_s) if p.max_output_tokens_per_s > 0 else INF
+                   for r, p in zip(reps, pb.profiles, strict=True)]
+        t_new = c_new = INF
         for pw in pb.workflows:
             for s in pw.llm:
-                for pi in range(len(pb.profiles)):
-                    lat = pw.lat_new[s][pi]
-                    if lat < INF:
-                        b_new = min(b_new, occupancy(pb.rho * lat / pb.p_reps[pi]))
-                        c_new = min(c_new, busy_share(pw.load[s] / pb.p_reps[pi],
-                                                      pb.profiles[pi].max_output_tokens_per_s))
-        if b_new < INF:
-            out = blocked_gpus(pb, b_new * (1 - _MARGIN), c_new * (1 - _MARGIN))
+                row = pw.lat_new[s]
+                t_new = min(t_new, min((lat / r for lat, r in zip(row, reps, strict=True) if lat < INF), default=INF))
+                c_new = min(c_new, pw.load[s] * min((c for lat, c in zip(row, per_cap, strict=True) if lat < INF),
+                                                    default=INF))
+        if t_new < INF:
+            out = blocked_gpus(pb, occupancy(pb.rho * t_new) * (1 - _MARGIN), c_new * (1 - _MARGIN))
     pb._barred = out  # type: ignore[attr-defined]
     return out
 
