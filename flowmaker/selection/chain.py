@@ -81,6 +81,7 @@ FLOOR_NODES = 50  # HiGHS nodes of the least-L MILP under the walk's floors (0: 
 # on chain_clones 1319019 and 1303015, whose LP floors are 0.23% and 1.5% under the target and their roots above it)
 ALONE = True
 ALONE_MILP_GAP = 0.02
+UNSETTLED_PLACED = True  # GPU sharing: a multiset whose packing MILP gave up goes to `placed_value`
 PLACED_FIRST = True  # GPU sharing: `placed_cheap` before a multiset's packing (`settle`)
 FLOOR_PRESOLVE = False  # HiGHS presolve took 0.7-1 s on large sharing models (chain_clones 757008: 0.06 s without)
 # A dive: every DIVE_EVERY pops, at most DIVES times a walk, the waiting multiset of least bound has its packing
@@ -742,6 +743,20 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
                 tick += 1
                 heapq.heappush(heap, (max(key, m * L), tick, y, 2, False))
             else:
+                if pb.sharing and UNSETTLED_PLACED and not relaxed and any(y) and placed_work[0] > 0:
+                    # GPU sharing: its packing MILP gave up too, but the packing's least L is only the multiset's
+                    # relaxed value: its placed bounds and search (`placed_value`) may still settle the multiset
+                    cand = first = None
+                    if a is not None:
+                        assign = {llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)}
+                        inst = {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW}
+                        cand = model.realize(assign, inst)
+                        first = _opened(assign, inst)
+                    key_y = tuple(y_insts(y))
+                    val, cand = placed_value(model, key_y, tool, m * L, cand, inc, cap_l, deadline, placed_work,
+                                             first=first)
+                    record(y, key_y, val, cand)
+                    return
                 if pb.sharing and inc < INF:  # the multiset once placed
                     L = max(L, multiset_bound(pb, pw, opts, y_insts(y), tool, cap_l, deadline,
                                                              placed_work))
