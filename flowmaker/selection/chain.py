@@ -748,8 +748,7 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
                     # relaxed value: its placed bounds and search (`placed_value`) may still settle the multiset
                     cand = first = None
                     if a is not None:
-                        assign = {llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)}
-                        inst = {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW}
+                        assign, inst = _packing(a)
                         cand = model.realize(assign, inst)
                         first = _opened(assign, inst)
                     key_y = tuple(y_insts(y))
@@ -763,8 +762,7 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
                 lb = min(lb, m * L)  # the search gave up: the multiset keeps the bound it proved
                 unsettled = min(unsettled, m * L)
             if a is not None:  # an assignment that fits y, though maybe not the least L: a candidate still
-                cand = model.realize({llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)},
-                                     {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW})
+                cand = model.realize(*_packing(a))
                 if cand is not None:
                     fr.candidates.append(cand)
                     if better(cand[0][0], cand[0][1], cand[0][2], best):
@@ -774,14 +772,18 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
         if a is None:
             return  # nothing fits y within cap_l: every variant with these instances costs more than inc
         val = m * L
-        assign = {llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)}
-        inst = {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW}
+        assign, inst = _packing(a)
         cand = model.realize(assign, inst)
         key_y = tuple(y_insts(y))
         if pb.sharing and (cand is None or cand[0][0] > val * (1 + 1e-9)):  # GPU sharing: the multiset once placed
             val, cand = placed_value(model, key_y, tool, val, cand, inc, cap_l, deadline, placed_work,
                                      first=_opened(assign, inst))
         record(y, key_y, val, cand)
+
+    def _packing(a: list[tuple[str, int, int]]) -> tuple[dict[int, tuple[str, int]], dict[int, int]]:
+        """A packing's assignment (per LLM stage its option) and its new instances (per such stage its bin)."""
+        return ({llm[j]: (k, ref) for j, (k, ref, _) in enumerate(a)},
+                {llm[j]: b for j, (k, _, b) in enumerate(a) if k == NEW})
 
     def _opened(assign: dict[int, tuple[str, int]], inst: dict[int, int]) -> list[int]:
         """The profiles of an assignment's new instances in the order they open."""

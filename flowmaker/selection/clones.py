@@ -99,6 +99,12 @@ class AggregatedModel:
             self.members[r] = g
             for p in g:
                 self.rep_of[p] = r
+        if pb.sharing:
+            # the barred GPUs from the request's own numbers, carried into the copy (from the representatives'
+            # optimistic ones a new instance could look busier than a member's, and bar more)
+            from flowmaker.selection.sharing_alone import barred
+
+            barred(pb)
         view = copy.copy(pb)  # the same problem with the representatives' numbers optimistic
         view.p_mem, view.p_cap, view.p_reps = tuple(p_mem), tuple(p_cap), tuple(p_reps)
         self.pb = view

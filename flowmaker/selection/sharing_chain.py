@@ -83,6 +83,16 @@ def _agg(fan: frozenset[int] | None, stages: Sequence[int], lat: Sequence[float]
             + max((v for s, v in zip(stages, lat, strict=True) if s in fan), default=0.0))
 
 
+def _least_placed(bins: Sequence[_Bin], llm: Sequence[int], fan: frozenset[int] | None, tool: float) -> float:
+    """L (with the TOOL stages' `tool`) of each stage at its least bound over these bins, capacity left out."""
+    return tool + _agg(fan, llm, [min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm])
+
+
+def _holds(bins: Sequence[_Bin], total: float) -> bool:
+    """Whether these bins' room together can hold the load `total` at all."""
+    return sum(b.cap - b.load0 for b in bins) >= total * (1 - 1e-9)
+
+
 def _orders(insts: Sequence[int]) -> list[tuple[int, ...]] | None:
     """The distinct orders of a multiset of profile indices; None when there are more than MAX_ORDERS."""
     counts: dict[int, int] = {}
@@ -143,18 +153,14 @@ def multiset_bound(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Optio
                 return 0.0
             work[0] -= 1
         bins = placed_bins(pb, pw, opts, order, memo)
-        if bins is None or sum(b.cap - b.load0 for b in bins) < total * (1 - 1e-9):
+        if bins is None or not _holds(bins, total):
             continue  # it does not place, or its instances cannot hold the load even together
-        if len(orders) > MILP_ORDERS or fan is not None:
-            # many orders (or a fan, whose L the LPs below do not state): each stage at its least bound, capacity
-            # left out
-            got: float | None = tool + _agg(fan, llm, [min((b.lb.get(s, INF) for b in bins), default=INF)
-                                                       for s in llm])
-        else:
-            least = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
+        least = _least_placed(bins, llm, fan, tool)  # each stage at its least bound, capacity left out
+        got: float | None = least
+        if len(orders) <= MILP_ORDERS and fan is None:  # (a fan's L the LPs below do not state)
             if least > cap_l * (1 + 1e-9):
-                continue  # beyond the cap without HiGHS (`_least_l`'s own first test): no solve to count
-            got = _least_l(pw, llm, bins, len(order), tool, cap_l, deadline, state)
+                continue  # beyond the cap without HiGHS: no solve to count
+            got = _least_l(pw, llm, bins, len(order), tool, cap_l, deadline, state, least)
             if work is not None:
                 work[0] -= SOLVE_WORK
         if got is None:
@@ -183,9 +189,9 @@ def placed_cheap(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]
     memo: dict[tuple[int, ...], Any] = {}
     for order in orders:
         bins = placed_bins(pb, pw, opts, order, memo)
-        if bins is None or sum(b.cap - b.load0 for b in bins) < total * (1 - 1e-9):
+        if bins is None or not _holds(bins, total):
             continue
-        best = min(best, tool + _agg(fan, llm, [min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm]))
+        best = min(best, _least_placed(bins, llm, fan, tool))
         if best <= cap_l:
             break
     return best
@@ -203,11 +209,18 @@ class _Co(NamedTuple):
 
 
 def _co(pb: Problem, inst: Any, rb: int = -1) -> _Co:
-    busy0 = pb._fast_totals()[1]
-    b0, rho0 = pb.run_busy0[inst.id], pb.run_rho0[inst.id]
-    f0 = 1.0 + float(pb.kappa) * max(0.0, max(busy0.get(g, 0.0) - b0 for g in inst.gpu_ids))
-    most = inst.max_slowdown * (1 + EPS) * (1 + _MARGIN) if inst.max_slowdown > 0 else INF
-    return _Co(tuple(inst.gpu_ids), b0, rho0, f0, most, rb)
+    """Running instance `inst` as `_co_fails` sees it (once per request; `rb` as `_Co` says)."""
+    cache: dict[str, _Co] | None = getattr(pb, "_cos", None)
+    if cache is None:
+        cache = pb._cos = {}  # type: ignore[attr-defined]
+    got = cache.get(inst.id)
+    if got is None:
+        busy0 = pb._fast_totals()[1]
+        b0, rho0 = pb.run_busy0[inst.id], pb.run_rho0[inst.id]
+        f0 = 1.0 + float(pb.kappa) * max(0.0, max(busy0.get(g, 0.0) - b0 for g in inst.gpu_ids))
+        most = inst.max_slowdown * (1 + EPS) * (1 + _MARGIN) if inst.max_slowdown > 0 else INF
+        got = cache[inst.id] = _Co(tuple(inst.gpu_ids), b0, rho0, f0, most, -1)
+    return got if rb < 0 else got._replace(rb=rb)
 
 
 def _f_most(c: _Co, u: float) -> float:
@@ -325,9 +338,8 @@ def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
         for g, x in new_b.items():
             busy_lb[g] = busy_lb.get(g, 0.0) + x
         kappa_f, top = float(pb.kappa), pb.u * (1 + EPS) * (1 + _MARGIN)
-        cos = {}
         for inst in pb._on_gpus(new_b):
-            c = cos[inst.id] = _co(pb, inst)
+            c = _co(pb, inst)
             if _co_fails(c, busy_lb, c.b0, c.rho0, kappa_f, top):
                 return None
         # Each new instance's most busy share: what its co-residents bear with the other new instances at their least
@@ -338,7 +350,7 @@ def placed_bins(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
                 for g in gids:
                     on_g[g] = on_g.get(g, 0) + 1
             for inst in pb._on_gpus(on_g):
-                c = cos[inst.id]
+                c = _co(pb, inst)
                 f_most = min(max(c.f0, _f_most(c, pb.u)), 1.0 / c.rho0 if c.rho0 > 0 else INF) * (1 + _MARGIN)
                 w = (f_most - 1.0) / kappa_f if kappa_f > 0 else INF
                 for g in c.gpus:
@@ -491,17 +503,14 @@ def _assignment_lp(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, 
 
 
 def _least_l(pw: PWorkflow, llm: list[int], bins: list[_Bin], n_new: int, tool: float, cap_l: float,
-             deadline: float, state: Any) -> float | None:
+             deadline: float, state: Any, least: float) -> float | None:
     """Least L (tool + the stages' latency bounds) of an assignment to these bins (`_assignment_lp`, as a MILP;
     again, when some instance is slowed, with its stages priced by the multiplier at its final load: `_convex_lp`, or
-    the load bands of `_assignment_lp`): INF when none is within cap_l; HiGHS' dual bound when unsettled; None when
-    the deadline passed."""
+    the load bands of `_assignment_lp`), at least `least` (`_least_placed`, within cap_l): INF when none is within
+    cap_l; HiGHS' dual bound when unsettled; None when the deadline passed."""
     from flowmaker.selection.exact import run_checked
     from flowmaker.selection.milp import _CORE
 
-    least = tool + sum(min((b.lb.get(s, INF) for b in bins), default=INF) for s in llm)
-    if least > cap_l * (1 + 1e-9):
-        return INF
     if _CORE is None:
         return least
     for bands in (state, None) if any(b.f > 1 + 1e-9 for b in bins) else (None,):
