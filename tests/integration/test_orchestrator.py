@@ -87,8 +87,11 @@ async def start_stack(store: Any, start_service: Any, start_control_plane: Any, 
     add_deployer, deployer_ready = service_hooks(agent)
 
     await start_service("deployer", add_deployer, dset, on_ready=deployer_ready, on_shutdown=[agent.shutdown])
+    # Without healing no replacement comes, so an Invoke does not wait for one: it fails at once. (Waiting, it would
+    # answer 1 s before its 5 s deadline, which a loaded CI machine missed once: DEADLINE_EXCEEDED, not UNAVAILABLE.)
     core, stub = await start_control_plane(store, tool_time_scale=TIME_SCALE, reconcile_heal=heal,
-                                           reconcile_interval_s=0.5, observe_flush_interval_s=0.2)
+                                           reconcile_interval_s=0.5, observe_flush_interval_s=0.2,
+                                           **({} if heal else {"invoke_heal_wait_s": 0.0}))
     yield Stack(store, agent, stub, core)
 
 
