@@ -81,6 +81,8 @@ FLOOR_NODES = 50  # HiGHS nodes of the least-L MILP under the walk's floors (0: 
 # on chain_clones 1319019 and 1303015, whose LP floors are 0.23% and 1.5% under the target and their roots above it)
 ALONE = True
 ALONE_MILP_GAP = 0.02
+ALONE_MILP_GAP_BLIND = 0.06  # ... when the walk finds nothing for BLIND_POPS steps
+BLIND_POPS = 200
 UNSETTLED_PLACED = True  # GPU sharing: a multiset whose packing MILP gave up goes to `placed_value`
 PLACED_FIRST = True  # GPU sharing: `placed_cheap` before a multiset's packing (`settle`)
 FLOOR_PRESOLVE = False  # HiGHS presolve took 0.7-1 s on large sharing models (chain_clones 757008: 0.06 s without)
@@ -858,6 +860,15 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
             break
         heapq.heappop(heap)
         pops += 1
+        if pops == BLIND_POPS and pb.sharing and ALONE and not relaxed and fan is None and inc == INF \
+                and not fr.candidates:
+            # GPU sharing, nothing found yet: no incumbent came with the walk and BLIND_POPS of its steps found no
+            # variant (measured on 180 chain_clones: the walks that found one did so within 13-101 steps but for
+            # two, at 57 and 627). Often no variant exists then, and only a proof answers: the alone floor's MILP,
+            # further from the target than at the start, with more nodes
+            if walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP_BLIND, ALONE_NODES) == INF:
+                fr.lower_bound, fr.complete = INF, True
+                return fr
         if DIVE_EVERY and pops % DIVE_EVERY == 0 and fr.dives < DIVES:
             dive()
         if is_exp:

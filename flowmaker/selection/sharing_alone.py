@@ -16,6 +16,17 @@ The same holds level by level (`levels`): a new instance whose co-residents are 
 its own whose running instances are busy less than t (any other new instance is busy more), and one whose
 co-residents are busy at least t is slowed by 1 + kappa t at least.
 
+Node by node (`_node_rows`): a new instance that shares no GPU with another new one takes GPUs of its own, so the
+instances of the lower classes and, when one is there, a shared instance's k GPUs fit in each node's GPUs. Measured:
+chain_clones 1447011 (a latency target 4.4% above the LP floor) places one fast tp4 alone on the only node with four
+idle GPUs, and a second fast tp4 slowed by 1.17 at least needs four more GPUs beside no other new instance's; there
+are none, so the MILP proves in 0.12 s that no variant exists (the walk had none after 60 s).
+
+A GPU whose running instances 5.4 protects caps the busy share of any new instance on it (`busy_caps`): the least
+cap of a placement caps its instance's stages' latencies alone, and the instances on a capped GPU together offer at
+most -log(1 - cap) call-seconds per second. Measured: chain_clones 1433042 and 1433018 (u = 0.5, most running
+instances near or above it), whose LP floor was 0.9% and 2.7% under the target, are proven infeasible by the LP.
+
 `alone_floor` is the least L of an assignment of the stages to reused instances and to new instances of each class
 under those counts and capacities (a small MILP, HiGHS for a few nodes: its dual bound holds when unsettled). It
 bounds the L_s of every variant from below; INF proves that no variant exists. Floats with margins that only lower
@@ -33,6 +44,7 @@ from flowmaker.selection.sharing_chain import HighsModel
 from flowmaker.sharing import busy_share, occupancy
 
 LEVELS = 4  # classes of slowed new instances by their co-residents' least busy total (`levels`)
+NODE_ROWS = True  # `_node_rows`
 ALONE_NODES = 200  # HiGHS nodes of the floor's MILP (work, not time); unsettled, its dual bound
 _MARGIN = 1e-9
 
@@ -136,8 +148,8 @@ def levels(pb: Problem, b_new: float, most: int = LEVELS, blocked: frozenset[str
            ) -> list[tuple[float, float]]:
     """The classes of new instances by how busy their co-residents are at least, as (t_f, t_count) from class 1 up
     (class 0: none busy). Class i has f >= 1 + kappa t_f[i]; classes below i run on GPUs of their own whose running
-    instances are busy less than t_count[i] (any other new replica is busy at least b_new >= t_count[i]). The
-    thresholds: the least positive running busy total and up to `most` - 1 more of them below b_new, evenly by rank,
+    instances are busy less than t_count[i], with no other new replica beside them (a group with one is in the
+    last class: that co-resident is busy at least b_new). The thresholds: the least positive running busy total and up to `most` - 1 more of them below b_new, evenly by rank,
     then b_new itself."""
     busy0 = pb._fast_totals()[1]
     runs = sorted({b for g, b in busy0.items() if 0.0 < b < b_new and g not in blocked})
@@ -145,6 +157,123 @@ def levels(pb: Problem, b_new: float, most: int = LEVELS, blocked: frozenset[str
     out = [(b, b) for b in sorted(set(picks))]
     out.append((b_new, b_new * (1 + 2 * _MARGIN)))  # (b_new carries a margin down: counted a little generously)
     return out
+
+
+def busy_caps(pb: Problem, blocked: frozenset[str]) -> dict[str, float]:
+    """Per GPU that is not `blocked` and hosts a running instance, the most busy share a new replica on it may have
+    (a little high; 1.0: none too high fails): more slows a running co-resident past Feasibility 5.4 even with every
+    other busy total at its running value (`_co_fails`, monotone in the replica's share: found by bisection), and
+    busy totals only grow as a variant adds instances and stages."""
+    from flowmaker.selection.sharing_chain import _co, _co_fails
+
+    memo: dict[frozenset[str], dict[str, float]] | None = getattr(pb, "_busy_caps", None)
+    if memo is None:
+        memo = pb._busy_caps = {}  # type: ignore[attr-defined]
+    got_all = memo.get(blocked)
+    if got_all is not None:
+        return got_all
+    busy0 = pb._fast_totals()[1]
+    kappa, top = float(pb.kappa), pb.u * (1 + 1e-9) * (1 + 1e-7)
+    out: dict[str, float] = {}
+    memo[blocked] = out
+    for g, on in pb.on_gpu.items():
+        if g in blocked or g not in pb.free0 or not on:
+            continue
+        cos = [_co(pb, i) for i in on]
+
+        def fails(b: float, g: str = g, cos: list = cos) -> bool:
+            bl = dict(busy0)
+            bl[g] = bl.get(g, 0.0) + b
+            return any(_co_fails(c, bl, c.b0, c.rho0, kappa, top) for c in cos)
+
+        if not fails(1.0):
+            continue
+        lo, hi = 0.0, 1.0  # fails(hi); lo is 0 or does not fail
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if fails(mid):
+                hi = mid
+            else:
+                lo = mid
+        got = hi * (1 + 1e-7) + 1e-12
+        if got < 1.0:
+            out[g] = got
+    return out
+
+
+def _class_caps(pb: Problem, p: int, eligible: Sequence[str], required: Sequence[str] | None,
+                caps: Mapping[str, float], rooms: Mapping[str, float]) -> tuple[float, float] | None:
+    """For a replica of profile `p` on `eligible` GPUs (all its k on one node) with at least one of `required` (None:
+    no such condition): the most its least busy cap and its least compute room can be, over every such placement;
+    None when no node has one."""
+    k, need = pb.p_k[p], pb.p_need[p]
+    elig = set(eligible)
+    req = set(required) if required is not None else None
+    best_b = best_u = -1.0
+    for ids in pb.layout.gpus_by_node:
+        e = [g for g in ids if g in elig and pb.free0[g] >= need]
+        if len(e) < k or (req is not None and not any(g in req for g in e)):
+            continue
+        for figs, best in ((caps, "b"), (rooms, "u")):
+            vals = sorted((figs.get(g, 1.0) for g in e), reverse=True)
+            got = vals[k - 1]
+            if req is not None:
+                got = min(got, max(figs.get(g, 1.0) for g in e if g in req))
+            if best == "b":
+                best_b = max(best_b, got)
+            else:
+                best_u = max(best_u, got)
+    return None if best_b < 0 else (best_b, best_u)
+
+
+def _node_rows(pb: Problem, mdl: HighsModel, profs: Sequence[int], y: Mapping[tuple[int, int], int],
+               lv: Sequence[tuple[float, float]], blocked: frozenset[str], least_need: int, n: float) -> None:
+    """The floor's classes node by node. A replica of a class below T has no other new replica beside it (the
+    classes' definition: a group with a new co-resident is shared, class T or T + 1), so on each node the replicas of
+    classes 0..i take GPUs of their own among those whose running instances are busy less than class i's upper
+    threshold; a shared replica of k GPUs lies on k GPUs of one node that no replica of a lower class uses. A
+    continuous count per (node, class, k) and a binary per (node, k), linked to the classes' group counts."""
+    row, entries = mdl.row, mdl.entries
+    busy0 = pb._fast_totals()[1]
+    n_lv = len(lv)
+    ks = sorted({pb.p_k[p] for p in profs})
+    need_k = {k: min(pb.p_need[p] for p in profs if pb.p_k[p] == k) for k in ks}
+    below = [lv[i][1] if i else min(lv[0][1], 1e-300) for i in range(n_lv)]
+    link = {(c, k): row(0.0, 0.0) for c in range(n_lv + 2) for k in ks}
+    for p in profs:
+        for c in range(n_lv + 2):
+            entries[y[(p, c)]].append((link[(c, pb.p_k[p])], -float(pb.p_reps[p]) if c < n_lv else 1.0))
+    for ids in pb.layout.gpus_by_node:
+        e = [g for g in ids if g not in blocked and pb.free0[g] >= least_need]
+        if not e:
+            continue
+        own: list[tuple[int, int]] = []  # (column, k) of this node's exclusive replicas
+        nested = [row(-INF, float(sum(1 for g in e if busy0.get(g, 0.0) < below[i]))) for i in range(n_lv)]
+        for c in range(n_lv):
+            for k in ks:
+                most = sum(1 for g in e if busy0.get(g, 0.0) < below[c] and pb.free0[g] >= need_k[k]) // k
+                if most <= 0:
+                    continue
+                w = mdl.col(0.0, [(link[(c, k)], 1.0)], 0.0, float(most), False)
+                for i in range(c, n_lv):
+                    entries[w].append((nested[i], float(k)))
+                own.append((w, k))
+        for k in ks:
+            fit = sum(1 for g in e if pb.free0[g] >= need_k[k])
+            if fit < k:
+                continue
+            # some shared replica of k GPUs here (binary): its k GPUs and the exclusive ones' fit in e
+            sh = mdl.col(0.0, [], 0.0, 1.0, True)
+            r_ = row(-INF, float(len(e)))
+            entries[sh].append((r_, float(k)))
+            for w, kw in own:
+                entries[w].append((r_, float(kw)))
+            for c in (n_lv, n_lv + 1):  # at most n shared groups of k GPUs per node that holds one
+                entries[sh].append((link[(c, k)], -n))
+    for c in (n_lv, n_lv + 1):  # the shared classes' links are "at most": groups <= n x (nodes that hold one)
+        for k in ks:
+            mdl.rlo[link[(c, k)]] = -INF
+            mdl.rhi[link[(c, k)]] = 0.0
 
 
 def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], tool: float,
@@ -174,8 +303,26 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     lv = levels(pb, b_new, blocked=blocked)
     kappa = float(pb.kappa)
     fs = [1.0] + [1.0 + kappa * t_f * (1 - _MARGIN) for t_f, _ in lv]  # per class, the least f
+    # Class T (co-residents busy at least b_new) split in two: T on GPUs whose running co-residents cap no new busy
+    # share (`busy_caps`), T + 1 with such a GPU, its busy share (so its stages' latencies alone) capped
+    fs.append(fs[-1])
     state = pb.share_state(pb.free0, *pb._fast_totals())
     budget = pb.u * (1 + 1e-9) * (1 + 1e-7)
+    comp0, busy0 = pb._fast_totals()
+    caps = busy_caps(pb, blocked)
+    rooms = {g: max(0.0, budget - comp0.get(g, 0.0)) * (1 + 1e-7) + 1e-12 for g in pb.free0}
+    unb = [g for g in pb.free0 if g not in blocked]
+    n_lv = len(lv)
+
+    def where(c: int) -> tuple[list[str], list[str] | None]:
+        """Class c's replicas' GPUs, and those one of them has (None: any)."""
+        if c < n_lv:  # co-residents running only, busy less than the class's upper threshold, at least its lower
+            below = lv[c][1] if c else min(lv[0][1], 1e-300)
+            return [g for g in unb if busy0.get(g, 0.0) < below], ([g for g in unb if pb.on_gpu.get(g)] if c else None)
+        if c == n_lv:
+            return [g for g in unb if g not in caps], None
+        return unb, list(caps)
+
     mdl = HighsModel(0)  # (no stage rows of its own: `one` below)
     row, entries = mdl.row, mdl.entries
 
@@ -184,12 +331,49 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
 
     n = float(len(llm))
     ncls = len(fs)
-    y = {(p, c): col(0.0, n, True) for p in profs for c in range(ncls)}  # new groups of p in class c
+    c_caps = {(p, c): _class_caps(pb, p, *where(c), caps, rooms) for p in profs for c in range(ncls)}
+    y = {(p, c): col(0.0, n if c_caps[(p, c)] is not None else 0.0, True)  # new groups of p in class c
+         for p in profs for c in range(ncls)}
     cap_row = {(p, c): row(-INF, 0.0) for p in profs for c in range(ncls)}
+    busy_row: dict[tuple[int, int], int] = {}  # (p, c): its groups' stages' latencies alone, at most what caps them
+    # Class T + 1 together: every new replica x on a capped GPU g has b_x <= cap_g, so n_x (its offered call-seconds,
+    # b_x = 1 - exp(-n_x)) <= N_g = -log(1 - cap_g), and on [0, N_g] 1 - exp(-n) >= n cap_g / N_g (a chord under a
+    # concave curve): the replicas on g, whose busy shares add up to at most cap_g, offer at most N_g together. A
+    # replica of k GPUs on a node with e GPUs it may use, e_c of them capped, has at least max(1, k - (e - e_c)) capped
+    # GPUs there: summed over the capped GPUs, the replicas of each profile offer at most, and every replica of the
+    # class counted that many times at least,
+    least_need = min(pb.p_need[p] for p in profs)
+    n_cap = {g: -math.log1p(-v) * (1 + 1e-7) + 1e-12 for g, v in caps.items()}
+    offered_row = row(-INF, sum(v for g, v in n_cap.items() if pb.free0[g] >= least_need)) if pb.rho > 0 else -1
+    # (per GPU count k, the replicas of every profile of k GPUs together: clones share their GPUs' figures)
+    p_offered: dict[int, tuple[int, int]] = {}  # p: (its k's row, the least capped GPUs of one replica)
+    k_row: dict[int, int] = {}
+    for p in (profs if offered_row >= 0 else ()):
+        k = pb.p_k[p]
+        need = min(pb.p_need[q] for q in profs if pb.p_k[q] == k)  # (less memory: more GPUs, a larger figure)
+        most, least_m = 0.0, len(pb.free0) + 1
+        for ids in pb.layout.gpus_by_node:
+            e = [g for g in ids if g not in blocked and pb.free0[g] >= need]
+            ec = [g for g in e if g in n_cap]
+            if len(e) >= k and ec:
+                m_v = max(1, k - (len(e) - len(ec)))
+                most += sum(n_cap[g] for g in ec) / m_v
+                least_m = min(least_m, m_v)
+        if most > 0:
+            if k not in k_row:
+                k_row[k] = row(-INF, most * (1 + 1e-9))
+            p_offered[p] = (k_row[k], least_m)
     for p in profs:
+        unit = pb.profiles[p].max_output_tokens_per_s * pb.p_reps[p]
         for c, f_c in enumerate(fs):
-            most_load = pb.profiles[p].max_output_tokens_per_s * pb.p_reps[p] * budget / f_c  # (5.2)
-            entries[y[(p, c)]].append((cap_row[(p, c)], -min(_tol(pb.p_cap[p]), most_load)))
+            most_load = min(_tol(pb.p_cap[p]), unit * budget / f_c)  # (5.2)
+            cc = c_caps[(p, c)]
+            if cc is not None:
+                most_load = min(most_load, unit * cc[1])  # (5.1: each replica's share within its GPUs' room)
+                if cc[0] < 1.0 and pb.rho > 0:
+                    busy_row[(p, c)] = r_ = row(-INF, 0.0)
+                    entries[y[(p, c)]].append((r_, -(-math.log1p(-cc[0]) * pb.p_reps[p] / pb.rho * (1 + 1e-7))))
+            entries[y[(p, c)]].append((cap_row[(p, c)], -most_load))
     for i, (_, t_count) in enumerate(lv):  # classes 0..i: GPUs of their own, running busy < t_count, one node each
         counts, gpus = calm_counts(pb, profs, t_count if i else min(t_count, 1e-300), blocked)
         for k, most in counts.items():
@@ -202,10 +386,10 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
         for p in profs:
             for c in range(i + 1):
                 entries[y[(p, c)]].append((r_g, float(pb.p_reps[p] * pb.p_k[p])))
+    if NODE_ROWS:
+        _node_rows(pb, mdl, profs, y, lv, blocked, least_need, n)
     # Every new replica lies on GPUs no running co-resident forbids (`blocked_gpus`): their compute budgets (5.1)
     # hold its shares, and their free memory its memory
-    comp0 = pb._fast_totals()[0]
-    least_need = min(pb.p_need[p] for p in profs)
     open_g = [g for g in pb.free0 if g not in blocked and pb.free0[g] >= least_need]
     room_row = row(-INF, sum(max(0.0, budget - comp0.get(g, 0.0)) for g in open_g) * (1 + 1e-7) + 1e-9)
     mem_row = row(-INF, sum(pb.free0[g] for g in open_g) / 1e6 * (1 + 1e-9) + 1e-9)  # (in GB: rows of like scale)
@@ -255,11 +439,15 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
             rho = busy_share(ld / pb.p_reps[ref], pb.profiles[ref].max_output_tokens_per_s)
             for c, f_c in enumerate(fs):  # at least the multiplier of its class's least f at its own share
                 m = state.multiplier_lb(f_c, rho) if c else 1.0
-                if m < INF:
+                if m < INF and c_caps[(ref, c)] is not None:
                     link = row(-INF, 0.0)
+                    busy = [(busy_row[(ref, c)], pw.lat_new[s][ref])] if (ref, c) in busy_row else []
+                    if c == n_lv + 1 and ref in p_offered:
+                        n_x = pb.rho * pw.lat_new[s][ref] / pb.p_reps[ref] * (1 - _MARGIN)
+                        busy += [(offered_row, n_x * p_offered[ref][1]), (p_offered[ref][0], n_x)]
                     option(max(lat, pw.lat_new[s][ref] * m * (1 - _MARGIN)) if c else lat,
                            [(one, 1.0), (cap_row[(ref, c)], ld), (link, 1.0),
-                            (room_row, pb.p_reps[ref] * pb.p_k[ref] * rho * (1 - _MARGIN))])
+                            (room_row, pb.p_reps[ref] * pb.p_k[ref] * rho * (1 - _MARGIN)), *busy])
                     entries[y[(ref, c)]].append((link, -1.0))
     mdl.cost[L] = 1.0
     h = mdl.highs(integer=nodes > 0)

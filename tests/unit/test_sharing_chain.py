@@ -17,7 +17,7 @@ import time
 
 from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
-from test_gpu_sharing import agree, requests, shared_requests, under_sharing, with_clone
+from test_gpu_sharing import KAPPAS, agree, requests, shared_requests, under_sharing, with_clone
 
 from flowmaker.domain import (
     Cluster,
@@ -30,6 +30,7 @@ from flowmaker.domain import (
     SelectionRequest,
     Slo,
     Stage,
+    StageKind,
     Workflow,
 )
 from flowmaker.selection import exact as ex
@@ -544,6 +545,93 @@ def test_the_alone_floor_is_below_every_feasible_variants_latency() -> None:
 
 
 ALONE_SEED = 6  # a hypothesis seed whose draw has requests the alone floor proves infeasible
+
+
+@st.composite
+def packed_chains(draw: st.DrawFn) -> SelectionRequest:
+    """Chains of 3-4 LLM stages on 2-3 nodes of 2-4 GPUs each, some GPUs hosting a running instance (loaded 5-60%,
+    some with a max_slowdown or a measured busy share), tp1, tp2 and tp4 profiles, rates that make new instances
+    busy: new instances compete for each node's idle GPUs, and running co-residents cap how busy one beside them may
+    be (what `sharing_alone._node_rows` and `busy_caps` model)."""
+    nodes = {f"n{n}": [f"n{n}-g{g}" for g in range(draw(st.integers(2, 4)))] for n in range(draw(st.integers(2, 3)))}
+    pool = [Profile("a", 1, 1, 20.0, 0.02, 1e-4, 0.02, 300.0), Profile("a", 2, 1, 11.0, 0.015, 6e-5, 0.011, 500.0),
+            Profile("a", 4, 1, 6.0, 0.012, 4e-5, 0.007, 800.0), Profile("b", 1, 1, 14.0, 0.015, 8e-5, 0.016, 400.0),
+            Profile("b", 2, 1, 8.0, 0.012, 5e-5, 0.009, 650.0)]
+    profiles = draw(st.lists(st.sampled_from(pool), min_size=2, max_size=4, unique_by=lambda p: (p.model_id, p.tp)))
+    used = {g: draw(st.sampled_from([0.0, 4.0, 20.0])) for gs in nodes.values() for g in gs}
+    instances = []
+    for gs in nodes.values():
+        for g in gs:
+            if draw(st.integers(0, 2)) == 0:
+                instances.append(Instance(f"run{len(instances)}", "a", 1, 1, (g,),
+                                          pool[0].max_output_tokens_per_s * draw(st.sampled_from([0.05, 0.2, 0.4, 0.6])),
+                                          max_slowdown=draw(st.sampled_from([0.0, 0.0, 1.5, 2.0])),
+                                          busy_share=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3]))))
+                used[g] += 20.0
+    gpus = tuple(Gpu(g, n, used[g] + 30.0, used[g]) for n, gs in nodes.items() for g in gs)
+    stages = tuple(Stage(f"s{k}", StageKind.LLM, (f"s{k - 1}",) if k else (), draw(st.sampled_from([200, 600, 1200])),
+                         draw(st.sampled_from([60, 120, 200]))) for k in range(draw(st.integers(3, 4))))
+    opts = SelectionOptions(utilization_cap=draw(st.sampled_from([1.0, 0.8, 0.6])), allow_reuse=draw(st.booleans()),
+                            gpu_sharing=GpuSharing.INTERFERENCE, interference=draw(st.sampled_from(KAPPAS)))
+    slo = Slo(0.4, draw(st.sampled_from([3.0, 4.0, 5.0, 6.0, 8.0])), draw(st.sampled_from([0.2, 0.5, 1.0, 2.0])))
+    return SelectionRequest(slo, (Workflow("w", stages),), (Model("a", 0.5, 7.0, 7.0), Model("b", 0.5, 3.0, 3.0)),
+                            tuple(profiles), Cluster(gpus, tuple(instances)), opts)
+
+
+_PACKED = {"node_rows": 0, "busy_caps": 0, "infeasible": 0}
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(packed_chains())
+def _the_alone_floor_holds_when_nodes_are_packed(req: SelectionRequest) -> None:
+    from flowmaker.selection import sharing_alone as sa
+    from flowmaker.selection.milp import _tol
+
+    for pb, pw, model, tool in _models(req):
+        least = min((lat for _, lat in _least_by_multiset(pb, model).values()), default=INF)
+        got = {}
+        for nodes in (0, 50):
+            got[nodes] = sa.alone_floor(pb, pw, model.opts, tool, _tol(pb.lam), nodes=nodes)
+            assert got[nodes] <= least * (1 + 1e-12), (nodes, got[nodes], least)
+        real_rows, real_caps = sa.NODE_ROWS, sa.busy_caps
+        try:
+            sa.NODE_ROWS = False
+            no_rows = sa.alone_floor(pb, pw, model.opts, tool, _tol(pb.lam), nodes=50)
+            sa.busy_caps = lambda pb, blocked: {}  # type: ignore[assignment]
+            neither = sa.alone_floor(pb, pw, model.opts, tool, _tol(pb.lam), nodes=50)
+        finally:
+            sa.NODE_ROWS, sa.busy_caps = real_rows, real_caps  # type: ignore[assignment]
+        if got[50] > no_rows * (1 + 1e-9):
+            _PACKED["node_rows"] += 1
+            event("the node rows raise the alone floor")
+        if no_rows > neither * (1 + 1e-9):
+            _PACKED["busy_caps"] += 1
+            event("the busy caps raise the alone floor")
+        _PACKED["infeasible"] += got[50] == INF
+
+
+def test_the_alone_floors_node_rows_and_busy_caps_hold_and_bind() -> None:
+    """On chains whose new instances compete for each node's idle GPUs beside running co-residents that cap how busy
+    they may be: `sharing_alone.alone_floor` (LP and MILP) never exceeds the slowed L_s of a feasible variant, scored
+    from scratch; its node rows and its busy caps each raise it on some draws (each computed again without them), so
+    the check covers them."""
+    for k in _PACKED:
+        _PACKED[k] = 0
+    _the_alone_floor_holds_when_nodes_are_packed()
+    if _PACKED["node_rows"] == 0 or _PACKED["busy_caps"] == 0:
+        seed(PACKED_SEED)(_the_alone_floor_holds_when_nodes_are_packed)()  # (a draw where both bind)
+    assert _PACKED["node_rows"] > 0 and _PACKED["busy_caps"] > 0, _PACKED
+
+
+PACKED_SEED = 1
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(packed_chains())
+def test_exact_and_milp_equal_the_brute_force_when_nodes_are_packed(req: SelectionRequest) -> None:
+    """The same packed chains: `exact` and `milp` (whose walks prove infeasibility and bound with the alone floor)
+    return the brute force's (cost, L_s, new GPUs) or its reason."""
+    agree(req, ("exact", "milp"))
 
 
 def test_a_chain_that_needs_more_fast_instances_than_can_run_alone_is_proven_infeasible() -> None:
