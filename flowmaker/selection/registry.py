@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from flowmaker.domain import CapacityModel, SelectionRequest, SelectionResult
 from flowmaker.errors import InvalidSpec
+from flowmaker.selection.stackroom import with_room
 
 Strategy = Callable[[SelectionRequest], SelectionResult]
 
@@ -32,10 +33,11 @@ def select(request: SelectionRequest, strategy: str = "exact") -> SelectionResul
     """Validate the request and run the named strategy on it."""
     fn = get_strategy(strategy)
     request.validate()
+    # (the searches recurse: from a frame that leaves their recursion one stack chunk, `stackroom`)
     if request.options.capacity_model is CapacityModel.BUSY_TIME:
         from flowmaker.selection.busytime import select_busy_time
-        return select_busy_time(request, strategy, fn)
-    return fn(request)
+        return with_room(select_busy_time, request, strategy, fn)
+    return with_room(fn, request)
 
 
 def _load() -> None:
