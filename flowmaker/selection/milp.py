@@ -513,7 +513,7 @@ class RelaxedModel:
             if m < b:
                 heapq.heappush(heap, (m * lo_l, m, b, lo_l, True))
         inc = best[0] if best else INF
-        rest = min((k for k, *_ in heap), default=INF)
+        rest = heap[0][0] if heap else INF  # (a heapq list: its root is its least)
         fr.lower_bound = max(0.0, min(lb, rest, inc) * (1 - 1e-9))
         fr.complete = rest > inc or not heap
         fr.solves = self.solves
