@@ -339,18 +339,16 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     # Class T + 1 together: every new replica x on a capped GPU g has b_x <= cap_g, so n_x (its offered call-seconds,
     # b_x = 1 - exp(-n_x)) <= N_g = -log(1 - cap_g), and on [0, N_g] 1 - exp(-n) >= n cap_g / N_g (a chord under a
     # concave curve): the replicas on g, whose busy shares add up to at most cap_g, offer at most N_g together. A
-    # replica of k GPUs on a node with e GPUs it may use, e_c of them capped, has at least max(1, k - (e - e_c)) capped
-    # GPUs there: summed over the capped GPUs, the replicas of each profile offer at most, and every replica of the
-    # class counted that many times at least,
+    # replica of k GPUs on a node with e GPUs it may use, e_c of them capped, holds at least m = max(1, k - (e - e_c))
+    # capped GPUs there. So the class's replicas of k GPUs offer at most the sum over nodes of their capped N_g over
+    # m, and all of them, each counted its least m times, at most the N_g summed. (Per k, not per profile: clones
+    # share their GPUs' figures; the least memory of the k-GPU profiles gives the most GPUs, so the largest figures.)
     least_need = min(pb.p_need[p] for p in profs)
     n_cap = {g: -math.log1p(-v) * (1 + 1e-7) + 1e-12 for g, v in caps.items()}
     offered_row = row(-INF, sum(v for g, v in n_cap.items() if pb.free0[g] >= least_need)) if pb.rho > 0 else -1
-    # (per GPU count k, the replicas of every profile of k GPUs together: clones share their GPUs' figures)
     p_offered: dict[int, tuple[int, int]] = {}  # p: (its k's row, the least capped GPUs of one replica)
-    k_row: dict[int, int] = {}
-    for p in (profs if offered_row >= 0 else ()):
-        k = pb.p_k[p]
-        need = min(pb.p_need[q] for q in profs if pb.p_k[q] == k)  # (less memory: more GPUs, a larger figure)
+    for k in sorted({pb.p_k[p] for p in profs}) if offered_row >= 0 else ():
+        need = min(pb.p_need[q] for q in profs if pb.p_k[q] == k)
         most, least_m = 0.0, len(pb.free0) + 1
         for ids in pb.layout.gpus_by_node:
             e = [g for g in ids if g not in blocked and pb.free0[g] >= need]
@@ -360,9 +358,8 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
                 most += sum(n_cap[g] for g in ec) / m_v
                 least_m = min(least_m, m_v)
         if most > 0:
-            if k not in k_row:
-                k_row[k] = row(-INF, most * (1 + 1e-9))
-            p_offered[p] = (k_row[k], least_m)
+            k_row = row(-INF, most * (1 + 1e-9))
+            p_offered.update((p, (k_row, least_m)) for p in profs if pb.p_k[p] == k)
     for p in profs:
         unit = pb.profiles[p].max_output_tokens_per_s * pb.p_reps[p]
         for c, f_c in enumerate(fs):
