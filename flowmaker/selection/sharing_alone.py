@@ -159,6 +159,11 @@ def levels(pb: Problem, b_new: float, most: int = LEVELS, blocked: frozenset[str
     return out
 
 
+def _below(lv: Sequence[tuple[float, float]], i: int) -> float:
+    """The running busy total that class i's GPUs stay under (class 0: none busy at all)."""
+    return lv[i][1] if i else min(lv[0][1], 1e-300)
+
+
 def busy_caps(pb: Problem, blocked: frozenset[str]) -> dict[str, float]:
     """Per GPU that is not `blocked` and hosts a running instance, the most busy share a new replica on it may have
     (a little high; 1.0: none too high fails): more slows a running co-resident past Feasibility 5.4 even with every
@@ -176,17 +181,18 @@ def busy_caps(pb: Problem, blocked: frozenset[str]) -> dict[str, float]:
     kappa, top = float(pb.kappa), pb.u * (1 + 1e-9) * (1 + 1e-7)
     out: dict[str, float] = {}
     memo[blocked] = out
+    bl = dict(busy0)  # the busy totals, one GPU's raised per try and restored after
     for g, on in pb.on_gpu.items():
         if g in blocked or g not in pb.free0 or not on:
             continue
         cos = [_co(pb, i) for i in on]
 
         def fails(b: float, g: str = g, cos: list = cos) -> bool:
-            bl = dict(busy0)
-            bl[g] = bl.get(g, 0.0) + b
+            bl[g] = busy0.get(g, 0.0) + b
             return any(_co_fails(c, bl, c.b0, c.rho0, kappa, top) for c in cos)
 
         if not fails(1.0):
+            bl[g] = busy0.get(g, 0.0)
             continue
         lo, hi = 0.0, 1.0  # fails(hi); lo is 0 or does not fail
         for _ in range(60):
@@ -195,6 +201,7 @@ def busy_caps(pb: Problem, blocked: frozenset[str]) -> dict[str, float]:
                 hi = mid
             else:
                 lo = mid
+        bl[g] = busy0.get(g, 0.0)
         got = hi * (1 + 1e-7) + 1e-12
         if got < 1.0:
             out[g] = got
@@ -214,15 +221,13 @@ def _class_caps(pb: Problem, p: int, eligible: Sequence[str], required: Sequence
         e = [g for g in ids if g in elig and pb.free0[g] >= need]
         if len(e) < k or (req is not None and not any(g in req for g in e)):
             continue
-        for figs, best in ((caps, "b"), (rooms, "u")):
-            vals = sorted((figs.get(g, 1.0) for g in e), reverse=True)
-            got = vals[k - 1]
-            if req is not None:
-                got = min(got, max(figs.get(g, 1.0) for g in e if g in req))
-            if best == "b":
-                best_b = max(best_b, got)
-            else:
-                best_u = max(best_u, got)
+
+        def most_least(figs: Mapping[str, float], e: list[str] = e) -> float:
+            # the k-th largest figure here, and no more than the best required GPU's (one must be taken)
+            got = sorted((figs.get(g, 1.0) for g in e), reverse=True)[k - 1]
+            return got if req is None else min(got, max(figs.get(g, 1.0) for g in e if g in req))
+
+        best_b, best_u = max(best_b, most_least(caps)), max(best_u, most_least(rooms))
     return None if best_b < 0 else (best_b, best_u)
 
 
@@ -238,7 +243,7 @@ def _node_rows(pb: Problem, mdl: HighsModel, profs: Sequence[int], y: Mapping[tu
     n_lv = len(lv)
     ks = sorted({pb.p_k[p] for p in profs})
     need_k = {k: min(pb.p_need[p] for p in profs if pb.p_k[p] == k) for k in ks}
-    below = [lv[i][1] if i else min(lv[0][1], 1e-300) for i in range(n_lv)]
+    below = [_below(lv, i) for i in range(n_lv)]
     link = {(c, k): row(0.0, 0.0) for c in range(n_lv + 2) for k in ks}
     for p in profs:
         for c in range(n_lv + 2):
@@ -317,7 +322,7 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     def where(c: int) -> tuple[list[str], list[str] | None]:
         """Class c's replicas' GPUs, and those one of them has (None: any)."""
         if c < n_lv:  # co-residents running only, busy less than the class's upper threshold, at least its lower
-            below = lv[c][1] if c else min(lv[0][1], 1e-300)
+            below = _below(lv, c)
             return [g for g in unb if busy0.get(g, 0.0) < below], ([g for g in unb if pb.on_gpu.get(g)] if c else None)
         if c == n_lv:
             return [g for g in unb if g not in caps], None
@@ -371,8 +376,8 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
                     busy_row[(p, c)] = r_ = row(-INF, 0.0)
                     entries[y[(p, c)]].append((r_, -(-math.log1p(-cc[0]) * pb.p_reps[p] / pb.rho * (1 + 1e-7))))
             entries[y[(p, c)]].append((cap_row[(p, c)], -most_load))
-    for i, (_, t_count) in enumerate(lv):  # classes 0..i: GPUs of their own, running busy < t_count, one node each
-        counts, gpus = calm_counts(pb, profs, t_count if i else min(t_count, 1e-300), blocked)
+    for i in range(len(lv)):  # classes 0..i: GPUs of their own, running busy below class i's, one node each
+        counts, gpus = calm_counts(pb, profs, _below(lv, i), blocked)
         for k, most in counts.items():
             r_ = row(-INF, float(most))
             for p in profs:
