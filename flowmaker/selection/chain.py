@@ -86,7 +86,7 @@ FLOOR_NODES = 50  # HiGHS nodes of the least-L MILP under the walk's floors (0: 
 # on chain_clones 1319019 and 1303015, whose LP floors are 0.23% and 1.5% under the target and their roots above it)
 ALONE = True
 ALONE_MILP_GAP = 0.02
-ALONE_MILP_GAP_BLIND = 0.06  # ... when the walk finds nothing for BLIND_POPS steps
+ALONE_MILP_GAP_BLIND = 0.06  # the same, when a walk with no incumbent finds nothing in BLIND_POPS steps
 BLIND_POPS = 200
 UNSETTLED_PLACED = True  # GPU sharing: a multiset whose packing MILP gave up goes to `placed_value`
 PLACED_FIRST = True  # GPU sharing: `placed_cheap` before a multiset's packing (`settle`)
@@ -194,7 +194,7 @@ def fan_group(pw: PWorkflow) -> frozenset[int] | None:
 def _least_live(heap: list[Any], live: Callable[[Any], bool]) -> float:
     """The least key of a live entry of `heap` (a heapq list of tuples keyed by their first element; INF: none), in
     heap order from its root, without changing it: the entries above the first live one only (a walk that ran to its
-    deadline leaves millions of entries, and a scan of them all took 0.3 s past the deadline: chain_clones 1499007)."""
+    deadline held 283,000 entries, and a scan of them all ran past the deadline: chain_clones 1499007)."""
     todo = [(heap[0][0], 0)] if heap else []
     while todo:
         k, j = heapq.heappop(todo)
