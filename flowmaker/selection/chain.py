@@ -113,6 +113,12 @@ MILP_QUICK_NODES = 50  # HiGHS nodes for a packing whose first search saw no ass
 # session) the same instances proven within 1 s on two fresh seeds (589/600), 597 within 2 s instead of 595.
 MILP_SUBMIPS = False
 HIGHS_TIME_SHARE = 0.5  # of the time left to the deadline, what a packing MILP may take (HiGHS overruns its limit)
+# HiGHS' dual bound of a packing, lowered by this share before it bounds anything: against the float difference
+# between HiGHS' sum of a packing's latencies and the from-scratch one (tens of terms: some 1e-15). A tenth of the
+# spec's tie tolerance, so that the multiset of the best variant, settled at its cost, is seen to hold no better one
+# (`sharing_chain.tie_break`); at 1e-12 the two margins met and a sum 2.5e-16 apart sent chain_clones 1543000,
+# 1549017 and 1553005 to search that multiset again for their whole budget.
+DB_MARGIN = 1e-13
 MILP_NODES = 3_000  # branch-and-bound nodes of HiGHS for one packing; past it the multiset keeps its bound
 # (measured on fresh chain_clones instances: 500 left packings of a single new instance unsettled that 3,000 settle)
 # A packing the class search gave up on goes to the pattern bound first (`_least_l_patterns`; PATTERNS = False: straight
@@ -1033,13 +1039,13 @@ def _least_l_milp(pb: Problem, loads: list[float], so: list[list[tuple[float, st
         # assignment it found, if any (a candidate for the caller; it is checked from scratch there).
         found = assignment()[0] if getattr(info, "primal_solution_status", 0) == 2 else None
         if db is not None and math.isfinite(db):
-            return min(cap_l, tool + db * (1 - 1e-12)), found, False
+            return min(cap_l, tool + db * (1 - DB_MARGIN)), found, False
         return None
     out, L = assignment()
     # The point's value is the proven bound (at most L; equal up to HiGHS' tolerances), the assignment the best
     # found (its candidate variant is scored from scratch).
     if db is not None and math.isfinite(db):
-        L = min(L, tool + db * (1 - 1e-12))
+        L = min(L, tool + db * (1 - DB_MARGIN))
     return L, out, True
 
 

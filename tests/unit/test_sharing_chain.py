@@ -435,6 +435,38 @@ def test_a_proven_cost_a_few_1e_9_above_the_walks_bound_is_settled_by_the_tie_br
     assert res.optimal and res.variant is not None, (res.gap, res.lower_bound)
 
 
+def test_the_best_variants_own_multiset_settled_at_its_cost_is_not_searched_again() -> None:
+    """chain_clones 1543000 of the hard families under sharing: the walk settles the best's multiset with HiGHS' dual
+    bound less `chain.DB_MARGIN`. With that margin equal to the spec's tie tolerance (1e-12), the two met and a float
+    sum 2.5e-16 apart failed the tie-break's skip test, so the multiset was searched again for a shorter L_s until the
+    budget ran out (unproven, gap 1e-9). Counted in work: no strict search of a multiset holding the best."""
+    from flowmaker.selection import chain
+
+    assert chain.DB_MARGIN < ex.REL_TOL
+    real_tb, real_en = sharing_chain.tie_break, sharing_chain._enumerate
+    searched: list[tuple[int, ...]] = []
+    best_y: list[tuple[int, ...]] = []
+
+    def en(model: object, insts: tuple[int, ...], *a: object, **kw: object) -> object:
+        if (a[3] if len(a) > 3 else kw.get("strict")) is True:
+            searched.append(tuple(insts))
+        return real_en(model, insts, *a, **kw)  # type: ignore[arg-type]
+
+    def tb(pb: Problem, models: object, multisets: dict, best: tuple, deadline: float,  # type: ignore[type-arg]
+           values: object = None) -> object:
+        best_y.append(tuple(sorted(best[1][2])))
+        return real_tb(pb, models, multisets, best, deadline, values)  # type: ignore[arg-type]
+
+    sharing_chain.tie_break, sharing_chain._enumerate = tb, en  # type: ignore[assignment]
+    try:
+        res = ex.select_exact(_hard("chain_clones", 1543000, 20.0))
+    finally:
+        sharing_chain.tie_break, sharing_chain._enumerate = real_tb, real_en
+    assert res.optimal and res.variant is not None
+    assert best_y, "the tie-break ran"
+    assert not [y for y in searched if tuple(sorted(y)) in best_y], searched
+
+
 def test_a_walk_with_no_incumbent_places_its_multisets() -> None:
     """chain_clones 1307008 of the hard families under sharing: its cheapest multisets pass the relaxation but fail
     once placed. The walk used to leave a multiset at its relaxed bound while it had no incumbent, so it did not
