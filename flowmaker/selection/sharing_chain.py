@@ -440,7 +440,11 @@ class HighsModel:
         return len(self.cost) - 1
 
     def highs(self, integer: bool) -> Any:
-        """The model passed to a HiGHS instance (a MILP when `integer`), exact to MIP_TOL, within MILP_NODES."""
+        """The model passed to a HiGHS instance (a MILP when `integer`), exact to MIP_TOL, within MILP_NODES, without
+        HiGHS' RINS and RENS sub-MIPs, as the packings' MILPs (`chain.MILP_SUBMIPS`): they only look for better
+        solutions, and the callers take the dual bound (measured: a 26-row order MILP of chain_clones 1549035, 10
+        nodes, 0.30 s with them, 0.09 s without, the same dual bound)."""
+        from flowmaker.selection.chain import MILP_SUBMIPS
         from flowmaker.selection.exact import _core_lp
         from flowmaker.selection.milp import _CORE, MIP_TOL
 
@@ -451,7 +455,8 @@ class HighsModel:
         h: Any = _CORE._Highs()
         for opt, val in (("output_flag", False), ("threads", 1), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
                          ("mip_feasibility_tolerance", MIP_TOL), ("primal_feasibility_tolerance", MIP_TOL),
-                         ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", MILP_NODES)):
+                         ("dual_feasibility_tolerance", MIP_TOL), ("mip_max_nodes", MILP_NODES),
+                         ("mip_heuristic_run_rins", MILP_SUBMIPS), ("mip_heuristic_run_rens", MILP_SUBMIPS)):
             h.setOptionValue(opt, val)
         h.passModel(lp)
         return h
