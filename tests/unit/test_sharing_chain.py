@@ -487,6 +487,70 @@ def test_a_fan_under_sharing_is_proven_by_its_multiset_walk() -> None:
     assert abs(res.variant.cost - 804.0395992932857) <= 1e-9 * 804.04, res.variant.cost
 
 
+def test_a_fan_whose_milp_walk_places_nothing_is_walked_by_multisets_and_equals_the_brute_force() -> None:
+    """Fans under sharing with no incumbent from the first branch and bound (its work limit 1) and none from the MILP
+    walk (its candidates withheld, as when none of its points places): the short branch and bound (FAN_FIRST_WORK 1)
+    and then the multiset walk follow it (FANS_BLIND_AFTER_WALK), the larger of the two walks' bounds kept. `milp` and
+    `exact` still equal the brute force, and that path ran."""
+    from flowmaker.selection import chain
+    from flowmaker.selection.chain import fan_group
+
+    real_walk, real_chain = milp.RelaxedModel.walk, chain.walk_chain
+    knobs = ("SHARING_FIRST_WORK", "FAN_FIRST_WORK", "FANS_NEED_INCUMBENT", "FANS_BLIND_AFTER_WALK")
+    saved = {k: getattr(milp, k) for k in knobs}
+    empty = [False]
+    after = [0]
+
+    def walk(self: milp.RelaxedModel, *a: object, **kw: object) -> object:
+        fr = real_walk(self, *a, **kw)  # type: ignore[arg-type]
+        fr.candidates = []
+        empty[0] = True
+        return fr
+
+    def walk_chain(model: object, *a: object, **kw: object) -> object:
+        if empty[0] and fan_group(model.pw) is not None:  # type: ignore[attr-defined]
+            after[0] += 1
+            event("a fan walked by multisets after its MILP walk")
+        empty[0] = False
+        return real_chain(model, *a, **kw)  # type: ignore[arg-type]
+
+    milp.RelaxedModel.walk = walk  # type: ignore[method-assign]
+    chain.walk_chain = walk_chain  # type: ignore[assignment]
+    milp.SHARING_FIRST_WORK, milp.FAN_FIRST_WORK = 1, 1
+    milp.FANS_NEED_INCUMBENT, milp.FANS_BLIND_AFTER_WALK = True, True
+    try:
+        _fans_equal_the_brute_force()
+    finally:
+        milp.RelaxedModel.walk = real_walk  # type: ignore[method-assign]
+        chain.walk_chain = real_chain  # type: ignore[assignment]
+        for k, v in saved.items():
+            setattr(milp, k, v)
+    assert after[0] > 0
+
+
+def test_a_fan_whose_milp_walk_places_nothing_is_proven_by_its_multiset_walk() -> None:
+    """wide_fan 1549038 under sharing: the first branch and bound finds no variant, nor does the MILP walk (complete,
+    none of its points places); the branch and bound after it found the optimum only after 8 s. The short branch and
+    bound, then the multiset walk, prove it (about 0.6 s); wide_fan 1553045, infeasible, is proven by that short
+    branch and bound (about 0.3 s; 1 s when the multiset walk came first)."""
+    real = ex.make_search
+    late = [0]  # branch and bound searches after the walks (counted: work, not time)
+
+    def make_search(*a: object, **kw: object) -> object:
+        late[0] += 1
+        return real(*a, **kw)  # type: ignore[arg-type]
+
+    ex.make_search = make_search  # type: ignore[assignment]
+    try:
+        res = ex.select_exact(_hard("wide_fan", 1549038, 20.0))
+        assert res.optimal and res.variant is not None, (res.gap, res.reason_detail)
+        res2 = ex.select_exact(_hard("wide_fan", 1553045, 20.0))
+        assert res2.optimal and res2.variant is None, (res2.reason, res2.lower_bound)
+    finally:
+        ex.make_search = real  # type: ignore[assignment]
+    assert late[0] == 0
+
+
 def test_a_fans_tie_on_a_stage_off_its_longest_path_goes_to_the_canonical_variant() -> None:
     """wide_fan 1373016 under sharing: a tp1 instance and its clone's tp1 (equal memory, the clone faster alone) tie on
     a parallel stage off the longest path. The walk keeps only the clone; its tie-break must not decide among its own
