@@ -936,8 +936,10 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
     # that no variant exists (an infinite bound is not "above" an infinite incumbent: 991023 of the hard families,
     # whose walk ended with nothing left, was reported unfinished and answered DEADLINE_EXCEEDED at any budget).
     fr.images_complete = not stopped and _beyond(unsettled, inc, slack) and (_beyond(rest, inc, slack) or not heap)
+    # (Under GPU sharing a multiset whose assignment did not place keeps a proven bound in `settled`, which the
+    # tie-break searches when it is within its gate (`sharing_chain.tie_break`): it does not leave the walk open.)
     fr.complete = not stopped and _beyond(unsettled, inc, 2e-9) and (_beyond(rest, inc, 1e-9) or not heap) \
-        and _beyond(unplaced, inc, 2e-9)
+        and ((pb.sharing and not relaxed) or _beyond(unplaced, inc, 2e-9))
     return fr
 
 
