@@ -684,11 +684,11 @@ CANON_NODES_UNORDERED = 250
 FANS_NEED_INCUMBENT = True
 # ... but when the MILP walk then finds no variant either (none of its points places), a branch and bound of
 # FAN_FIRST_WORK nodes plus prefix checks (it proves the infeasible ones), then the multiset walk (of at most
-# FAN_POINTS_BLIND multisets without an incumbent) follow it. Measured on wide_fan under sharing, twelve seeds x 60:
-# 712/720 within 1 s, 707 with the branch and bound alone after the MILP walk (it found 1549038's optimum after 8 s,
-# the multiset walk in 0.6 s); without the short branch and bound, 1553045 (infeasible) took 1.0 s instead of 0.3 s.
+# SHARING_POINTS_BLIND multisets without an incumbent, as a chain's) follow it. Measured on wide_fan under sharing,
+# twelve seeds x 60: 712/720 within 1 s, 707 with the branch and bound alone after the MILP walk (it found 1549038's
+# optimum after 8 s, the multiset walk in 0.6 s); without the short branch and bound, 1553045 (infeasible) took 1.0 s
+# instead of 0.3 s.
 FANS_BLIND_AFTER_WALK = True
-FAN_POINTS_BLIND = 600
 FAN_FIRST_WORK = 3_000
 
 Best = tuple[tuple[float, float, int], tuple[PWorkflow, list[Choice], list[int], list[tuple[str, tuple[str, ...]]]]]
@@ -795,7 +795,7 @@ def select_hybrid(req: SelectionRequest, strategy: str, first: int | None) -> Se
                         best = (s_f.best, s_f.best_at)
                 m = RelaxedModel(pb, pw, usable, placed=True)
                 models[pw.index] = m
-                fr = walk_chain(m, d2, best[0] if best else None, CHAIN_POINTS_FIRST if best else FAN_POINTS_BLIND,
+                fr = walk_chain(m, d2, best[0] if best else None, CHAIN_POINTS_FIRST if best else SHARING_POINTS_BLIND,
                                 CHAIN_MILPS_FIRST)
                 fr.lower_bound = max(fr.lower_bound, lb_walk)
                 chain, walked = True, True
