@@ -665,6 +665,62 @@ def test_the_alone_floor_is_below_every_feasible_variants_latency() -> None:
 
 ALONE_SEED = 6  # a hypothesis seed whose draw has requests the alone floor proves infeasible
 
+_MERGED = {"merged": 0, "binding": 0}
+
+
+def near_clone(req: SelectionRequest, f: float) -> SelectionRequest:
+    """`req` with a model "c" like "a" whose profiles take `f` times the time (1/f the capacity) and 2 - f the memory:
+    a clone that is not identical, so merging it with "a" takes the better figure of each."""
+    a = next((m for m in req.models if m.id == "a"), None)
+    if a is None:
+        return req
+    clones = tuple(dataclasses.replace(p, model_id="c", fixed_s=p.fixed_s * f, prefill_s_per_token=p.prefill_s_per_token * f,
+                                       decode_s_per_token=p.decode_s_per_token * f,
+                                       max_output_tokens_per_s=p.max_output_tokens_per_s / f,
+                                       memory_gb_per_gpu=p.memory_gb_per_gpu * (2 - f))
+                   for p in req.profiles if p.model_id == "a")
+    return dataclasses.replace(req, models=(*req.models, dataclasses.replace(a, id="c")),
+                               profiles=(*req.profiles, *clones))
+
+
+@settings(max_examples=EXAMPLES // 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(chains(), dags()).flatmap(lambda r: st.sampled_from([0.9, 0.97, 1.03, 1.1]).map(
+    lambda f: near_clone(r, f))))
+def _the_merged_alone_floor_holds(req: SelectionRequest) -> None:
+    from flowmaker.selection import sharing_alone as sa
+    from flowmaker.selection.milp import _tol
+
+    for pb, pw, model, tool in _models(req):
+        least = min((lat for _, lat in _least_by_multiset(pb, model).values()), default=INF)
+        llm = [s for s in pw.llm if model.opts.get(s)]
+        profs = sorted({ref for s in llm for k, ref, _ in model.opts[s] if k == NEW})
+        real = sa.MERGE_TOL
+        try:
+            sa.MERGE_TOL = 1.0  # every profile of the same GPUs, replicas and stages in one group: the most merging
+            reps = sa.merged(pb, pw, llm, model.opts, profs)[0] if len(llm) == len(pw.llm) else profs
+            for nodes in (0, 50):
+                a = sa.alone_floor(pb, pw, model.opts, tool, _tol(pb.lam), nodes=nodes)
+                assert a <= least * (1 + 1e-12), (nodes, a, least)
+        finally:
+            sa.MERGE_TOL = real
+        if len(reps) < len(profs):
+            _MERGED["merged"] += 1
+            event("profiles merged")
+            _MERGED["binding"] += a == INF or a > tool + sum(min(lat for _, _, lat in model.opts[s]) for s in pw.llm) * (1 + 1e-6)
+
+
+def test_the_alone_floor_with_profiles_merged_is_below_every_feasible_variants_latency() -> None:
+    """`sharing_alone.merged`: the alone floor with every profile of the same GPUs, replicas and stages merged into
+    one (the widest tolerance; its figures the best of its members') never exceeds the slowed L_s of a feasible
+    variant, scored from scratch, on requests with a clone 3-10% faster or slower than its model (and larger or
+    smaller); merges happen and the floor still binds on some draws, so the check is not empty."""
+    for k in _MERGED:
+        _MERGED[k] = 0
+    _the_merged_alone_floor_holds()
+    if _MERGED["binding"] == 0:
+        seed(ALONE_SEED)(_the_merged_alone_floor_holds)()
+    assert _MERGED["merged"] > 0 and _MERGED["binding"] > 0, _MERGED
+
 
 @st.composite
 def packed_chains(draw: st.DrawFn) -> SelectionRequest:
