@@ -7,12 +7,13 @@ STAMP := .venv/.installed
 
 setup: $(STAMP) etcd native   ## virtualenv with FlowMaker + dev extras, an etcd server binary, the compiled class search
 
-# The selector's class search and pattern route compiled with mypyc (flowmaker/native.py): about 3x faster, the
+# The selector's class search, pattern route and sharing searches compiled with mypyc (flowmaker/native.py): about 3x faster, the
 # same results bit for bit. Rebuilt when its source changes; without a C compiler it is skipped and the selector runs as pure Python.
-NATIVE_SRC := flowmaker/selection/binpack.py flowmaker/selection/patterns.py flowmaker/native.py
+NATIVE_SRC := flowmaker/selection/binpack.py flowmaker/selection/patterns.py flowmaker/selection/order_search.py \
+              flowmaker/selection/sharing_bound.py flowmaker/native.py
 native: build/native/manifest.json
 build/native/manifest.json: $(STAMP) $(NATIVE_SRC)
-	@echo "==> native: compiling the selector's class search and pattern route with mypyc (about 20 s)"
+	@echo "==> native: compiling the selector's class search, pattern route and sharing searches with mypyc (about 30 s)"
 	$(PY) -m flowmaker.native build
 
 $(STAMP): pyproject.toml

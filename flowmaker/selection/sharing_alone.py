@@ -57,7 +57,8 @@ def blocked_gpus(pb: Problem, b_new: float, c_new: float = 0.0) -> frozenset[str
     """The GPUs no new instance may use: one busy `b_new` (the least a new instance is) there slows a running
     co-resident past Feasibility 5.4 (`sharing_chain._co_fails`), and busy shares only grow; or its compute share
     `c_new` (the least a new replica adds) takes the GPU past its budget (5.1)."""
-    from flowmaker.selection.sharing_chain import CO_CHECK, _co, _co_fails
+    from flowmaker.selection.order_search import _co_fails
+    from flowmaker.selection.sharing_chain import CO_CHECK, _co
 
     if not CO_CHECK:
         return frozenset()
@@ -171,7 +172,8 @@ def busy_caps(pb: Problem, blocked: frozenset[str]) -> dict[str, float]:
     (a little high; 1.0: none too high fails): more slows a running co-resident past Feasibility 5.4 even with every
     other busy total at its running value (`_co_fails`, monotone in the replica's share: found by bisection), and
     busy totals only grow as a variant adds instances and stages."""
-    from flowmaker.selection.sharing_chain import _co, _co_fails
+    from flowmaker.selection.order_search import _co_fails
+    from flowmaker.selection.sharing_chain import _co
 
     memo: dict[frozenset[str], dict[str, float]] | None = getattr(pb, "_busy_caps", None)
     if memo is None:

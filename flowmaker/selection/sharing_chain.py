@@ -45,8 +45,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from flowmaker.selection.order_search import _MARGIN, Bins, _Co, _co_fails, search_chain, search_fan
 from flowmaker.selection.problem import EPS, INF, NEW, REL_TOL, REUSE, Problem, PWorkflow
-from flowmaker.sharing import add_offered, busy_share, occupancy
+from flowmaker.sharing import busy_share, occupancy
 
 CHEAP_ORDERS = 24  # `placed_cheap`'s most orders (measured: dag_mix 1447018 under sharing, 10,575 placements in 1.7 s with 120)
 MAX_ORDERS = 120  # distinct opening orders of a multiset tried; past it the multiset keeps the walk's bound
@@ -61,7 +62,6 @@ TANGENTS = 16  # tangent cuts of a slowed bin's convex cost in `_convex_lp`
 LEVEL_MILP = False  # the bands as a MILP too (measured: 80-160 ms an order, for 1% more bound), else their LP
 PLACED_WORK = 800  # work of the placed bounds per chain walk: orders placed, HiGHS solves SOLVE_WORK each
 SOLVE_WORK = 8  # measured: an order's placement and cheap bounds 0.1-0.5 ms, a HiGHS solve 2-20 ms
-_MARGIN = 1e-7
 CO_CHECK = True  # Feasibility 5.4 (running co-residents) in `placed_bins` and the searches
 
 Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedModel.opts`
@@ -197,17 +197,6 @@ def placed_cheap(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]
     return best
 
 
-class _Co(NamedTuple):
-    """A running instance as Feasibility 5.4 sees it (`_co_fails`); `rb` its reused bin in a search, else -1."""
-
-    gpus: tuple[str, ...]
-    b0: float
-    rho0: float
-    f0: float
-    most: float  # its tolerance max_slowdown x (1 + EPS), margin added; INF when it has none
-    rb: int
-
-
 def _co(pb: Problem, inst: Any, rb: int = -1) -> _Co:
     """Running instance `inst` as `_co_fails` sees it (once per request; `rb` as `_Co` says)."""
     cache: dict[str, _Co] | None = getattr(pb, "_cos", None)
@@ -231,29 +220,6 @@ def _f_most(c: _Co, u: float) -> float:
     if c.most < INF:
         got = min(got, c.most / (1 - c.rho0 + c.most * c.rho0))
     return got * (1 + _MARGIN)
-
-
-def _co_fails(c: _Co, busy: Mapping[str, float], b1: float, rho1: float, kappa: float, top: float) -> bool:
-    """Whether running instance `c` fails Feasibility 5.4 in every variant whose GPUs' busy totals are at least
-    `busy` (its own busy share `b1` among them, its compute share at least `rho1`; `top` = u (1 + EPS), margin
-    added): the busy shares only grow as stages are added, so its co-residents' total on its most crowded GPU, f1 and
-    x1 = rho1 f1 only grow. It must be clearly made slower (f1 above f0, so m1 > m0 whatever its own load) before the
-    budget and its tolerance apply; m1 infinite fails whatever m0. Margins only keep a variant (the exact check
-    decides)."""
-    worst = 0.0
-    for g in c.gpus:
-        x = busy.get(g, 0.0) - b1
-        if x > worst:
-            worst = x
-    f1 = 1.0 + kappa * worst
-    x1 = rho1 * f1
-    if x1 > 1.0 + _MARGIN:
-        return True
-    if not f1 > c.f0 * (1 + _MARGIN):
-        return False
-    if x1 > top:
-        return True
-    return c.most < INF and x1 < 1.0 - _MARGIN and f1 * (1 - c.rho0) / (1 - x1) > c.most
 
 
 # (the options mapping, `_least_shares` of it), one tuple so that concurrent selections read a consistent pair: the
@@ -774,56 +740,16 @@ def _order_tables(pb: Problem, pw: PWorkflow, llm: list[int], topo: Mapping[int,
     return _Tables(by_stage, ld_suf, min_ld, first_left, tot, [b.busy0 for b in bins], gpus_of, near, co)
 
 
-def _co_ok(cos: Sequence[_Co], bins: list[_Bin], tot: Mapping[str, float], own: Sequence[float],
-           fill: Sequence[float], kappa: float, top: float) -> bool:
-    """The searches' Feasibility 5.4 check of the running instances `cos` beside a bin that just took a stage (the busy
-    totals `tot` so far; a reused one at its bin's busy share and load): False when one fails every completion."""
-    for c in cos:
-        if c.rb >= 0:
-            b1, rho1 = own[c.rb], fill[c.rb] / bins[c.rb].unit
-        else:
-            b1, rho1 = c.b0, c.rho0
-        if _co_fails(c, tot, b1, rho1, kappa, top):
-            return False
-    return True
-
-
-def _busy_of(b: _Bin, alone: float, rate: float) -> float:
-    """Bin b's busy share at least, its stages' latencies alone summing to `alone` (new: from nothing; reused: on its
-    running share)."""
-    x = rate * alone
-    got = occupancy(x / b.reps) if b.kind == NEW else add_offered(b.busy0, x)
-    return max(b.busy0, got * (1 - _MARGIN))
-
-
-def _leaf(model: Any, assign: dict[int, tuple[str, int]], inst: dict[int, int], cap: list[float],
-          out: list[Candidate], strict: bool | None, most: int, floor: float, deadline: float) -> bool:
-    """A complete assignment of the searches: checked from scratch, kept when within the cap (which then tightens, as
-    `_enumerate` says); False when the search ends here (out of time, past `most`, or at `floor`)."""
-    if time.perf_counter() > deadline:
-        return False  # (a leaf is checked from scratch: up to 5 ms under sharing, so the clock is read here too)
-    got = model.realize(assign, inst)
-    if got is not None and got[0][1] <= cap[0]:
-        out.append(got)
-        if strict is None:
-            return len(out) <= most
-        cap[0] = got[0][1] * (1 - 1e-12) if strict else got[0][1]
-        if got[0][1] <= floor * (1 + 1e-12):
-            return False  # no variant is shorter (but for the spec's 1e-12 of a tie): a least one
-    return True
-
-
 def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: float, state: Any, bins: list[_Bin],
                   k_new: int, cap: list[float], out: list[Candidate], strict: bool | None, most: int,
                   budget: list[int], deadline: float, floor: float = -INF) -> bool:
     """`_enumerate`'s search for one opening order (`bins` its `placed_bins`, the first `k_new` of them new): the
-    variants it finds go to `out`; False when it ran out of work or time, or found one of L_s at most `floor`."""
+    variants it finds go to `out`; False when it ran out of work or time, or found one of L_s at most `floor`. Its
+    tables and bounds here, its depth-first search in `order_search.search_chain`."""
     pw, pb = model.pw, model.pb
     n = len(llm)
     tb = _order_tables(pb, pw, llm, topo, bins, k_new)
-    by_stage, ld_suf, min_ld, first_left = tb.by_stage, tb.ld_suf, tb.min_ld, tb.first_left
-    tot, own, gpus_of, near, co = tb.tot, tb.own, tb.gpus_of, tb.near, tb.co
-    top = pb.u * (1 + EPS) * (1 + _MARGIN)
+    by_stage = tb.by_stage
     rem = [0.0] * (n + 1)
     for j in range(n - 1, -1, -1):
         rem[j] = rem[j + 1] + (by_stage[j][0][0] if by_stage[j] else INF)
@@ -836,119 +762,13 @@ def _search_order(model: Any, llm: list[int], topo: Mapping[int, int], tool: flo
     for j in range(n - 1, -1, -1):
         ld = pw.load[llm[j]]
         rem_mu[j] = rem_mu[j + 1] + min(lb + mu[bi] * ld for lb, bi in by_stage[j])
-    pen = [sum(p_ * (b.cap - b.load0) for p_, b in zip(mu, bins, strict=True))]
-    if tool + rem_mu[0] - pen[0] > cap[0] * (1 + 1e-9):
+    pen = sum(p_ * (b.cap - b.load0) for p_, b in zip(mu, bins, strict=True))
+    if tool + rem_mu[0] - pen > cap[0] * (1 + 1e-9):
         return True
-    first = [INF] * k_new  # per new bin, its earliest stage so far
-    fill = [b.load0 for b in bins]
-    used = [0] * len(bins)
-    alone = [0.0] * len(bins)
-    lbs = [0.0] * len(bins)
-    contrib = [0.0] * len(bins)
-    assign: dict[int, tuple[str, int]] = {}
-    inst: dict[int, int] = {}
-    opened = [0]
-    kappa, rate = float(pb.kappa), pb.rho
-
-    def contrib_of(bi: int) -> float:
-        if not alone[bi]:
-            return 0.0
-        b = bins[bi]
-        worst = max((tot[g] - own[bi] for gids in b.gpus for g in gids), default=0.0)
-        f = max(b.f, 1.0 + kappa * worst)
-        return max(lbs[bi], alone[bi] * state.multiplier_lb(f, fill[bi] / b.unit))
-
-    def rest_ok(j: int, part: float) -> bool:
-        """Whether the stages j.. may still complete within the cap, each at its least bound on a bin that has room
-        for it now (a bin's room only shrinks); a stage that no bin has room for: no completion."""
-        lim = cap[0]
-        t = part
-        for jj in range(j, n):
-            ld = pw.load[llm[jj]]
-            for lb, bi in by_stage[jj]:
-                if fill[bi] + ld <= bins[bi].cap:
-                    t += lb
-                    break
-            else:
-                return False
-            if t > lim:
-                return False
-        return True
-
-    def go(j: int, part: float) -> bool:
-        budget[0] -= 1
-        if budget[0] < 0 or (budget[0] & 255 == 0 and time.perf_counter() > deadline):
-            return False
-        if k_new - opened[0] > n - j:
-            return True  # too few stages left to open every instance
-        fl = first_left[j]
-        for i in range(1, k_new):
-            if min(first[i - 1], fl[i - 1]) > first[i]:
-                return True  # instance i - 1 can no longer open before instance i: another order's search
-        if j == n:
-            return _leaf(model, assign, inst, cap, out, strict, most, floor, deadline)
-        room = 0.0
-        for bi, b in enumerate(bins):
-            r = b.cap - fill[bi]
-            if r >= min_ld[j][bi]:
-                room += r
-        if ld_suf[j] > room * (1 + 1e-9) + 1e-9:
-            return True  # the load left cannot fit
-        if part + rem_mu[j] - pen[0] > cap[0] * (1 + 1e-9):
-            return True
-        s, ld = llm[j], pw.load[llm[j]]
-        for lb, bi in by_stage[j]:
-            if part + lb + rem[j + 1] > cap[0]:
-                break  # fastest first
-            b = bins[bi]
-            if fill[bi] + ld > b.cap or alone[bi] + b.alone[s] > b.amax:
-                continue
-            f0, a0, l0, o0 = fill[bi], alone[bi], lbs[bi], own[bi]
-            saved_c = [contrib[bk] for bk in near[bi]]
-            saved_t = [tot[g] for g in gpus_of[bi]]
-            fill[bi], alone[bi], lbs[bi] = f0 + ld, a0 + b.alone[s], l0 + lb
-            own[bi] = _busy_of(b, alone[bi], rate)
-            d = own[bi] - o0
-            if d:
-                for gids in b.gpus:
-                    for g in gids:
-                        tot[g] += d
-            p2 = part
-            for bk in near[bi]:
-                c = contrib_of(bk)
-                p2 += c - contrib[bk]
-                contrib[bk] = c
-            if p2 + rem[j + 1] <= cap[0] and (not co[bi] or _co_ok(co[bi], bins, tot, own, fill, kappa, top)) \
-                    and rest_ok(j + 1, p2):
-                used[bi] += 1
-                pen[0] -= mu[bi] * ld
-                opened[0] += b.kind == NEW and used[bi] == 1
-                assign[s] = (b.kind, b.ref)
-                first_b = INF
-                if b.kind == NEW:
-                    inst[s] = b.i
-                    first_b = first[bi]
-                    first[bi] = min(first_b, topo[s])
-                else:
-                    inst.pop(s, None)
-                ok = go(j + 1, p2)
-                if b.kind == NEW:
-                    first[bi] = first_b
-                opened[0] -= b.kind == NEW and used[bi] == 1
-                pen[0] += mu[bi] * ld
-                used[bi] -= 1
-            else:
-                ok = True
-            fill[bi], alone[bi], lbs[bi], own[bi] = f0, a0, l0, o0
-            for bk, c in zip(near[bi], saved_c, strict=True):
-                contrib[bk] = c
-            for g, t in zip(gpus_of[bi], saved_t, strict=True):
-                tot[g] = t
-            if not ok:
-                return False
-        return True
-
-    return go(0, tool)
+    return search_chain(model, llm, [pw.load[s] for s in llm], topo, state.multiplier_lb, Bins(bins), k_new, cap, out,
+                        strict, most, budget, deadline, floor, float(pb.kappa), pb.rho,
+                        pb.u * (1 + EPS) * (1 + _MARGIN), by_stage, tb.ld_suf, tb.min_ld, tb.first_left, tb.tot,
+                        tb.own, tb.gpus_of, tb.near, tb.co, rem, mu, rem_mu, pen, tool)
 
 
 def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool: float, state: Any,
@@ -957,13 +777,12 @@ def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool:
     """`_search_order` for a fan (`fan_of`): the same depth-first search, opening rule and leaves, with each stage's
     latency bounded on its own (its bound there, or its latency alone times its instance's multiplier at the load and
     busy shares so far, which only grow) and L the TOOL stages' latency + the other stages' bounds summed + the
-    largest parallel stage's; a stage not yet placed counts at its least bound over the bins."""
+    largest parallel stage's; a stage not yet placed counts at its least bound over the bins. Its search:
+    `order_search.search_fan`."""
     pw, pb = model.pw, model.pb
     n = len(llm)
     tb = _order_tables(pb, pw, llm, topo, bins, k_new)
-    by_stage, ld_suf, min_ld, first_left = tb.by_stage, tb.ld_suf, tb.min_ld, tb.first_left
-    tot, own, gpus_of, near, co = tb.tot, tb.own, tb.gpus_of, tb.near, tb.co
-    top = pb.u * (1 + EPS) * (1 + _MARGIN)
+    by_stage = tb.by_stage
     par = [s in fan for s in llm]
     least = [by_stage[j][0][0] if by_stage[j] else INF for j in range(n)]
     if any(v == INF for v in least):
@@ -975,106 +794,10 @@ def _search_order_fan(model: Any, llm: list[int], topo: Mapping[int, int], tool:
         rem_g[j] = max(rem_g[j + 1], least[j] if par[j] else 0.0)
     if tool + rem_p[0] + rem_g[0] > cap[0]:
         return True
-    first = [INF] * k_new
-    fill = [b.load0 for b in bins]
-    used = [0] * len(bins)
-    alone = [0.0] * len(bins)
-    cur = [0.0] * n  # each placed stage's bound now
-    on: list[list[int]] = [[] for _ in bins]  # the placed stages (positions in llm) on each bin
-    assign: dict[int, tuple[str, int]] = {}
-    inst: dict[int, int] = {}
-    opened = [0]
-    kappa, rate = float(pb.kappa), pb.rho
-
-    def mult(bi: int) -> float:
-        b = bins[bi]
-        worst = max((tot[g] - own[bi] for gids in b.gpus for g in gids), default=0.0)
-        return float(state.multiplier_lb(max(b.f, 1.0 + kappa * worst), fill[bi] / b.unit))
-
-    def placed_l(k: int, j: int) -> tuple[float, float]:
-        """(tool + the path stages ..k-1's bounds now + the path stages j.. at their least, the largest parallel
-        bound over the stages ..k-1 now and the stages j.. at their least)."""
-        p_, g_ = tool + rem_p[j], rem_g[j]
-        for jj in range(k):
-            if par[jj]:
-                g_ = max(g_, cur[jj])
-            else:
-                p_ += cur[jj]
-        return p_, g_
-
-    def go(j: int) -> bool:
-        budget[0] -= 1
-        if budget[0] < 0 or (budget[0] & 255 == 0 and time.perf_counter() > deadline):
-            return False
-        if k_new - opened[0] > n - j:
-            return True
-        fl = first_left[j]
-        for i in range(1, k_new):
-            if min(first[i - 1], fl[i - 1]) > first[i]:
-                return True
-        if j == n:
-            return _leaf(model, assign, inst, cap, out, strict, most, floor, deadline)
-        room = 0.0
-        for bi, b in enumerate(bins):
-            r = b.cap - fill[bi]
-            if r >= min_ld[j][bi]:
-                room += r
-        if ld_suf[j] > room * (1 + 1e-9) + 1e-9:
-            return True
-        s, ld = llm[j], pw.load[llm[j]]
-        p0, g0 = placed_l(j, j + 1)  # (stage j at none: its bound is added below)
-        for lb, bi in by_stage[j]:
-            if (p0 + max(g0, lb) if par[j] else p0 + lb + g0) > cap[0]:
-                break  # fastest first
-            b = bins[bi]
-            if fill[bi] + ld > b.cap or alone[bi] + b.alone[s] > b.amax:
-                continue
-            f0, a0, o0 = fill[bi], alone[bi], own[bi]
-            saved_t = [tot[g] for g in gpus_of[bi]]
-            saved_c = [(jj, cur[jj]) for bk in near[bi] for jj in on[bk]]
-            fill[bi], alone[bi] = f0 + ld, a0 + b.alone[s]
-            own[bi] = _busy_of(b, alone[bi], rate)
-            d = own[bi] - o0
-            if d:
-                for gids in b.gpus:
-                    for g in gids:
-                        tot[g] += d
-            on[bi].append(j)
-            for bk in near[bi]:
-                m = mult(bk)
-                bb = bins[bk]
-                for jj in on[bk]:
-                    cur[jj] = max(bb.lb[llm[jj]], bb.alone[llm[jj]] * m)
-            p2, g2 = placed_l(j + 1, j + 1)
-            if p2 + g2 <= cap[0] and (not co[bi] or _co_ok(co[bi], bins, tot, own, fill, kappa, top)):
-                used[bi] += 1
-                opened[0] += b.kind == NEW and used[bi] == 1
-                assign[s] = (b.kind, b.ref)
-                first_b = INF
-                if b.kind == NEW:
-                    inst[s] = b.i
-                    first_b = first[bi]
-                    first[bi] = min(first_b, topo[s])
-                else:
-                    inst.pop(s, None)
-                ok = go(j + 1)
-                if b.kind == NEW:
-                    first[bi] = first_b
-                opened[0] -= b.kind == NEW and used[bi] == 1
-                used[bi] -= 1
-            else:
-                ok = True
-            on[bi].pop()
-            fill[bi], alone[bi], own[bi] = f0, a0, o0
-            for g, t in zip(gpus_of[bi], saved_t, strict=True):
-                tot[g] = t
-            for jj, c in saved_c:
-                cur[jj] = c
-            if not ok:
-                return False
-        return True
-
-    return go(0)
+    return search_fan(model, llm, [pw.load[s] for s in llm], topo, state.multiplier_lb, Bins(bins), k_new, cap, out,
+                      strict, most, budget, deadline, floor, float(pb.kappa), pb.rho,
+                      pb.u * (1 + EPS) * (1 + _MARGIN), by_stage, tb.ld_suf, tb.min_ld, tb.first_left, tb.tot,
+                      tb.own, tb.gpus_of, tb.near, tb.co, par, rem_p, rem_g, tool)
 
 
 def settle_multiset(model: Any, insts: Sequence[int], cap_cost: float, deadline: float,

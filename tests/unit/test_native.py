@@ -63,9 +63,48 @@ print(json.dumps({"status": native.status(), "results": out}))
 """
 
 
-def _run(env_native: str) -> dict[str, object]:
+# The GPU-sharing searches on both sides: every variant of each multiset of one or two new instances of the hard
+# families' small chains and fans under sharing (`sharing_chain._enumerate`, all of them, then least first), and
+# `exact`'s answers there (its branch and bound takes `sharing_bound.completion_bound` at every node).
+_SHARING_SCRIPT = r"""
+import dataclasses, itertools, json, sys, time
+sys.path.insert(0, sys.argv[1])
+from flowmaker import native
+from flowmaker.bench.selector_hard import hard_instance
+from flowmaker.domain import GpuSharing
+from flowmaker.selection import chain, exact as ex, milp, sharing_chain
+from flowmaker.selection.problem import INF, NEW, Problem
+from flowmaker.selection.registry import select
+
+out = []
+for fam in ("chain_clones", "wide_fan", "fragmented"):
+    for seed in range(12):
+        req = hard_instance(fam, seed, "small").request
+        req = dataclasses.replace(req, options=dataclasses.replace(req.options, gpu_sharing=GpuSharing.INTERFERENCE,
+                                                                   time_budget_s=60.0))
+        pb = Problem(req)
+        for pw in pb.workflows:
+            model = milp.RelaxedModel(pb, pw, ex.usable_profiles(pb))
+            if not model.ok or (sharing_chain.fan_of(pw) is None and not chain.is_chain(pw)):
+                continue
+            profs = sorted({ref for s in pw.llm for k, ref, _ in model.opts[s] if k == NEW})
+            for insts in [*((p,) for p in profs), *itertools.combinations_with_replacement(profs, 2)]:
+                for strict in (None, True, False):
+                    got = sharing_chain._enumerate(model, list(insts), INF, time.perf_counter() + 60, [10**6], strict,
+                                                   most=10**6)
+                    out.append(repr((insts, strict, got)))
+        try:
+            res = select(req, "exact")
+            out.append(repr((res.optimal, res.variant, res.lower_bound)))
+        except Exception as e:
+            out.append(repr(type(e).__name__))
+print(json.dumps({"status": native.status(), "results": out}))
+"""
+
+
+def _run(env_native: str, script: str = _SCRIPT) -> dict[str, object]:
     env = dict(os.environ, FLOWMAKER_NATIVE=env_native, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT / "tests" / "unit")], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", script, str(ROOT / "tests" / "unit")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -77,6 +116,18 @@ def test_the_compiled_class_search_returns_the_pure_ones_results_bit_for_bit() -
     assert compiled["status"] == COMPILED
     assert pure["status"] == PURE
     assert len(pure["results"]) == 300 * 9 + 40  # type: ignore[arg-type]
+    assert compiled["results"] == pure["results"]
+
+
+@needs_build
+def test_the_compiled_sharing_searches_return_the_pure_ones_results_bit_for_bit() -> None:
+    """`order_search` (the depth-first searches of a multiset's assignments under GPU sharing) and `sharing_bound`
+    compiled: every variant they enumerate, in order, and `exact`'s answers are the pure modules' (floats by repr)."""
+    compiled, pure = _run("1", _SHARING_SCRIPT), _run("0", _SHARING_SCRIPT)
+    assert compiled["status"] == COMPILED
+    assert pure["status"] == PURE
+    found = [r for r in pure["results"] if r.startswith("((") and "[(" in r]  # type: ignore[union-attr]
+    assert len(found) > 50, len(found)  # (multisets with variants: the searches ran)
     assert compiled["results"] == pure["results"]
 
 
