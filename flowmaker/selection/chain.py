@@ -80,6 +80,7 @@ CHAIN_PREPS = 10  # Lagrangian bounds (one small LP each) per multiset the walk 
 CLASS_NODES = 20_000
 CLASS_NODES_MORE = 200_000
 SINGLE_BIN_NODES = 4_000  # the same when every class is one instance (the bin-by-bin search's former limit)
+SHARING_CLASS_NODES = 20_000  # the same under GPU sharing (`least_l_sum`; it was SINGLE_BIN_NODES)
 FLOOR_NODES = 50  # HiGHS nodes of the least-L MILP under the walk's floors (0: no floors)
 # GPU sharing: the floor of `sharing_alone` under a chain walk's keys (its LP; the MILP's root when the LP's floor is
 # within ALONE_MILP_GAP of the latency target: the root took 0.2-1.3 s on the instances where it proved nothing, 0.03 s
@@ -513,9 +514,13 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
         # (measured on the adversarial `reuse` family: 0.8-1.0 s with the long search, 0.2-0.4 s without). Under
         # GPU sharing the least L of a packing is only the walk's relaxation (`sharing_chain` settles a multiset
         # once placed), so a long search buys little there too (adversarial `chain15` 3: 1.7 s unproven with it,
-        # proven in 0.5 s without).
+        # proven in 0.5 s without); 20,000 nodes of the compiled search settle packings that HiGHS takes 0.5-1 s over
+        # (chain_clones under sharing, 2 s budget: 338 -> 340 of 360 within 1 s on six seeds, 880 -> 882 of 900 on
+        # three new seeds of every family; 1597015, 1601037 and 1607024 unproven -> proven in 0.3-0.4 s).
         nodes = CLASS_NODES_MORE if use_milp else CLASS_NODES
-        if all(y[pos[ref]] <= 1 for k, ref in classes if k == NEW) or pb.sharing:
+        if pb.sharing:
+            nodes = min(nodes, SHARING_CLASS_NODES)
+        elif all(y[pos[ref]] <= 1 for k, ref in classes if k == NEW):
             nodes = min(nodes, SINGLE_BIN_NODES)
         got_c = least_l_classes(so, loads, bl, mu, tool, cap_l, nodes, deadline)
         work[0] += got_c[3]
