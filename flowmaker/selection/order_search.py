@@ -95,6 +95,28 @@ def _leaf(model: Any, assign: dict[int, tuple[str, int]], inst: dict[int, int], 
     return True
 
 
+def _opening_cut(k_new: int, opened: int, left: int, first: list[float], first_left: list[float]) -> bool:
+    """Whether the searches' opening rule cuts a partial assignment: fewer stages `left` than new instances still to
+    open, or some instance i - 1 that can no longer open before instance i (another order's search has it)."""
+    if k_new - opened > left:
+        return True
+    for i in range(1, k_new):
+        if min(first[i - 1], first_left[i - 1]) > first[i]:
+            return True
+    return False
+
+
+def _room_cut(cap: list[float], fill: list[float], min_ld: list[float], load_left: float) -> bool:
+    """Whether the load of the stages left cannot fit the room the bins have left (a bin's room counts only when
+    some stage left that may use it fits)."""
+    room = 0.0
+    for bi in range(len(cap)):
+        r = cap[bi] - fill[bi]
+        if r >= min_ld[bi]:
+            room += r
+    return load_left > room * (1 + 1e-9) + 1e-9
+
+
 def _worst(tot: Mapping[str, float], gpus: Sequence[str], own: float) -> float:
     """The largest busy total of `gpus` less `own` (0.0 when there are none), as `max(..., default=0.0)`."""
     worst = 0.0
@@ -178,22 +200,12 @@ def search_chain(model: Any, llm: list[int], loads: list[float], topo: Mapping[i
         budget[0] -= 1
         if budget[0] < 0 or (budget[0] & 255 == 0 and time.perf_counter() > deadline):
             return False
-        if k_new - opened[0] > n - j:
-            return True  # too few stages left to open every instance
-        fl = first_left[j]
-        for i in range(1, k_new):
-            if min(first[i - 1], fl[i - 1]) > first[i]:
-                return True  # instance i - 1 can no longer open before instance i: another order's search
+        if _opening_cut(k_new, opened[0], n - j, first, first_left[j]):
+            return True
         if j == n:
             return _leaf(model, assign, inst, cap, out, strict, most, floor, deadline)
-        room = 0.0
-        mj = min_ld[j]
-        for bi in range(nb):
-            r = bcap[bi] - fill[bi]
-            if r >= mj[bi]:
-                room += r
-        if ld_suf[j] > room * (1 + 1e-9) + 1e-9:
-            return True  # the load left cannot fit
+        if _room_cut(bcap, fill, min_ld[j], ld_suf[j]):
+            return True
         if part + rem_mu[j] - pen_l[0] > cap[0] * (1 + 1e-9):
             return True
         s, ld = llm[j], loads[j]
@@ -291,21 +303,11 @@ def search_fan(model: Any, llm: list[int], loads: list[float], topo: Mapping[int
         budget[0] -= 1
         if budget[0] < 0 or (budget[0] & 255 == 0 and time.perf_counter() > deadline):
             return False
-        if k_new - opened[0] > n - j:
+        if _opening_cut(k_new, opened[0], n - j, first, first_left[j]):
             return True
-        fl = first_left[j]
-        for i in range(1, k_new):
-            if min(first[i - 1], fl[i - 1]) > first[i]:
-                return True
         if j == n:
             return _leaf(model, assign, inst, cap, out, strict, most, floor, deadline)
-        room = 0.0
-        mj = min_ld[j]
-        for bi in range(nb):
-            r = bcap[bi] - fill[bi]
-            if r >= mj[bi]:
-                room += r
-        if ld_suf[j] > room * (1 + 1e-9) + 1e-9:
+        if _room_cut(bcap, fill, min_ld[j], ld_suf[j]):
             return True
         s, ld = llm[j], loads[j]
         p0, g0 = placed_l(j, j + 1)  # (stage j at none: its bound is added below)
