@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -44,15 +44,8 @@ BELOW_MOST = 50_000  # images below some kept image, at most (past it expansions
 def clone_groups(model: RelaxedModel) -> list[list[int]] | None:
     """The new-instance profiles of the model's options, grouped (module docstring); each group sorted by memory
     (then index). None when no group has two members (nothing to merge)."""
-    pb, llm, opts = model.pb, model.pw.llm, model.opts
-    lat: dict[int, dict[int, float]] = {}
-    for j, s in enumerate(llm):
-        for k, ref, v in opts[s]:
-            if k == NEW:
-                lat.setdefault(ref, {})[j] = v
-    buckets: dict[tuple[Any, ...], list[int]] = {}
-    for pi in sorted(lat):
-        buckets.setdefault((pb.p_reps[pi], pb.p_k[pi], pb.p_gpus[pi], frozenset(lat[pi])), []).append(pi)
+    pb = model.pb
+    lat, buckets = profile_buckets(pb, model.pw.llm, model.opts)
     groups: list[list[int]] = []
     for ps in buckets.values():
         ps.sort(key=lambda p: (pb.p_mem[p], p))
@@ -72,8 +65,25 @@ def clone_groups(model: RelaxedModel) -> list[list[int]] | None:
     return sorted(groups)
 
 
-def _near(a: float, b: float) -> bool:
-    return abs(a - b) <= CLONE_TOL * max(abs(a), abs(b))
+def profile_buckets(pb: Any, llm: Sequence[int], opts: Mapping[int, Sequence[tuple[str, int, float]]]
+                    ) -> tuple[dict[int, dict[int, float]], dict[tuple[Any, ...], list[int]]]:
+    """(per new-instance profile of the options, its least latency bound per LLM stage; those profiles by what any
+    group's members share: replicas, GPUs per replica and in all, and the stages that may use them), each bucket in
+    profile order."""
+    lat: dict[int, dict[int, float]] = {}
+    for s in llm:
+        for k, ref, v in opts[s]:
+            if k == NEW:
+                got = lat.setdefault(ref, {})
+                got[s] = min(v, got.get(s, INF))
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    for pi in sorted(lat):
+        buckets.setdefault((pb.p_reps[pi], pb.p_k[pi], pb.p_gpus[pi], frozenset(lat[pi])), []).append(pi)
+    return lat, buckets
+
+
+def _near(a: float, b: float, tol: float = CLONE_TOL) -> bool:
+    return abs(a - b) <= tol * max(abs(a), abs(b))
 
 
 class AggregatedModel:

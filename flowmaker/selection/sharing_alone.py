@@ -299,21 +299,15 @@ def merged(pb: Problem, pw: PWorkflow, llm: Sequence[int], opts: Mapping[int, Se
     1601053 infeasible took 2.7 s on every profile, 1.3 s merged at 0.02 and 0.33 s at 0.05; 1567055 1.0 s -> 0.1 s.
     Returns (representatives, per representative its tokens per second and capacity, per LLM stage {representative:
     (latency bound, latency alone)})."""
+    from flowmaker.selection.clones import _near, profile_buckets
     from flowmaker.selection.milp import _tol
 
-    lat: dict[int, dict[int, float]] = {p: {} for p in profs}
-    for s in llm:
-        for k, ref, v in opts[s]:
-            if k == NEW:
-                lat[ref][s] = min(v, lat[ref].get(s, INF))
+    lat, buckets = profile_buckets(pb, llm, opts)
 
     def near(a: float, b: float) -> bool:
-        return abs(a - b) <= MERGE_TOL * max(abs(a), abs(b))
+        return _near(a, b, MERGE_TOL)
 
     groups: list[list[int]] = []
-    buckets: dict[tuple[object, ...], list[int]] = {}
-    for p in profs:
-        buckets.setdefault((pb.p_reps[p], pb.p_k[p], pb.p_gpus[p], frozenset(lat[p])), []).append(p)
     for ps in buckets.values():
         ps.sort(key=lambda p: (pb.p_need[p], p))
         mine: list[list[int]] = []
