@@ -69,6 +69,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from flowmaker.cancel import wait_for
 from flowmaker.launcher.client import RpcFailure, Stubs, call
 from flowmaker.launcher.stack import LocalStack, StackConfig, StackError
 
@@ -323,7 +324,7 @@ class MetricsSampler:
             while not stop.is_set():
                 await self.scrape_all(http)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.period_s)
+                    await wait_for(stop.wait(), self.period_s)
             await self.scrape_all(http)
 
     def window(self, iid: str, t0: float, t1: float, scale: float) -> dict[str, Any]:

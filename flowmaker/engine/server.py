@@ -68,6 +68,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from flowmaker import telemetry
+from flowmaker.cancel import wait_for
 from flowmaker.domain import Profile, ProfileSource
 from flowmaker.engine.gpu_share import GpuShare
 from flowmaker.engine.model import Completion, EngineModel
@@ -328,7 +329,7 @@ class EmulatedEngine:
             if self.gpu_share is not None and self.model.in_flight > 0:  # neighbours come and go: look again
                 timeout = self.gpu_share_poll_s if timeout is None else min(timeout, self.gpu_share_poll_s)
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                await wait_for(self._wake.wait(), timeout)
             except TimeoutError:
                 pass
 

@@ -283,7 +283,7 @@ class CallerLimiter:
             if left is None:
                 await sem.acquire()
             else:
-                await asyncio.wait_for(sem.acquire(), max(left, 0.0))
+                await _cancel.wait_for(sem.acquire(), max(left, 0.0))
         except BaseException as e:
             self._forget(caller)
             if isinstance(e, TimeoutError):

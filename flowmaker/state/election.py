@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from flowmaker.cancel import wait_for
 from flowmaker.errors import AlreadyExists, FlowMakerError, InvalidSpec
 from flowmaker.state.store import EventKind, Json, StateStore
 
@@ -118,8 +119,8 @@ class Election:
         while True:
             await asyncio.sleep(interval)
             try:
-                left = await asyncio.wait_for(self.store.refresh_lease(self._lease), timeout=interval)
-                kv = await asyncio.wait_for(self.store.get(self.key), timeout=interval)
+                left = await wait_for(self.store.refresh_lease(self._lease), timeout=interval)
+                kv = await wait_for(self.store.get(self.key), timeout=interval)
             except (FlowMakerError, TimeoutError) as e:
                 if time.monotonic() - last_ok < 2 * interval:
                     log.warning("election %s: lease refresh failed (%s); retrying", self.key, e)
@@ -147,7 +148,7 @@ class Election:
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), self.ttl_s / 3.0)
+                    await wait_for(changed.wait(), self.ttl_s / 3.0)
                 if await self.store.refresh_lease(self._lease) <= 0:
                     self._lease = 0
                     return

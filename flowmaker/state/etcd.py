@@ -22,6 +22,7 @@ from aetcd import rpc as arpc
 from aetcd import transactions as atx
 from aetcd import utils as autils
 
+from flowmaker.cancel import wait_for
 from flowmaker.errors import (
     AlreadyExists,
     Conflict,
@@ -164,7 +165,7 @@ class _TlsClient(aetcd.Client):
         if self._connected.is_set():
             return
         if self._is_connecting:  # type: ignore[has-type]
-            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            await wait_for(self._connected.wait(), self._connect_wait_timeout)
             return
         try:
             self._is_connecting = True
@@ -425,6 +426,6 @@ class EtcdStore(CasOps):
             _raise_mapped(e, f"watch {prefix}")
         finally:
             try:
-                await asyncio.wait_for(w.cancel(), timeout=self.timeout_s)
+                await wait_for(w.cancel(), timeout=self.timeout_s)
             except Exception:  # the stream may already be gone; nothing left to cancel
                 log.debug("watch cancel failed", exc_info=True)

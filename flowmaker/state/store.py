@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from flowmaker.cancel import wait_for
 from flowmaker.errors import Conflict, FlowMakerError, InvalidSpec, NotFound
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,7 @@ class LeaseKeeper:
         while True:
             await asyncio.sleep(interval)
             try:
-                remaining = await asyncio.wait_for(self.store.refresh_lease(self.id), timeout=interval)
+                remaining = await wait_for(self.store.refresh_lease(self.id), timeout=interval)
             except (FlowMakerError, TimeoutError) as e:
                 if loop.time() - last_ok < self.ttl_s:
                     log.warning("lease %x refresh failed (%s); retrying", self.id, e)

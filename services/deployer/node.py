@@ -39,6 +39,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
+from flowmaker.cancel import wait_for
 from flowmaker.domain import Profile, ProfileSource
 from flowmaker.engine.gpu_share import make_share_dir
 from flowmaker.errors import (
@@ -410,7 +411,7 @@ class NodeAgent:
             p = await asyncio.create_subprocess_exec(
                 *argv, env=engine_base_env(), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE, user=ids[0], group=ids[1], extra_groups=[], cwd="/")
-            _, errb = await asyncio.wait_for(p.communicate(), 60)
+            _, errb = await wait_for(p.communicate(), 60)
             why = "" if p.returncode == 0 else errb.decode(errors="replace").strip()[-500:]
         except (OSError, subprocess.SubprocessError) as e:
             why = str(e)

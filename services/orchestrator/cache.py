@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from flowmaker.cancel import wait_for
 from flowmaker.errors import FlowMakerError
 from flowmaker.orchestration.reconcile import Observed
 from flowmaker.orchestration.task import TaskRecord
@@ -292,7 +293,7 @@ class RoutingCache:
         if not self.fresh:
             return  # the caller reads etcd itself until the first listing
         try:
-            now = await asyncio.wait_for(asyncio.gather(*(self.store.prefix_state(p) for p in prefixes)), ask_s)
+            now = await wait_for(asyncio.gather(*(self.store.prefix_state(p) for p in prefixes)), ask_s)
         except (FlowMakerError, TimeoutError) as e:
             log.debug("catch-up: etcd did not say how %s stand (%s); reading the cache as it is", prefixes, e)
             return
@@ -301,7 +302,7 @@ class RoutingCache:
             if time.monotonic() >= deadline:
                 log.info("catch-up: the cache is behind etcd on %s after %gs; listing them", prefixes, wait_s)
                 try:  # bounded: a slow etcd must not hold the listing for the resync's every prefix
-                    await asyncio.wait_for(self.resync(), CATCH_UP_RESYNC_S)
+                    await wait_for(self.resync(), CATCH_UP_RESYNC_S)
                 except (FlowMakerError, TimeoutError, ValueError) as e:
                     log.warning("catch-up: listing from etcd failed (%s); reading the cache as it is", e)
                 return

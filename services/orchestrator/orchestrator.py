@@ -26,6 +26,7 @@ from typing import Any
 from flowmaker import metrics
 from flowmaker.api.common.v1 import selection_pb2
 from flowmaker.api.selector.v1 import selector_pb2
+from flowmaker.cancel import wait_for
 from flowmaker.domain import Cluster, Slo, Workflow
 from flowmaker.orchestration.adapt import ArrivalMeter, LoadPolicy, TaskLoad
 from flowmaker.orchestration.commit import CommitPlan
@@ -187,7 +188,7 @@ class Orchestrator:
         if self.board is not None:
             wait.append(self.board.published.wait())  # this replica's record, before it serves
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*wait), self._settings.reconcile_interval_s + 5.0)
+            await wait_for(asyncio.gather(*wait), self._settings.reconcile_interval_s + 5.0)
 
     async def close(self) -> None:
         if self.election is not None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flowmaker import metrics
+from flowmaker.cancel import wait_for
 from flowmaker.errors import FlowMakerError
 from flowmaker.orchestration.adapt import LoadPolicy, drifted
 from flowmaker.orchestration.reconcile import Action, Kind, Memory, Observed, Policy, plan, to_probe
@@ -91,7 +92,7 @@ class Reconciler:
             except Exception as e:  # etcd unavailable (or a bug): the next pass tries again
                 log.warning("reconcile pass failed: %s", e)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.cache.changed.wait(), self.interval_s)
+                await wait_for(self.cache.changed.wait(), self.interval_s)
             await asyncio.sleep(0.05)  # coalesce a burst of watch events into one pass
 
     # ---- one pass ----------------------------------------------------------------------------

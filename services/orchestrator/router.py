@@ -18,6 +18,7 @@ from typing import Any
 from opentelemetry import trace
 
 from flowmaker import metrics, telemetry
+from flowmaker.cancel import wait_for
 from flowmaker.catalog import default_models, get_model
 from flowmaker.domain import Stage, Workflow
 from flowmaker.errors import FailedPrecondition, FlowMakerError, InvalidSpec, NoCapacity, NotFound, Unavailable
@@ -71,7 +72,7 @@ class Router:
             await asyncio.gather(self._flusher, return_exceptions=True)
             self._flusher = None
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.flush_observations(), 2.0)
+            await wait_for(self.flush_observations(), 2.0)
 
     async def invoke(self, task_id: str, text: str, *, max_output_tokens: int = 0,
                      on_event: OnEvent | None = None) -> Execution:

@@ -15,7 +15,7 @@ import grpc
 from flowmaker import convert
 from flowmaker.api.common.v1 import task_pb2
 from flowmaker.api.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from flowmaker.cancel import checkpoint, incoming_deadline, offload, remaining_s
+from flowmaker.cancel import checkpoint, incoming_deadline, offload, remaining_s, wait_for
 from flowmaker.errors import DeadlineExceeded, NoCapacity, PermissionDenied
 from flowmaker.rpc.auth import current_principal, policy_of
 from flowmaker.state import keys
@@ -214,7 +214,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             left = self.router.settings.invoke_timeout_s
             incoming_deadline.set(time.monotonic() + left)  # this RPC's context only
         try:
-            return await asyncio.wait_for(aw, max(left, 0.0))
+            return await wait_for(aw, max(left, 0.0))
         except TimeoutError:
             raise DeadlineExceeded(f"the invocation did not finish within {left:.3g} s (the caller's deadline or "
                                    "invoke_timeout_s)", reason="INVOKE_TIMEOUT") from None

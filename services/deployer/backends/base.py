@@ -28,6 +28,7 @@ from urllib.parse import quote
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from flowmaker.cancel import wait_for
 from flowmaker.domain import Profile
 from flowmaker.errors import InvalidSpec, Unavailable
 from flowmaker.launcher.procs import exec_dying_with_parent
@@ -334,7 +335,7 @@ class EngineProcess:
         if self._proc.returncode is None:
             self._kill_group(signal.SIGTERM)
             try:
-                await asyncio.wait_for(self._proc.wait(), grace_s)
+                await wait_for(self._proc.wait(), grace_s)
             except TimeoutError:
                 log.warning("%s engine %s ignored SIGTERM for %ss; killing", self.backend.name,
                             self.spec.instance_id, grace_s)
@@ -342,7 +343,7 @@ class EngineProcess:
         try:
             # bounded: a shutdown must end even if the exit is never reported (a test run once hung for 10 minutes
             # in a deployer's shutdown, its child watcher still waiting on a pid)
-            await asyncio.wait_for(self._proc.wait(), KILL_WAIT_S)
+            await wait_for(self._proc.wait(), KILL_WAIT_S)
         except TimeoutError:
             log.error("%s engine %s (pid %s) was not seen to exit %ss after SIGKILL; left behind", self.backend.name,
                       self.spec.instance_id, self._proc.pid, KILL_WAIT_S)
@@ -356,7 +357,7 @@ class EngineProcess:
     async def _drain_output(self) -> None:
         if self._tasks and not self._tasks[0].done():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._tasks[0]), 1.0)
+                await wait_for(asyncio.shield(self._tasks[0]), 1.0)
 
     def _kill_group(self, sig: signal.Signals) -> None:
         assert self._proc is not None
