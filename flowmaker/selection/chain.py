@@ -125,11 +125,17 @@ MILP_NODES = 3_000  # branch-and-bound nodes of HiGHS for one packing; past it t
 # A packing the class search gave up on goes to the pattern bound first (`_least_l_patterns`; PATTERNS = False: straight
 # to HiGHS): column generation for at most PAT_ITERS master LPs, knapsacks of PAT_KNAP_NODES nodes, at most PAT_MOST
 # patterns within the gap, an exact cover of PAT_COVER_NODES nodes; past any of these the MILP takes over. Measured on
-# the chain_clones packings HiGHS took 0.4-12.6 s on (seeds 1123000-1163000): 0.04-1 s, most under 0.3 s. Not under GPU
-# sharing, where a packing's least L is only the walk's relaxation (as for the class search's long limit): there it
-# gained nothing on the hard families (seed 1071000: 94/100 within 1 s either way) and cost the adversarial `reuse` 1
-# its MILP walk's bound at the deadline (651 instead of 699).
+# the chain_clones packings HiGHS took 0.4-12.6 s on (seeds 1123000-1163000): 0.04-1 s, most under 0.3 s.
 PATTERNS = True
+# Under GPU sharing only once the class search gave up (PATTERNS_SHARING), not as the probe of a packing the search saw
+# no assignment of: there a packing's least L is only the walk's relaxation, and the probe's HiGHS call is cheaper
+# (measured with it on, 360 chain_clones under sharing: 340 -> 338 within 1 s; 1579038 0.64 -> 1.84 s). After the
+# class search, packings of 20-30 rows took HiGHS 1,000-2,400 nodes (chain_clones 1721041: 0.3-0.56 s each) that the
+# pattern bound settles in 15-40 ms: six held-out seeds x 60 of every family (1,800, 2 s budget, in one process)
+# 1,766 -> 1,768 within 1 s (1709041, 1723018, 1747035 proven in 0.4-0.6 s; 1723012 0.96 s -> unproven), the 360
+# chain_clones 340 either way; the adversarial `reuse` 1 keeps its bound (699.1: when this was first tried, at 1071000,
+# it fell to 651).
+PATTERNS_SHARING = True
 # Over groups of clones (`clones`), packings go to HiGHS too (False: a packing the searches and the pattern route leave
 # open keeps its bound: measured, chain_clones 1249013 spent 1.7 of its 2 s in two such MILPs of the walk over groups,
 # neither settled, and the walk over profiles got none)
@@ -569,7 +575,7 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
                 bins_won[0] += 1
                 return got_b[0], got_b[1], True
             keep(got_b[1])
-        if use_milp and PATTERNS and not pb.sharing:  # the class search gave up: the pattern route first
+        if use_milp and PATTERNS and (PATTERNS_SHARING or not pb.sharing):  # the class search gave up: the pattern route first
             got = _least_l_patterns([pw.load[s] for s in llm], so, pat_classes(y, so), tool, cap_l, deadline)
             if got is not None:
                 return got

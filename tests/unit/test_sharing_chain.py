@@ -15,7 +15,8 @@ import itertools
 import os
 import time
 
-from hypothesis import HealthCheck, event, given, seed, settings
+import pytest
+from hypothesis import HealthCheck, event, example, given, seed, settings
 from hypothesis import strategies as st
 from test_gpu_sharing import KAPPAS, agree, requests, shared_requests, under_sharing, with_clone
 
@@ -119,6 +120,43 @@ def test_chains_under_sharing_equal_the_brute_force_through_the_chain_paths() ->
         sharing_chain.tie_break = real_tb  # type: ignore[assignment]
         chain.placed_value = real_pv  # type: ignore[assignment]
     assert _CALLS["settled"] > 0 and _CALLS["placed_value"] > 0, _CALLS
+
+
+def test_chains_under_sharing_whose_packings_go_to_the_pattern_route_equal_the_brute_force(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small chain_clones under sharing with the class search of the packings cut to 2 nodes, so that a packing it
+    gives up on goes to the pattern route (`chain.PATTERNS_SHARING`) before HiGHS, and `exact` starting with the walks:
+    `milp` and `exact` still equal the brute force, and the pattern route settled packings."""
+    from flowmaker.bench.selector_hard import hard_instance
+    from flowmaker.selection import chain
+
+    settled: list[bool] = []
+    real = chain._least_l_patterns
+
+    def counted(*a: object, **kw: object) -> object:
+        got = real(*a, **kw)  # type: ignore[arg-type]
+        settled.append(got is not None)
+        return got
+
+    for name in ("CLASS_NODES", "CLASS_NODES_MORE", "SHARING_CLASS_NODES"):
+        monkeypatch.setattr(chain, name, 2)
+    monkeypatch.setattr(chain, "_least_l_patterns", counted)
+    monkeypatch.setattr(chain, "MILP_QUICK_NODES", 0)  # (no HiGHS probe first: the class search's bound, then this)
+    monkeypatch.setattr(milp, "first_nodes", lambda budget: 4)  # the walks, not the branch and bound's first dive
+
+    @settings(max_examples=PATTERN_SEEDS, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.integers(0, 79))
+    @example(35)  # (a third of these seeds reach the route: 35 settles three packings there)
+    def small_chains(k: int) -> None:
+        req = hard_instance("chain_clones", k, "small").request
+        agree(dataclasses.replace(req, options=dataclasses.replace(req.options, gpu_sharing=GpuSharing.INTERFERENCE,
+                                                                   time_budget_s=60.0)), ("milp", "exact"))
+
+    small_chains()
+    assert any(settled), len(settled)
+
+
+PATTERN_SEEDS = 20
 
 
 _FAN_WALKS = [0]
