@@ -575,7 +575,7 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
                 bins_won[0] += 1
                 return got_b[0], got_b[1], True
             keep(got_b[1])
-        if use_milp and PATTERNS and (PATTERNS_SHARING or not pb.sharing):  # the class search gave up: the pattern route first
+        if use_milp and PATTERNS and (PATTERNS_SHARING or not pb.sharing):  # the class search gave up: patterns first
             got = _least_l_patterns([pw.load[s] for s in llm], so, pat_classes(y, so), tool, cap_l, deadline)
             if got is not None:
                 return got
