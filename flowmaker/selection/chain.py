@@ -82,13 +82,15 @@ CLASS_NODES_MORE = 200_000
 SINGLE_BIN_NODES = 4_000  # the same when every class is one instance (the bin-by-bin search's former limit)
 SHARING_CLASS_NODES = 20_000  # the same under GPU sharing (`least_l_sum`; it was SINGLE_BIN_NODES)
 FLOOR_NODES = 50  # HiGHS nodes of the least-L MILP under the walk's floors (0: no floors)
-# GPU sharing: the floor of `sharing_alone` under a chain walk's keys (its LP; the MILP's root when the LP's floor is
-# within ALONE_MILP_GAP of the latency target: the root took 0.2-1.3 s on the instances where it proved nothing, 0.03 s
-# on chain_clones 1319019 and 1303015, whose LP floors are 0.23% and 1.5% under the target and their roots above it)
+# GPU sharing: the floor of `sharing_alone` under a chain walk's keys (its LP; its MILP when the LP's floor is within
+# ALONE_MILP_GAP of the latency target. Once the MILP stopped at its first integer point it proves or gives up in
+# 0.02-0.3 s where its root took 0.2-1.3 s, so the gap went from 0.02 to 0.3: chain_clones 1759006, whose LP floor is
+# 6.3% under the target, is proven infeasible in 0.3 s; no answer after 264 s before)
 ALONE = True
-ALONE_MILP_GAP = 0.02
-ALONE_MILP_GAP_BLIND = 0.06  # the same, when a walk with no incumbent finds nothing in BLIND_POPS steps
+ALONE_MILP_GAP = 0.3  # (0.02 when the MILP went on past its first integer point: `sharing_alone.FIRST_POINT`)
+ALONE_MILP_GAP_BLIND = 0.3  # the same, when a walk with no incumbent finds nothing in BLIND_POPS steps
 BLIND_POPS = 200
+ALONE_FIRST_NODES = ALONE_NODES  # (1, the root only, before FIRST_POINT)
 UNSETTLED_PLACED = True  # GPU sharing: a multiset whose packing MILP gave up goes to `placed_value`
 PLACED_FIRST = True  # GPU sharing: `placed_cheap` before a multiset's packing (`settle`)
 FLOOR_PRESOLVE = False  # HiGHS presolve took 0.7-1 s on large sharing models (chain_clones 757008: 0.06 s without)
@@ -313,7 +315,7 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
         # on eight seeds of the hard families under sharing: 14 of the 24 instances that had no answer within 2 s,
         # now proven infeasible in 0.1-0.4 s).
         if fan is None:
-            a_f = walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP, 1)
+            a_f = walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP, ALONE_FIRST_NODES)
         else:  # a fan: the DAG's floor (its paths count the TOOL stages), as the MILP walk takes it
             from flowmaker.selection.milp import ALONE_MILP_GAP_DAG
             a_f = walk_floor(pb, pw, opts, 0.0, deadline, ALONE_MILP_GAP_DAG, ALONE_NODES)

@@ -864,6 +864,74 @@ def test_a_fan_whose_instances_cannot_run_alone_is_proven_infeasible_before_its_
     assert res.variant is None and res.optimal, (res.reason, res.lower_bound)
 
 
+_POINTS = {"found": 0, "empty": 0}
+
+
+@settings(max_examples=EXAMPLES // 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(packed_chains(), chains()))
+def _the_first_point_floor_agrees(req: SelectionRequest) -> None:
+    from flowmaker.selection import sharing_alone as sa
+    from flowmaker.selection.milp import _tol
+
+    for pb, pw, model, tool in _models(req):
+        least = min((lat for _, lat in _least_by_multiset(pb, model).values()), default=INF)
+        found: list[bool] = []
+        first = sa.alone_floor(pb, pw, model.opts, tool, _tol(pb.lam), nodes=10**6, found=found)
+        real = sa.FIRST_POINT
+        try:
+            sa.FIRST_POINT = False
+            full = sa.alone_floor(pb, pw, model.opts, tool, _tol(pb.lam), nodes=10**6)
+        finally:
+            sa.FIRST_POINT = real
+        # stopped at its first integer point or run to the end, the MILP proves the same emptiness, and a point
+        # found means a model that is not empty (no model is built, and nothing found, without interference)
+        assert (first == INF) == (full == INF), (first, full, found)
+        assert not (found and first == INF), (first, found)
+        assert first <= least * (1 + 1e-12) and full <= least * (1 + 1e-12), (first, full, least)
+        if found or first == INF:
+            _POINTS["found" if found else "empty"] += 1
+        # a model with a point is not solved again: the second call is the LP alone
+        calls: list[int] = []
+        real_floor = sa.alone_floor
+
+        def counted(*a: object, **k: object) -> float:
+            calls.append(int(k.get("nodes", 0)))  # type: ignore[call-overload]
+            return real_floor(*a, **k)  # type: ignore[arg-type]
+
+        sa.alone_floor = counted  # type: ignore[assignment]
+        try:
+            w1 = sa.walk_floor(pb, pw, model.opts, tool, INF, 1.0, 50)
+            n1 = len(calls)
+            w2 = sa.walk_floor(pb, pw, model.opts, tool, INF, 1.0, 50)
+        finally:
+            sa.alone_floor = real_floor  # type: ignore[assignment]
+        assert w1 <= least * (1 + 1e-12) and w2 <= least * (1 + 1e-12), (w1, w2, least)
+        if found and w1 < INF:
+            assert n1 == 2 and calls[n1:] == [0], calls
+
+
+def test_the_alone_floors_milp_stopped_at_its_first_point_proves_what_the_full_milp_proves() -> None:
+    """`sharing_alone.FIRST_POINT`: the alone floor's MILP stops at its first integer point under the target. Run to
+    the end, the same model is empty exactly when the stopped one is (both INF), and a stopped one that found a point
+    reports it (`found`); both stay below every feasible variant's slowed L_s (scored from scratch), and `walk_floor`
+    does not solve a model with a point again. Draws must give both kinds of model."""
+    for k in _POINTS:
+        _POINTS[k] = 0
+    _the_first_point_floor_agrees()
+    if min(_POINTS.values()) == 0:
+        seed(PACKED_SEED)(_the_first_point_floor_agrees)()
+    assert min(_POINTS.values()) > 0, _POINTS
+
+
+def test_a_chain_whose_lp_floor_is_6_pct_under_the_target_is_proven_infeasible_by_its_milp() -> None:
+    """chain_clones 1759006 under sharing (18 stages, 31 clones, 26 running instances, u = 0.7): the alone floor's
+    LP is 6.3% under the latency target, the walk finds no variant, and the branch and bound had no answer after
+    264 s. Its MILP, which stops at its first integer point and so may be tried far from the target
+    (`chain.ALONE_MILP_GAP`), proves in about 0.15 s that no variant exists."""
+    res = ex.select_exact(_hard("chain_clones", 1759006, 3.0))
+    assert res.variant is None and res.optimal, (res.reason, res.lower_bound)
+
+
 def test_blocked_gpus_host_no_new_replica_of_any_feasible_variant() -> None:
     """`sharing_alone.blocked_gpus` (a GPU where a new instance, busy at least the least any new instance is, slows a
     running co-resident past Feasibility 5.4): no variant that passes Feasibility 5 (the spec's brute force, which
