@@ -91,6 +91,7 @@ ALONE_MILP_GAP = 0.3  # (0.02 when the MILP went on past its first integer point
 ALONE_MILP_GAP_BLIND = 0.3  # the same, when a walk with no incumbent finds nothing in BLIND_POPS steps
 BLIND_POPS = 200
 ALONE_FIRST_NODES = ALONE_NODES  # (1, the root only, before FIRST_POINT)
+BLIND_CONVEX = True
 UNSETTLED_PLACED = True  # GPU sharing: a multiset whose packing MILP gave up goes to `placed_value`
 PLACED_FIRST = True  # GPU sharing: `placed_cheap` before a multiset's packing (`settle`)
 FLOOR_PRESOLVE = False  # HiGHS presolve took 0.7-1 s on large sharing models (chain_clones 757008: 0.06 s without)
@@ -905,7 +906,7 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
             # variant (measured on 180 chain_clones: the walks that found one did so within 13-101 steps but for
             # two, at 57 and 627). Often no variant exists then, and only a proof answers: the alone floor's MILP,
             # further from the target than at the start, with more nodes
-            if walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP_BLIND, ALONE_NODES) == INF:
+            if walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP_BLIND, ALONE_NODES, convex=BLIND_CONVEX) == INF:
                 fr.lower_bound, fr.complete = INF, True
                 return fr
         if DIVE_EVERY and pops % DIVE_EVERY == 0 and fr.dives < DIVES:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from flowmaker.selection.problem import INF, NEW, REUSE, Problem, PWorkflow
 from flowmaker.selection.sharing_chain import HighsModel
@@ -55,6 +56,8 @@ ALONE_NODES = 200  # HiGHS nodes of the floor's MILP (work, not time); unsettled
 # infeasible in 0.5 s where its root alone took 0.8 s; wide fans and the other families unchanged)
 FIRST_POINT = True
 SUBMIPS = True
+CONVEX_CUTS = 8  # tangents per slowed group in `_convex_rows`
+CONVEX_MILP = True  # (measured: the MILP with them proves chain_clones 1723020 and 1787041 infeasible; its LP alone does not)
 _MARGIN = 1e-9
 
 Option = tuple[str, int, float]  # (kind, ref, latency bound), as `milp.RelaxedModel.opts`
@@ -342,7 +345,7 @@ def merged(pb: Problem, pw: PWorkflow, llm: Sequence[int], opts: Mapping[int, Se
 
 def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], tool: float,
                 lat_cap: float, deadline: float = INF, nodes: int = ALONE_NODES, presolve: bool = True,
-                found: list[bool] | None = None) -> float:
+                found: list[bool] | None = None, convex: bool = False) -> float:
     """A lower bound of the slowed L_s of every variant of `pw` (module docstring), `opts` the walk's options per
     LLM stage, `tool` a chain's TOOL stages' latency (a DAG's longest path counts them itself); INF when no variant
     meets `lat_cap`; `found` gets True when the MILP finds an integer point under it. 0.0 when it proves nothing
@@ -489,11 +492,13 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
             entries[L].append((top, 1.0))
             entries[t[v]].append((top, -1.0))
 
-    def option(lat: float, rows: list[tuple[int, float]]) -> int:
+    def option(lat: float, rows: list[tuple[int, float]], in_lat: bool = True) -> int:
         c = col(0.0, 1.0, True)
-        entries[c] += rows + [(r_, sign * lat) for r_, sign in lat_rows[s]]
+        entries[c] += rows + ([(r_, sign * lat) for r_, sign in lat_rows[s]] if in_lat else [])
         return c
 
+    conv = _convex_rows(pb, pw, mdl, llm, profs, new_opts, tok, fs, c_caps, y, budget, lat_row) \
+        if convex and chain else {}
     for s in llm:
         one = row(1.0, 1.0)
         ld = pw.load[s]
@@ -510,9 +515,19 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
                     if c == n_lv + 1 and ref in p_offered:
                         n_x = pb.rho * alone / pb.p_reps[ref] * (1 - _MARGIN)
                         busy += [(offered_row, n_x * p_offered[ref][1]), (p_offered[ref][0], n_x)]
-                    option(max(lat, alone * m * (1 - _MARGIN)) if c else lat,
-                           [(one, 1.0), (cap_row[(ref, c)], ld), (link, 1.0),
-                            (room_row, pb.p_reps[ref] * pb.p_k[ref] * rho * (1 - _MARGIN)), *busy])
+                    own = max(lat, alone * m * (1 - _MARGIN)) if c else lat
+                    cv = conv.get((ref, c))
+                    if cv is not None:  # its latency in the group's W instead (`_convex_rows`)
+                        r_pc, row_a, serve, cuts = cv
+                        busy += [(row_a, -own), (serve, -1.0)]
+                        if lat <= alone * m * (1 - _MARGIN):  # r x its load at the instance's final load, the rest
+                            part = max(0.0, alone - r_pc * ld) * m * (1 - _MARGIN)
+                            busy += [(r_, g1 * ld - part) for r_, g1 in cuts]
+                        else:
+                            busy += [(r_, -own) for r_, _ in cuts]
+                    option(own, [(one, 1.0), (cap_row[(ref, c)], ld), (link, 1.0),
+                                 (room_row, pb.p_reps[ref] * pb.p_k[ref] * rho * (1 - _MARGIN)), *busy],
+                           in_lat=cv is None)
                     entries[y[(ref, c)]].append((link, -1.0))
     mdl.cost[L] = 1.0
     h = mdl.highs(integer=nodes > 0)
@@ -545,21 +560,69 @@ def alone_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]]
     return max(0.0, tool + db) * (1 - 1e-7)
 
 
+def _convex_rows(pb: Problem, pw: PWorkflow, mdl: HighsModel, llm: Sequence[int], profs: Sequence[int],
+                 new_opts: Mapping[int, Mapping[int, tuple[float, float]]], tok: Mapping[int, float],
+                 fs: Sequence[float], c_caps: Mapping[tuple[int, int], Any], y: Mapping[tuple[int, int], int],
+                 budget: float, lat_row: int) -> dict[tuple[int, int], tuple[float, int, int, list[tuple[int, float]]]]:
+    """A chain's slowed instances, by their final load (docs/selection-spec.md, "Extension: GPU sharing"): on an
+    instance of class c (f >= f_c) carrying X per replica of capacity U = replicas x C, each stage s takes its latency
+    alone t_s times m(rho) = f (1 - rho) / (1 - rho f) at rho >= X / U, and t_s = r l_s + (t_s - r l_s) with r the least
+    t / l of a stage that may use the profile (l its load). So the stages together take at least
+    r U g(X / U) + sum (t_s - r l_s) m(rho_s), g(rho) = rho m(rho) convex, rho_s a stage's own share. Over the y
+    instances of (p, c) carrying X in all, Jensen and g's tangents at rho_k give the linear rows
+    W >= r (g'(rho_k) X - U rho_k^2 m'(rho_k) y) + sum (t_s - r l_s) m(rho_s), beside W >= the stages' own bounds
+    summed (row A) and y <= the stages (every instance serves one, `serve`); W enters the chain's latency sum in place
+    of its stages: the floor sees that stages sharing a slowed instance slow each other, which a stage's own share
+    does not. Per (p, c): (r, row A, serve, [(row, the coefficient of a stage's load in it)]); a stage whose walk
+    latency is above its own bound enters each row with that latency and stays out of X."""
+    row, entries = mdl.row, mdl.entries
+    got: dict[tuple[int, int], tuple[float, int, int, list[tuple[int, float]]]] = {}
+    for p in profs:
+        ratios = [new_opts[s][p][1] / pw.load[s] for s in llm if p in new_opts[s] and pw.load[s] > 0]
+        if not ratios:
+            continue
+        r_p = min(ratios) * (1 - 1e-7)
+        unit = tok[p] * pb.p_reps[p]
+        for c, f_c in enumerate(fs):
+            if c == 0 or f_c <= 1.0 or c_caps[(p, c)] is None:
+                continue
+            top = min(budget, 1.0) / f_c  # the share at which rho f reaches the cap (or 1)
+            w = mdl.col(0.0, [], 0.0, INF, False)
+            entries[w].append((lat_row, 1.0))
+            row_a = row(0.0, INF)  # W >= its stages' own bounds summed
+            entries[w].append((row_a, 1.0))
+            serve = row(-INF, 0.0)  # every instance serves a stage: y <= its stages
+            entries[y[(p, c)]].append((serve, 1.0))
+            cuts = []
+            for k in range(1, CONVEX_CUTS + 1):
+                rk = top * k / (CONVEX_CUTS + 1)
+                mk = f_c * (1 - rk) / (1 - rk * f_c)
+                dm = f_c * (f_c - 1) / (1 - f_c * rk) ** 2
+                r_ = row(0.0, INF)  # W - r g'(rho_k) X + r U rho_k^2 m'(rho_k) y >= 0
+                entries[w].append((r_, 1.0))
+                entries[y[(p, c)]].append((r_, r_p * unit * rk * rk * dm * (1 + 1e-7)))
+                cuts.append((r_, -r_p * (mk + rk * dm) * (1 - 1e-7)))
+            got[(p, c)] = (r_p, row_a, serve, cuts)
+    return got
+
+
 def walk_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]], tool: float, deadline: float,
-               milp_gap: float, milp_nodes: int) -> float:
+               milp_gap: float, milp_nodes: int, convex: bool = False) -> float:
     """The walks' use of `alone_floor` against the request's latency target: its LP, then (when the LP's floor is
-    within `milp_gap` of the target) its MILP for `milp_nodes` nodes, the larger kept; INF: no variant exists."""
+    within `milp_gap` of the target) its MILP for `milp_nodes` nodes, the larger kept; INF: no variant exists.
+    `convex`: with a chain's rows of `_convex_rows`."""
     from flowmaker.selection.milp import _tol
 
     cap = _tol(pb.lam)
-    got = alone_floor(pb, pw, opts, tool, cap, deadline, nodes=0, presolve=False)
+    got = alone_floor(pb, pw, opts, tool, cap, deadline, nodes=0, presolve=False, convex=convex)
     if got < INF and got >= cap * (1 - milp_gap):
         # (pw kept beside its id, so that the id is not reused by another workflow's view)
-        key = (id(pw), tool, cap, tuple((s, tuple(opts[s])) for s in sorted(opts)))
+        key = (id(pw), tool, cap, convex and CONVEX_MILP, tuple((s, tuple(opts[s])) for s in sorted(opts)))
         if key in pb.alone_points:
             return got  # its MILP has an integer point already: no more nodes can prove it empty
         found: list[bool] = []
-        got = max(got, alone_floor(pb, pw, opts, tool, cap, deadline, nodes=milp_nodes, presolve=False, found=found))
+        got = max(got, alone_floor(pb, pw, opts, tool, cap, deadline, nodes=milp_nodes, presolve=False, found=found,
+                                   convex=convex and CONVEX_MILP))
         if found:
             pb.alone_points[key] = pw
     return got

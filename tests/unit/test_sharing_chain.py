@@ -791,7 +791,7 @@ def packed_chains(draw: st.DrawFn) -> SelectionRequest:
                             tuple(profiles), Cluster(gpus, tuple(instances)), opts)
 
 
-_PACKED = {"node_rows": 0, "busy_caps": 0, "infeasible": 0}
+_PACKED = {"node_rows": 0, "busy_caps": 0, "infeasible": 0, "convex": 0}
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -806,6 +806,14 @@ def _the_alone_floor_holds_when_nodes_are_packed(req: SelectionRequest) -> None:
         for nodes in (0, 50):
             got[nodes] = sa.alone_floor(pb, pw, model.opts, tool, _tol(pb.lam), nodes=nodes)
             assert got[nodes] <= least * (1 + 1e-12), (nodes, got[nodes], least)
+        for nodes in (0, 50):  # with a chain's rows of the slowed instances' final loads (`_convex_rows`)
+            cv = sa.alone_floor(pb, pw, model.opts, tool, _tol(pb.lam), nodes=nodes, convex=True)
+            assert cv <= least * (1 + 1e-12), (nodes, cv, least)
+            if nodes == 0:
+                assert cv >= got[0] * (1 - 1e-9), (cv, got[0])  # (rows added: the LP cannot fall)
+                if cv > got[0] * (1 + 1e-6):
+                    _PACKED["convex"] += 1
+                    event("the convex rows raise the alone floor's LP")
         real_rows, real_caps = sa.NODE_ROWS, sa.busy_caps
         try:
             sa.NODE_ROWS = False
@@ -831,9 +839,9 @@ def test_the_alone_floors_node_rows_and_busy_caps_hold_and_bind() -> None:
     for k in _PACKED:
         _PACKED[k] = 0
     _the_alone_floor_holds_when_nodes_are_packed()
-    if _PACKED["node_rows"] == 0 or _PACKED["busy_caps"] == 0:
-        seed(PACKED_SEED)(_the_alone_floor_holds_when_nodes_are_packed)()  # (a draw where both bind)
-    assert _PACKED["node_rows"] > 0 and _PACKED["busy_caps"] > 0, _PACKED
+    if _PACKED["node_rows"] == 0 or _PACKED["busy_caps"] == 0 or _PACKED["convex"] == 0:
+        seed(PACKED_SEED)(_the_alone_floor_holds_when_nodes_are_packed)()  # (a draw where all three bind)
+    assert _PACKED["node_rows"] > 0 and _PACKED["busy_caps"] > 0 and _PACKED["convex"] > 0, _PACKED
 
 
 PACKED_SEED = 1
@@ -894,9 +902,9 @@ def _the_first_point_floor_agrees(req: SelectionRequest) -> None:
         calls: list[int] = []
         real_floor = sa.alone_floor
 
-        def counted(*a: object, **k: object) -> float:
-            calls.append(int(k.get("nodes", 0)))  # type: ignore[call-overload]
-            return real_floor(*a, **k)  # type: ignore[arg-type]
+        def counted(*a: object, _calls: list[int] = calls, _real: object = real_floor, **k: object) -> float:
+            _calls.append(int(k.get("nodes", 0)))  # type: ignore[call-overload]
+            return _real(*a, **k)  # type: ignore[operator, no-any-return]
 
         sa.alone_floor = counted  # type: ignore[assignment]
         try:
