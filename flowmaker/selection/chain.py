@@ -84,15 +84,20 @@ SHARING_CLASS_NODES = 20_000  # the same under GPU sharing (`least_l_sum`; it wa
 FLOOR_NODES = 50  # HiGHS nodes of the least-L MILP under the walk's floors (0: no floors)
 # GPU sharing: the floor of `sharing_alone` under a chain walk's keys (its LP; its MILP when the LP's floor is within
 # ALONE_MILP_GAP of the latency target. Once the MILP stopped at its first integer point it proves or gives up in
-# 0.02-0.3 s where its root took 0.2-1.3 s, so the gap went from 0.02 to 0.3: chain_clones 1759006, whose LP floor is
+# 0.02-0.3 s where its root took 0.2-1.3 s, so the gap went from 0.02 to 0.1: chain_clones 1759006, whose LP floor is
 # 6.3% under the target, is proven infeasible in 0.3 s; no answer after 264 s before)
 ALONE = True
-ALONE_MILP_GAP = 0.3  # (0.02 when the MILP went on past its first integer point: `sharing_alone.FIRST_POINT`)
-# When a walk with no incumbent finds nothing in BLIND_POPS steps: the floor again with a chain's final-load rows
-# (`sharing_alone._convex_rows`; BLIND_CONVEX), its MILP within ALONE_MILP_GAP_BLIND of the target (measured on 540
-# held-out chain_clones: chain_clones 1721041 and 1759017 proven infeasible by its LP, 1723020 and 1787041 by its MILP,
-# whose LP floors are 3.8% and 0.2% under the target; at 0.3, 1787028's MILP (5.6%) took 0.5 s and proved nothing)
+ALONE_MILP_GAP = 0.1
+# When a walk with no incumbent finds nothing in BLIND_POPS steps (often no variant exists then): the MILP again within
+# BLIND_PLAIN_GAP of the target, then the floor with a chain's final-load rows (`sharing_alone._convex_rows`;
+# BLIND_CONVEX), its MILP within ALONE_MILP_GAP_BLIND. Measured on 1,140 held-out chain_clones under sharing, 2 s
+# budget: with the first MILP within 0.3 and no plain MILP here, 1,055 proven within 1 s; as here, 1,059 (1861010 and
+# 1879047, both feasible, spent 0.8 s and 0.4 s at the start in MILPs that proved nothing; a walk that finds a
+# variant within 200 steps never reaches this point). The final-load rows: chain_clones 1721041 and 1759017 proven
+# infeasible by their LP, 1723020 and 1787041 by their MILP, whose LP floors are 3.8% and 0.2% under the target; with
+# that MILP within 0.3, 1787028's (5.6%) took 0.5 s and proved nothing.
 ALONE_MILP_GAP_BLIND = 0.05
+BLIND_PLAIN_GAP = 0.3
 BLIND_POPS = 200
 ALONE_FIRST_NODES = ALONE_NODES  # (1, the root only, before FIRST_POINT)
 BLIND_CONVEX = True
@@ -910,7 +915,8 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
             # variant (measured on 180 chain_clones: the walks that found one did so within 13-101 steps but for
             # two, at 57 and 627). Often no variant exists then, and only a proof answers: the alone floor's MILP,
             # further from the target than at the start, with more nodes
-            if walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP_BLIND, ALONE_NODES, convex=BLIND_CONVEX) == INF:
+            if (BLIND_PLAIN_GAP and walk_floor(pb, pw, opts, tool, deadline, BLIND_PLAIN_GAP, ALONE_NODES) == INF) or \
+                    walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP_BLIND, ALONE_NODES, convex=BLIND_CONVEX) == INF:
                 fr.lower_bound, fr.complete = INF, True
                 return fr
         if DIVE_EVERY and pops % DIVE_EVERY == 0 and fr.dives < DIVES:
