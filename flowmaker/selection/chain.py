@@ -99,7 +99,6 @@ ALONE_MILP_GAP = 0.1
 ALONE_MILP_GAP_BLIND = 0.05
 BLIND_PLAIN_GAP = 0.3
 BLIND_POPS = 200
-ALONE_FIRST_NODES = ALONE_NODES  # (1, the root only, before FIRST_POINT)
 BLIND_CONVEX = True
 UNSETTLED_PLACED = True  # GPU sharing: a multiset whose packing MILP gave up goes to `placed_value`
 PLACED_FIRST = True  # GPU sharing: `placed_cheap` before a multiset's packing (`settle`)
@@ -325,7 +324,7 @@ def walk_chain(model: RelaxedModel | AggregatedModel, deadline: float, best: tup
         # on eight seeds of the hard families under sharing: 14 of the 24 instances that had no answer within 2 s,
         # now proven infeasible in 0.1-0.4 s).
         if fan is None:
-            a_f = walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP, ALONE_FIRST_NODES)
+            a_f = walk_floor(pb, pw, opts, tool, deadline, ALONE_MILP_GAP, ALONE_NODES)
         else:  # a fan: the DAG's floor (its paths count the TOOL stages), as the MILP walk takes it
             from flowmaker.selection.milp import ALONE_MILP_GAP_DAG
             a_f = walk_floor(pb, pw, opts, 0.0, deadline, ALONE_MILP_GAP_DAG, ALONE_NODES)

@@ -159,8 +159,10 @@ class Problem:
         self.r_unit = tuple(self.profiles[rp].max_output_tokens_per_s for rp in self.r_prof)
         self.workflows = tuple(self._compile(i, w) for i, w in enumerate(req.workflows))
         self._bound_views: dict[int, PWorkflow] = {}
-        # GPU sharing: the alone floor's models found to hold an integer point (`sharing_alone.walk_floor`)
+        # GPU sharing: the alone floor's models found to hold an integer point, and its LPs' floors
+        # (`sharing_alone.walk_floor`)
         self.alone_points: dict[tuple[object, ...], PWorkflow] = {}
+        self.alone_lps: dict[tuple[object, ...], tuple[float, PWorkflow]] = {}
         # GPU sharing: per running instance (rho0, b0, m0) of Feasibility 5.4 (m0 None: infinite)
         self._m0: dict[str, tuple[Fraction, Fraction, Fraction | None]] = {}
         self._fast0: tuple[dict[str, float], dict[str, float]] | None = None  # GPU sharing: rho0, occ0 as floats

@@ -614,10 +614,18 @@ def walk_floor(pb: Problem, pw: PWorkflow, opts: Mapping[int, Sequence[Option]],
     from flowmaker.selection.milp import _tol
 
     cap = _tol(pb.lam)
-    got = alone_floor(pb, pw, opts, tool, cap, deadline, nodes=0, presolve=False, convex=convex)
+    # (pw kept beside its id in the memos, so that the id is not reused by another workflow's view)
+    opts_key = tuple((s, tuple(opts[s])) for s in sorted(opts))
+    lp_key = (id(pw), tool, cap, convex, opts_key)
+    memo = pb.alone_lps.get(lp_key)
+    if memo is None:  # (a walk with nothing after BLIND_POPS steps asks again for the same model's LP)
+        got = alone_floor(pb, pw, opts, tool, cap, deadline, nodes=0, presolve=False, convex=convex)
+        if got > 0.0:  # (0.0: nothing proven, or the deadline passed)
+            pb.alone_lps[lp_key] = (got, pw)
+    else:
+        got = memo[0]
     if got < INF and got >= cap * (1 - milp_gap):
-        # (pw kept beside its id, so that the id is not reused by another workflow's view)
-        key = (id(pw), tool, cap, convex and CONVEX_MILP, tuple((s, tuple(opts[s])) for s in sorted(opts)))
+        key = (id(pw), tool, cap, convex and CONVEX_MILP, opts_key)
         if key in pb.alone_points:
             return got  # its MILP has an integer point already: no more nodes can prove it empty
         found: list[bool] = []
