@@ -125,3 +125,31 @@ def test_single_stage_baselines_pick_the_fewest_llm_stages() -> None:
     for before, t in zip(EVAL_TASKS, single_stage_baselines(EVAL_TASKS), strict=True):
         assert llm(t.fixed) == 1 == min(llm(c) for c in t.candidates)
         assert llm(before.fixed) >= 2
+
+
+def test_product_targets_give_langchain_the_published_deployment() -> None:
+    """The sensitivity `bench paper` runs LangChain's collapse under (SUSTAINED_LABEL) rests on this: with the tasks'
+    own accuracy targets the hand-written deployment is the published one -- 15 instances, one per LLM stage of the
+    fixed workflows, none failing, 4 on one GPU -- where the declared (RouteLLM-derived) targets need Qwen2.5-14B for
+    five tasks, so fewer fit (13, one task unplaced) and no GPU holds more than 2."""
+    from flowmaker.bench.paper import SENSITIVITY, SUSTAINED_LABEL, variant
+
+    settings = dict(SENSITIVITY)[SUSTAINED_LABEL]
+    prod = variant(EXP, settings["experiment"])
+    assert prod.sha256 != EXP.sha256 and prod.name.endswith("+product-targets")
+    assert settings["segment_requests"] >= 4 * EXP.segment_requests and "langchain" in settings["policies"]
+
+    def deployment(exp):  # type: ignore[no-untyped-def]
+        tasks = exp.tasks_for("conv", PROFILES, BY_ID, GPU)
+        p = plan("langchain", PolicyContext(tasks, "conv", 1.0, MODELS, PROFILES, CLUSTER, GPU))
+        per_gpu: dict[str, int] = {}
+        for i in p.instances:
+            for g in i.gpu_ids:
+                per_gpu[g] = per_gpu.get(g, 0) + 1
+        stages = sum(len(t.fixed_nominal("conv").llm_stages) for t in tasks)
+        return len(p.instances), len(p.unplaced), max(per_gpu.values()), stages
+
+    n, unplaced, most, stages = deployment(prod)
+    assert (n, unplaced, most) == (15, 0, 4) and stages == 15
+    n, unplaced, most, _ = deployment(EXP)
+    assert unplaced >= 1 and n < 15 and most <= 2
