@@ -193,7 +193,7 @@ def goodput_upper_bound(arrivals: Sequence[Arrival], tasks: Sequence[EvalTask], 
         key = (a.task, a.context_tokens, a.generated_tokens)
         got = cache.get(key)
         if got is None:
-            wfs = tuple(c.instantiate(a.context_tokens, a.generated_tokens) for c in t.candidates)
+            wfs = tuple(t.sized(c, a.context_tokens, a.generated_tokens) for c in t.candidates)
             got = cache[key] = request_floors(wfs, usable[t.name], kv_tokens, t.max_latency_s)
         lat, work, mem = got
         if not lat <= t.max_latency_s + 1e-9:

@@ -29,6 +29,7 @@ DEFAULT_EXPERIMENT = "paper-scale.toml"
 QUANTILES = ("median", "mean", "p75", "p90", "p95", "p99")
 RATE_RULES = ("routellm-max-quality-replicas",)
 MURAKKAB_RATES = ("preceding-segment",)
+MAX_GENERATED_SCALE = 16.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,9 @@ class Experiment:
     routellm_gpu_budget_gb: float
     murakkab_rate: str
     seeds: tuple[int, ...]
+    # `[workload] generated_token_scale` (optional, default 1): every request's generated tokens x this
+    # (EvalTask.generated_scale), in the plans, the SLO reference, the rate rule and the replay alike.
+    generated_token_scale: float = 1.0
 
     @property
     def short_hash(self) -> str:
@@ -74,7 +78,8 @@ class Experiment:
         ctx, gen = self.reference_tokens(kind)
         out = []
         for t in tasks:
-            t2 = dataclasses.replace(t, min_accuracy=self.accuracy[t.name], slo_k=self.slo_k[t.name])
+            t2 = dataclasses.replace(t, min_accuracy=self.accuracy[t.name], slo_k=self.slo_k[t.name],
+                                     generated_scale=self.generated_token_scale)
             lat = standalone_latency_s(t2, kind, profiles, models, gpu_type, tokens=(ctx, gen),
                                        reference=(self.reference_model, self.reference_tp))
             out.append(dataclasses.replace(t2, max_latency_s=t2.slo_k * lat))
@@ -172,6 +177,8 @@ def parse_experiment(text: str, source: str) -> Experiment:
         routellm_gpu_budget_gb=_num(d, "baselines.routellm_gpu_budget_gb", 0.0, 1e6),
         murakkab_rate=_choice(d, "baselines.murakkab_rate", MURAKKAB_RATES),
         seeds=tuple(int(x) for x in seeds),
+        generated_token_scale=(_num(d, "workload.generated_token_scale", 0.05, MAX_GENERATED_SCALE)
+                               if "generated_token_scale" in d.get("workload", {}) else 1.0),
     )
 
 

@@ -40,7 +40,7 @@ def standalone_latency_s(task: EvalTask, trace_kind: str, profiles: Sequence[Pro
     `tokens` = (context, generated); `reference` = (model, tp) of the declared reference deployment."""
     prof = reference_profile(profiles, *reference)
     ctx, gen = tokens if tokens is not None else task.nominal_tokens(trace_kind, "median")
-    wf = task.fixed.instantiate(ctx, gen)
+    wf = task.sized(task.fixed, ctx, gen)
     n = len(wf.llm_stages)
     cluster = make_cluster(gpu_type.name, nodes=1, gpus_per_node=max(1, n * prof.gpus))
     gids = [g.id for g in cluster.gpus]

@@ -127,6 +127,9 @@ class EvalTask:
     # deployment (`flowmaker.eval.slo`), k in [2, 5], fixed per task before any run.
     slo_k: float = 3.0
     slo_k_rationale: str = ""
+    # Every request's generated tokens are taken as this many times the trace's (a sensitivity of the declared
+    # experiment: requests as long as the published task datasets'; docs/evaluation.md). 1: the trace as recorded.
+    generated_scale: float = 1.0
 
     def slo(self, load: float = 1.0) -> Slo:
         """The SLO at a load level (fraction of the nominal rate)."""
@@ -142,7 +145,14 @@ class EvalTask:
 
     def fixed_nominal(self, trace: str | None = None, stat: str = "median") -> Workflow:
         ctx, gen = self.nominal_tokens(trace, stat)
-        return self.fixed.instantiate(ctx, gen)
+        return self.sized(self.fixed, ctx, gen)
+
+    def sized(self, candidate: CandidateWorkflow, context_tokens: int, generated_tokens: int) -> Workflow:
+        """`candidate` sized for a trace request of (context, generated) tokens, the generated ones scaled by
+        `generated_scale`: every place a trace request becomes a workflow goes through here."""
+        gen = generated_tokens if self.generated_scale == 1.0 else max(1, round(generated_tokens *
+                                                                               self.generated_scale))
+        return candidate.instantiate(context_tokens, gen)
 
     def candidate(self, workflow_id: str) -> CandidateWorkflow:
         for c in self.candidates:
@@ -153,7 +163,7 @@ class EvalTask:
 
     def workflow_for_request(self, workflow_id: str, context_tokens: int, generated_tokens: int) -> Workflow:
         """The candidate `workflow_id` sized for one trace request (see the module doc for the rule)."""
-        return self.candidate(workflow_id).instantiate(context_tokens, generated_tokens)
+        return self.sized(self.candidate(workflow_id), context_tokens, generated_tokens)
 
     def nominal_tokens(self, trace: str | None = None, stat: str = "median") -> tuple[int, int]:
         """(context, generated) tokens of `trace` ("code"/"conv"; default: the task's home trace) at `stat`:
@@ -169,7 +179,7 @@ class EvalTask:
     def nominal_workflows(self, trace: str | None = None, stat: str = "median") -> tuple[Workflow, ...]:
         """The 3 candidates sized at the trace's median (or mean) request: what the selector plans with."""
         ctx, gen = self.nominal_tokens(trace, stat)
-        return tuple(c.instantiate(ctx, gen) for c in self.candidates)
+        return tuple(self.sized(c, ctx, gen) for c in self.candidates)
 
     def task_spec(self, trace: str | None = None, load: float = 1.0) -> TaskSpec:
         return TaskSpec(description=self.description, slo=self.slo(load), name=self.name,

@@ -42,6 +42,9 @@ def test_the_shipped_experiment_is_hashed_and_complete() -> None:
     ("loads = [0.25, 0.5, 0.75, 1.0]", "loads = []", "experiment.workload.loads"),
     ('rule = "routellm-max-quality-replicas"', 'rule = "guess"', "experiment.rate.rule"),
     ("[seeds]", "[seedz]", "experiment.seeds.spread"),
+    ("segment_requests = 480", "segment_requests = 480\ngenerated_token_scale = 0", "experiment.workload.generated_token_scale"),
+    ("segment_requests = 480", "segment_requests = 480\ngenerated_token_scale = \"x4\"",
+     "experiment.workload.generated_token_scale"),
 ])
 def test_bad_experiment_files_name_the_key(old: str, new: str, field: str) -> None:
     text = _text()
@@ -153,3 +156,62 @@ def test_product_targets_give_langchain_the_published_deployment() -> None:
     assert (n, unplaced, most) == (15, 0, 4) and stages == 15
     n, unplaced, most, _ = deployment(EXP)
     assert unplaced >= 1 and n < 15 and most <= 2
+
+
+def test_generated_token_scale_sizes_every_request_alike() -> None:
+    """`[workload] generated_token_scale` (the "published latency scale" sensitivity): every trace request's
+    generated tokens x k wherever a request becomes a workflow -- the plans' nominal request, each replayed request,
+    the SLO reference -- so SLOs grow with the requests and the rate rule lowers the rates to keep the load."""
+    text = _text()
+    assert "generated_token_scale" not in text  # the declared experiment keeps the trace as recorded
+    x4 = parse_experiment(text.replace("segment_requests = 480", "segment_requests = 480\ngenerated_token_scale = 4"),
+                          "x4.toml")
+    assert EXP.generated_token_scale == 1.0 and x4.generated_token_scale == 4.0 and x4.sha256 != EXP.sha256
+    base = {t.name: t for t in EXP.tasks_for("conv", PROFILES, BY_ID, GPU)}
+    big = {t.name: t for t in x4.tasks_for("conv", PROFILES, BY_ID, GPU)}
+    for name, t in base.items():
+        b = big[name]
+        assert b.generated_scale == 4.0 and t.generated_scale == 1.0
+        assert b.max_latency_s > t.max_latency_s and b.nominal_rate_rps < t.nominal_rate_rps
+        # one request, three ways in: all see the same scaled request
+        for c in t.candidates:
+            w1, w4 = t.workflow_for_request(c.id, 1000, 100), b.workflow_for_request(c.id, 1000, 100)
+            assert w4 == c.instantiate(1000, 400) and w1 == c.instantiate(1000, 100)
+        ctx, gen = t.nominal_tokens("conv")
+        assert b.fixed_nominal("conv") == b.fixed.instantiate(ctx, 4 * gen)
+        assert b.nominal_workflows("conv") == tuple(c.instantiate(ctx, 4 * gen) for c in b.candidates)
+        pairs = list(zip([s.output_tokens for s in t.fixed_nominal("conv").llm_stages],
+                         [s.output_tokens for s in b.fixed_nominal("conv").llm_stages], strict=True))
+        assert all(o4 >= o1 for o1, o4 in pairs) and any(o4 > o1 for o1, o4 in pairs)
+    # the bench's variant is the same experiment as the file above, under its own name and hash
+    from flowmaker.bench.paper import PUBLISHED_LATENCY_GENERATED_SCALE, variant
+    v = variant(EXP, "published-latency-scale")
+    assert v.generated_token_scale == PUBLISHED_LATENCY_GENERATED_SCALE == 4.0
+    assert v.sha256 != EXP.sha256 and v.name.endswith("+generated-x4")
+    assert [t.max_latency_s for t in v.tasks_for("conv", PROFILES, BY_ID, GPU)] == \
+        [t.max_latency_s for t in x4.tasks_for("conv", PROFILES, BY_ID, GPU)]
+    # its loosest SLO is the published one's scale (510 s); the declared experiment's is far below
+    assert 400 < max(t.max_latency_s for t in big.values()) <= 510
+    assert max(t.max_latency_s for t in base.values()) < 250
+
+
+def test_the_capacity_bound_sizes_requests_with_the_scale() -> None:
+    """The goodput bound sees the same scaled request the simulator serves: with an SLO between the request's
+    least latency at scale 1 and at scale 4, only the scaled task counts it as out of reach."""
+    import dataclasses
+
+    from flowmaker.eval.bound import goodput_upper_bound, request_floors
+    from flowmaker.eval.traces import Arrival
+    from flowmaker.sim import DEFAULT_KV_TOKENS
+
+    t = next(x for x in EXP.tasks_for("conv", PROFILES, BY_ID, GPU) if x.name == "chat")
+    ok = [p for p in PROFILES if BY_ID[p.model_id].accuracy >= t.min_accuracy]
+    lo = request_floors(tuple(c.instantiate(1000, 300) for c in t.candidates), ok, DEFAULT_KV_TOKENS, math.inf)[0]
+    hi = request_floors(tuple(c.instantiate(1000, 1200) for c in t.candidates), ok, DEFAULT_KV_TOKENS, math.inf)[0]
+    assert hi > lo
+    slo = (lo + hi) / 2
+    arr = [Arrival(0.0, "chat", "r0", 1000, 300)]
+    for scale, misses in ((1.0, 0), (4.0, 1)):
+        tk = dataclasses.replace(t, generated_scale=scale, max_latency_s=slo)
+        got = goodput_upper_bound(arr, [tk], MODELS, PROFILES, CLUSTER.gpus, DEFAULT_KV_TOKENS)
+        assert got.latency_misses == misses
