@@ -12,8 +12,6 @@ the best other policy (its own ablations included). Every result carries the exp
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import math
 import statistics
@@ -26,8 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flowmaker.bench.serving import PUBLISHED, run_serving_bench
-from flowmaker.eval.experiment import Experiment, load_experiment
-from flowmaker.eval.tasks import EVAL_TASKS
+from flowmaker.eval.experiment import Experiment, load_experiment, variant
 
 SUSTAINED_LABEL = "published LangChain deployment, sustained x4"
 # The sensitivity settings: (label, run_serving_bench keyword arguments); "experiment" entries are functions of
@@ -41,40 +38,18 @@ SENSITIVITY: tuple[tuple[str, dict[str, Any]], ...] = (
     ("loads x4", {"loads": "x4"}),
     ("no burst headroom", {"burst_headroom": False}),
     ("loads x4 max-2-GPU instances", {"loads": "x4", "max_instance_gpus": 2}),
+    # Requests as long as the published ones (flowmaker.eval.experiment.PUBLISHED_LATENCY_GENERATED_SCALE): SLOs at
+    # the published scale.
+    ("published latency scale", {"experiment": "published-latency-scale"}),
     # LangChain deployed as published and overloaded long enough for its queues to form: the tasks' own accuracy
     # targets give it the published deployment (15 instances, one per LLM stage, 4 on one GPU; the declared targets
     # give 13 and one task unplaced), at four times the load over a segment five times as long (1,312-1,853 scored
     # requests, so outside the declared 150-600). Only the policies the LangChain comparison needs, to keep it short.
-    # Requests as long as the published ones (`PUBLISHED_LATENCY_GENERATED_SCALE`): SLOs at the published scale.
-    ("published latency scale", {"experiment": "published-latency-scale"}),
     (SUSTAINED_LABEL, {"experiment": "product-targets", "loads": "x4", "segment_requests": 2400,
                        "policies": ("flowmaker", "flowmaker-noreuse", "langchain")}),
 )
 
 
-# The published evaluation's latency scale: its variants answer in 0.6-119 s and its loosest SLO is 510 s. Our
-# requests are the Azure traces' (conv median 129 generated tokens, code 13), whose standalone latencies are
-# 1.2-16 s with SLOs up to 200 s. Generated tokens x 4 puts the declared reference at 7.8-111 s and the loosest SLO
-# at 508 s (conv, math: 5 x 101.5 s); x 3 leaves it at 383 s, x 5 gives 635 s. The rate rule lowers the rates to
-# match, so the cluster's load per level is unchanged.
-PUBLISHED_LATENCY_GENERATED_SCALE = 4.0
-
-
-def variant(exp: Experiment, kind: str) -> Experiment:
-    """A sensitivity variant of the declared experiment: "product-targets" (the tasks' own accuracy targets,
-    flowmaker/eval/tasks.py, instead of the RouteLLM-derived ones); "published-latency-scale" (every request's
-    generated tokens x PUBLISHED_LATENCY_GENERATED_SCALE)."""
-    if kind == "product-targets":
-        acc = {t.name: t.min_accuracy for t in EVAL_TASKS}
-        return dataclasses.replace(exp, name=f"{exp.name}+product-targets", accuracy=acc,
-                                   sha256=hashlib.sha256((exp.sha256 + json.dumps(acc, sort_keys=True)).encode())
-                                   .hexdigest())
-    if kind == "published-latency-scale":
-        k = PUBLISHED_LATENCY_GENERATED_SCALE
-        return dataclasses.replace(exp, name=f"{exp.name}+generated-x{k:g}", generated_token_scale=k,
-                                   sha256=hashlib.sha256(f"{exp.sha256}/generated_token_scale={k!r}".encode())
-                                   .hexdigest())
-    raise ValueError(kind)
 DOMINANCE_TOLERANCE = 0.02  # issue 18: FlowMaker within 0.02 of the best other policy in every cell
 GOODPUT_TARGET = 0.90
 

@@ -42,7 +42,7 @@ from flowmaker.eval.tasks import EVAL_TASKS, NOMINAL_STATS, EvalTask
 from flowmaker.eval.trace_stats import TRACE_KINDS
 from flowmaker.eval.traces import build_request_segment_workload, find_trace, get_trace
 from flowmaker.profiling.analytic import profiles_for
-from flowmaker.sim import COLOCATION_MODES, DEFAULT_COLOCATION, DEFAULT_KV_TOKENS, simulate
+from flowmaker.sim import COLOCATION_MODES, DEFAULT_COLOCATION, DEFAULT_KV_TOKENS, MAX_COLOCATION_KAPPA, simulate
 
 GPU_TYPE = "A6000"
 GPUS_PER_NODE = 8
@@ -244,7 +244,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
                       segment_requests: int | None = None, baseline_workflow: str = "fixed",
                       baseline_sharing: bool = True, quiet: bool = False,
                       burst_headroom: bool = True, max_instance_gpus: int = 0,
-                      gpu_price_gb: float = 0.0) -> dict[str, Any]:
+                      gpu_price_gb: float = 0.0, colocation_kappa: float = 1.0) -> dict[str, Any]:
     """Run the matrix, write `serving.json` (+ PNG plots) into `out_dir`, print the tables; return the report.
 
     `experiment`: the declared experiment (default: `flowmaker/eval/data/paper-scale.toml`): tasks' accuracy
@@ -260,6 +260,9 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     `max_instance_gpus`: the selector-based policies choose configurations of at most this many GPUs (0: any;
     a sensitivity). `gpu_price_gb`: the selector-based policies price each GPU a new instance spans at this many
     GB (docs/selection-spec.md, priced GPUs; 0: memory only, negative: one GPU's memory; a sensitivity).
+    `colocation_kappa`: how much a busy co-resident slows an instance in the simulation (`flowmaker.sim.simulate`;
+    1: time sharing); the selector-based policies plan with the same kappa, as they would once the profiler has
+    measured it (`flowmaker profiles measure-interference`). A sensitivity.
     `langchain_rule`: how the LangChain baseline picks its model (`LANGCHAIN_MODEL_RULES`).
     Every setup choice is recorded in the JSON's "setup", with the experiment file's SHA-256.
     """
@@ -282,6 +285,9 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     if baseline_workflow not in BASELINE_WORKFLOWS:
         raise InvalidSpec(f"unknown baseline workflow {baseline_workflow!r}; known: {list(BASELINE_WORKFLOWS)}",
                           field="baseline_workflow")
+    if not 0.0 <= colocation_kappa <= MAX_COLOCATION_KAPPA:
+        raise InvalidSpec(f"must be within [0, {MAX_COLOCATION_KAPPA:g}], got {colocation_kappa}",
+                          field="colocation_kappa")
     if max_instance_gpus < 0:
         raise InvalidSpec(f"must be >= 0 (0: any), got {max_instance_gpus}", field="max_instance_gpus")
     if not -1.0 <= gpu_price_gb <= MAX_GPU_PRICE_GB:
@@ -328,19 +334,20 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
             # does not model.
             segments[-1]["goodput_upper_bound"] = None if colocation == "ignore" else goodput_upper_bound(
                 wl.arrivals, tasks, models, profiles, cluster.gpus, DEFAULT_KV_TOKENS).as_json()
-            monitor = simulated_monitor(wl, cluster.gpus, by_id, gpu, colocation)
+            monitor = simulated_monitor(wl, cluster.gpus, by_id, gpu, colocation, colocation_kappa)
             ctx = PolicyContext(tasks, kind, load, models, profiles, cluster, gpu, seed=seed, monitor=monitor,
                                 plan_tokens=plan_tokens, workload=wl, langchain_model=langchain_rule,
                                 utilization_cap=exp.utilization_cap, baseline_sharing=baseline_sharing,
                                 burst_headroom=burst_headroom, max_instance_gpus=max_instance_gpus,
-                                gpu_price_gb=gpu_price_gb,
+                                gpu_price_gb=gpu_price_gb, interference=colocation_kappa,
                                 routellm_rate="declared", routellm_gpu_budget_gb=exp.routellm_gpu_budget_gb)
             for pol in pols:
                 t0 = time.perf_counter()
                 pl = plan(pol, ctx)
                 t1 = time.perf_counter()
                 res = simulate(pl.instances, pl.deployments, wl.arrivals, cluster.gpus, by_id, gpu,
-                               unplaced=dict(pl.unplaced), duration_s=wl.duration_s, colocation=colocation)
+                               unplaced=dict(pl.unplaced), duration_s=wl.duration_s, colocation=colocation,
+                               colocation_kappa=colocation_kappa)
                 t2 = time.perf_counter()
                 t_plan += t1 - t0
                 t_sim += t2 - t1
@@ -393,7 +400,8 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
                   "router_score": f"blake2b('{seed}/<request id>')",
                   "synthetic_trace": f"random.Random('flowmaker-trace/<trace>/{seed}') (only without the files)"},
         "experiment": {"name": exp.name, "sha256": exp.sha256, "source": exp.source, "settings": exp.as_json()},
-        "plan_tokens": plan_tokens, "colocation": colocation, "utilization_cap": exp.utilization_cap,
+        "plan_tokens": plan_tokens, "colocation": colocation, "colocation_kappa": colocation_kappa,
+        "utilization_cap": exp.utilization_cap,
         "segment_requests": n_req, "baseline_workflow": baseline_workflow, "baseline_sharing": baseline_sharing,
         "burst_headroom": burst_headroom, "max_instance_gpus": max_instance_gpus, "gpu_price_gb": gpu_price_gb,
         "monitor_window_fraction": exp.monitor_window_fraction,

@@ -170,8 +170,15 @@ def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output fol
                                                            "with: median or mean."),
             experiment: Path | None = typer.Option(None, help="The declared experiment (TOML; default: the "
                                                                "shipped flowmaker/eval/data/paper-scale.toml)."),
+            variant: list[str] = typer.Option([], "--variant", help="Sensitivity variant of the experiment, "
+                                                                  "repeatable: product-targets (the tasks' own "
+                                                                  "accuracy targets), published-latency-scale "
+                                                                  "(generated tokens x 4)."),
             segment_requests: int | None = typer.Option(None, help="Override the experiment's requests per "
                                                                    "replayed segment (a new experiment)."),
+            colocation_kappa: float = typer.Option(1.0, help="Sensitivity: how much a busy co-resident slows an "
+                                                             "instance in the simulator (1: time sharing), and "
+                                                             "the kappa the selector-based policies plan with."),
             baseline_workflow: str = typer.Option("fixed", help="The baselines' workflow: fixed (declared) or "
                                                                 "single-stage (sensitivity)."),
             langchain_model: str = typer.Option("smallest", help="LangChain's model rule: smallest (meeting "
@@ -191,12 +198,16 @@ def serving(out: Path = typer.Option(Path("out/bench-serving"), help="Output fol
     """Trace-driven simulation of every policy on 8xA6000: every published comparison per trace and load."""
     from flowmaker.bench.serving import run_serving_bench
     from flowmaker.eval.experiment import load_experiment
+    from flowmaker.eval.experiment import variant as experiment_variant
 
     if traces is None:
         guess = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "traces"
         traces = guess if guess.is_dir() else None
+    exp = load_experiment(experiment)
+    for v in variant:
+        exp = experiment_variant(exp, v)
     result = run_serving_bench(out, traces_dir=traces, seed=seed, colocation=colocation, plan_tokens=plan_tokens,
-                               experiment=load_experiment(experiment), segment_requests=segment_requests,
+                               experiment=exp, segment_requests=segment_requests, colocation_kappa=colocation_kappa,
                                baseline_workflow=baseline_workflow, langchain_rule=langchain_model, quiet=json_out,
                                loads=[float(x) for x in loads.split(",") if x.strip()] or None,
                                policies=[x.strip() for x in policies.split(",") if x.strip()] or None,

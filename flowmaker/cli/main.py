@@ -100,8 +100,15 @@ def main() -> None:
     """The `flowmaker` command. Client commands are traced like the services (OTEL_* settings, default
     exporter none; `flowmaker.cli.output.start_tracing`): one span per command, flushed before the process
     exits."""
+    from flowmaker.errors import FlowMakerError
+
     try:
         app()
+    except FlowMakerError as e:
+        # A bad option value the core rejected (e.g. `bench serving --colocation-kappa 9`): the field and the reason,
+        # not a traceback. Exit 2, as for the usage errors typer itself reports.
+        typer.echo(f"Error: {e}", err=True)
+        raise SystemExit(2) from None
     finally:
         telemetry = sys.modules.get("flowmaker.telemetry")  # loaded only by a command that traced
         if telemetry is not None:

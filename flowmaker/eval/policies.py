@@ -592,7 +592,8 @@ def planned_load(p: Profile, wf: Workflow, load: float, busy: bool) -> float:
 
 
 def simulated_monitor(workload: SegmentWorkload, gpus: Sequence[Gpu], models: Mapping[str, Model],
-                      gpu_type: GpuType, colocation: str = DEFAULT_COLOCATION) -> LoadMonitor:
+                      gpu_type: GpuType, colocation: str = DEFAULT_COLOCATION,
+                      colocation_kappa: float = 1.0) -> LoadMonitor:
     """A load monitor backed by the simulator: before a deploy at `at` it serves the deployed tasks' real
     arrivals of the two monitor windows before `at` (the first warms the instances up) with what is
     deployed so far, and reports each instance's busy-time-equivalent load over the last window
@@ -605,7 +606,7 @@ def simulated_monitor(workload: SegmentWorkload, gpus: Sequence[Gpu], models: Ma
         live = {d.task.name for d in deployments}
         arr = [a for a in workload.arrivals if a.task in live and at - 2 * w <= a.time_s < at]
         res = simulate(instances, deployments, arr, gpus, models, gpu_type, duration_s=at,
-                       measure_from_s=max(0.0, at - w), colocation=colocation)
+                       measure_from_s=max(0.0, at - w), colocation=colocation, colocation_kappa=colocation_kappa)
         return {m.id: MeasuredLoad(m.busy_equiv_tokens_per_s, occupancy(m.offered)) for m in res.per_instance}
     return monitor
 

@@ -4,6 +4,7 @@ from flowmaker.sim.cluster import (
     COLOCATION_MODES,
     DEFAULT_COLOCATION,
     DEFAULT_KV_TOKENS,
+    MAX_COLOCATION_KAPPA,
     InstanceMetrics,
     Route,
     Router,
@@ -16,5 +17,5 @@ from flowmaker.sim.cluster import (
     simulate,
 )
 
-__all__ = ["COLOCATION_MODES", "DEFAULT_COLOCATION", "DEFAULT_KV_TOKENS", "InstanceMetrics", "Route", "Router", "SimInstance", "SimResult", "TaskDeployment", "TaskMetrics", "check_memory", "colocation_factor",
+__all__ = ["COLOCATION_MODES", "DEFAULT_COLOCATION", "DEFAULT_KV_TOKENS", "MAX_COLOCATION_KAPPA", "InstanceMetrics", "Route", "Router", "SimInstance", "SimResult", "TaskDeployment", "TaskMetrics", "check_memory", "colocation_factor",
            "simulate"]

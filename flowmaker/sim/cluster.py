@@ -57,6 +57,7 @@ DEFAULT_MAX_BATCH = 256
 # time (prefill and decode times x k, throughput / k). The truth lies in between; see docs/evaluation.md.
 # "dynamic" -- the default: an instance is slowed only while its GPU neighbours are busy (module doc).
 COLOCATION_MODES = ("dynamic", "ignore", "worst-case")
+MAX_COLOCATION_KAPPA = 4.0  # as the selector's interference (SelectionOptions.interference)
 DEFAULT_COLOCATION = "dynamic"
 
 
@@ -69,7 +70,7 @@ def colocation_factor(instances: Sequence[SimInstance]) -> dict[str, int]:
     return {i.id: max((per_gpu[g] for g in i.gpu_ids), default=1) for i in instances}
 
 
-def _slowed(p: Profile, k: int) -> Profile:
+def _slowed(p: Profile, k: float) -> Profile:
     if k <= 1:
         return p
     return replace(p, prefill_s_per_token=p.prefill_s_per_token * k, decode_s_per_token=p.decode_s_per_token * k,
@@ -266,11 +267,15 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
              unplaced: Mapping[str, str] | None = None, duration_s: float = 0.0,
              kv_capacity_tokens: int | None = DEFAULT_KV_TOKENS, max_batch: int = DEFAULT_MAX_BATCH,
              keep_latencies: bool = False, colocation: str = DEFAULT_COLOCATION,
-             measure_from_s: float = 0.0) -> SimResult:
+             measure_from_s: float = 0.0, colocation_kappa: float = 1.0) -> SimResult:
     """Serve `arrivals` on `instances` as `deployments` say; see the module doc for the model.
 
     Requests of a task with no deployment are rejected (counted, not lost); `unplaced` says why.
     `colocation`: how instances sharing a GPU share its compute (`COLOCATION_MODES`).
+    `colocation_kappa`: how much each busy co-resident slows an instance, the selector's kappa (flowmaker.sharing):
+    with k busy instances on its most crowded GPU it runs at 1 / (1 + kappa (k - 1)) ("worst-case": k = every
+    instance placed there). 1 is time sharing (throughput conserved); above 1 co-located engines lose throughput
+    to each other (context switches, cache and memory-bandwidth contention), below 1 they overlap.
     `measure_from_s`: `per_instance` loads count only the calls submitted from then on, over the window
     [max(measure_from_s, the instance's start_s), end of the arrivals or duration_s] (what a load monitor
     reads just before a deploy).
@@ -283,7 +288,11 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     if colocation not in COLOCATION_MODES:
         raise InvalidSpec(f"unknown colocation mode {colocation!r}; known: {list(COLOCATION_MODES)}",
                           field="colocation")
-    slow = colocation_factor(instances) if colocation == "worst-case" else {}
+    if not 0.0 <= colocation_kappa <= MAX_COLOCATION_KAPPA:
+        raise InvalidSpec(f"must be within [0, {MAX_COLOCATION_KAPPA:g}], got {colocation_kappa}",
+                          field="colocation_kappa")
+    slow = {i: 1.0 + colocation_kappa * (k - 1) for i, k in colocation_factor(instances).items()} \
+        if colocation == "worst-case" else {}
     engines = {i.id: EngineModel(_slowed(i.profile, slow.get(i.id, 1)), max_batch=max_batch,
                                  kv_capacity_tokens=kv_capacity_tokens) for i in instances}
     order = [i.id for i in instances]  # fixed processing order, for determinism
@@ -436,7 +445,7 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
             if iid not in touched:
                 continue
             k = max(max(busy_on_gpu[g], 1) for g in inst_by_id[iid].gpu_ids)
-            sp = 1.0 / k
+            sp = 1.0 / (1.0 + colocation_kappa * (k - 1))  # kappa 1: exactly 1 / k
             if sp != engines[iid].speed:
                 comps = engines[iid].set_speed(sp, t)
                 speed_changes += 1

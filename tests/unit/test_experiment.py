@@ -10,7 +10,7 @@ import pytest
 from flowmaker.bench.serving import bench_cluster, single_stage_baselines
 from flowmaker.domain import StageKind
 from flowmaker.errors import InvalidSpec, NotFound
-from flowmaker.eval.experiment import load_experiment, parse_experiment
+from flowmaker.eval.experiment import load_experiment, parse_experiment, variant
 from flowmaker.eval.policies import ROUTELLM_STRONG, PolicyContext, plan
 from flowmaker.eval.tasks import EVAL_TASKS
 from flowmaker.eval.traces import Trace, TraceRequest, build_request_segment_workload, get_trace, synthesize
@@ -27,6 +27,9 @@ def _text() -> str:
 def test_the_shipped_experiment_is_hashed_and_complete() -> None:
     text = _text()
     assert parse_experiment(text, "x").sha256 == EXP.sha256
+    with pytest.raises(InvalidSpec) as e:
+        variant(EXP, "magic")
+    assert e.value.field == "variant" and "product-targets" in str(e.value)
     # a one-character change is a new experiment
     assert parse_experiment(text.replace("segment_requests = 480", "segment_requests = 481"), "x").sha256 != EXP.sha256
     assert set(EXP.accuracy) == set(EXP.slo_k) == set(EXP.weights) == {t.name for t in EVAL_TASKS}
@@ -135,7 +138,7 @@ def test_product_targets_give_langchain_the_published_deployment() -> None:
     own accuracy targets the hand-written deployment is the published one -- 15 instances, one per LLM stage of the
     fixed workflows, none failing, 4 on one GPU -- where the declared (RouteLLM-derived) targets need Qwen2.5-14B for
     five tasks, so fewer fit (13, one task unplaced) and no GPU holds more than 2."""
-    from flowmaker.bench.paper import SENSITIVITY, SUSTAINED_LABEL, variant
+    from flowmaker.bench.paper import SENSITIVITY, SUSTAINED_LABEL
 
     settings = dict(SENSITIVITY)[SUSTAINED_LABEL]
     prod = variant(EXP, settings["experiment"])
@@ -184,7 +187,7 @@ def test_generated_token_scale_sizes_every_request_alike() -> None:
                          [s.output_tokens for s in b.fixed_nominal("conv").llm_stages], strict=True))
         assert all(o4 >= o1 for o1, o4 in pairs) and any(o4 > o1 for o1, o4 in pairs)
     # the bench's variant is the same experiment as the file above, under its own name and hash
-    from flowmaker.bench.paper import PUBLISHED_LATENCY_GENERATED_SCALE, variant
+    from flowmaker.eval.experiment import PUBLISHED_LATENCY_GENERATED_SCALE
     v = variant(EXP, "published-latency-scale")
     assert v.generated_token_scale == PUBLISHED_LATENCY_GENERATED_SCALE == 4.0
     assert v.sha256 != EXP.sha256 and v.name.endswith("+generated-x4")

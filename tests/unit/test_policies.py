@@ -312,13 +312,32 @@ def test_cli_serving_options_reach_the_bench(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["bench", "serving", "--out", str(tmp_path), "--traces", str(tmp_path / "none"),
                                  "--loads", "0.25", "--trace-kinds", "conv", "--policies", "flowmaker,langchain",
                                  "--segment-requests", "100", "--colocation", "worst-case", "--plan-tokens", "mean",
-                                 "--langchain-model", "strong", "--seed", "3"], env={"COLUMNS": "200"})
+                                 "--langchain-model", "strong", "--seed", "3", "--variant", "product-targets",
+                                 "--variant", "published-latency-scale", "--colocation-kappa", "1.5"],
+                                env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     setup = json.loads((tmp_path / "serving.json").read_text())["setup"]
     assert (setup["colocation"], setup["plan_tokens"], setup["segment_requests"], setup["langchain_rule"],
             setup["seed"], setup["loads"], setup["policies"]) == ("worst-case", "mean", 100, "strong", 3, [0.25],
                                                                   ["flowmaker", "langchain"])
+    assert setup["colocation_kappa"] == 1.5
+    assert setup["experiment"]["name"] == "paper-scale+product-targets+generated-x4"
+    assert setup["experiment"]["settings"]["generated_token_scale"] == 4.0
+    assert setup["experiment"]["settings"]["accuracy"] == {t.name: t.min_accuracy for t in EVAL_TASKS}
     assert "flowmaker-request-segment" in setup["seeds"]["segment_start"]
+
+
+@pytest.mark.parametrize(("args", "field"), [(["--colocation-kappa", "5"], "colocation_kappa"),
+                                              (["--variant", "magic"], "variant"),
+                                              (["--colocation", "magic"], "colocation")])
+def test_cli_bad_bench_options_are_a_clear_error_not_a_traceback(tmp_path: Path, args: list[str], field: str) -> None:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "flowmaker.cli.main", "bench", "serving", "--out", str(tmp_path),
+                        *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert f"Error: {field}: " in p.stderr and "Traceback" not in p.stderr + p.stdout
 
 
 @pytest.mark.parametrize("cap", [1, 2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -279,13 +280,15 @@ def _flat(model: str = "Qwen2.5-7B-Instruct") -> Profile:
                                max_output_tokens_per_s=1000.0, decode_tokens_per_s=1000.0)
 
 
-def _chat_runs(inst: list[SimInstance], reqs: list[tuple[float, str]], colocation: str = "dynamic"):  # type: ignore[no-untyped-def]
+def _chat_runs(inst: list[SimInstance], reqs: list[tuple[float, str]], colocation: str = "dynamic",  # type: ignore[no-untyped-def]
+               kappa: float = 1.0):
     t = get_task("chat")
     routes = tuple(Route("chat-direct", (("respond", i.id),)) for i in inst)
     names = [i.id for i in inst]
     dep = TaskDeployment(t, routes, lambda a, k, load: names.index(a.req_id.split("-")[0]))
     arr = [Arrival(at, "chat", f"{iid}-{k}", 100, 100) for k, (at, iid) in enumerate(reqs)]
-    r = simulate(inst, [dep], arr, CLUSTER.gpus, BY_ID, GPU, keep_latencies=True, colocation=colocation)
+    r = simulate(inst, [dep], arr, CLUSTER.gpus, BY_ID, GPU, keep_latencies=True, colocation=colocation,
+                 colocation_kappa=kappa)
     return {rid.split("-")[0]: lat for rid, lat, _ in r.latencies}, r
 
 
@@ -307,6 +310,32 @@ def test_dynamic_colocation_hand_computed() -> None:
     assert lat == pytest.approx({"a": 2.0, "b": 2.0}, abs=1e-9)
     lat, _ = _chat_runs(inst, [(0.0, "a"), (1.0, "b")], "worst-case")
     assert lat == pytest.approx({"a": 4.0, "b": 4.0}, abs=1e-9)
+
+
+def test_colocation_kappa_hand_computed() -> None:
+    """kappa: each busy co-resident slows an instance by kappa (1 / (1 + kappa (k - 1)) with k busy). The same two
+    instances on one GPU, 100 tokens at 20 ms each alone (2.0 s). kappa 2, both busy from 0: each at 1/3 speed ->
+    6.0 s. Staggered (b at 1.0): a alone 50 tokens (1.0 s), then both at 1/3: a's last 50 take 3.0 s (a ends at 4.0),
+    b did 50 by then, its last 50 alone take 1.0 s (ends at 5.0, latency 4.0). kappa 0.5: both busy -> 1/1.5 speed,
+    3.0 s. kappa 0 is "ignore". Worst-case: slowed by 1 + kappa all the time. The instance alone on its GPU never
+    changes."""
+    p = _flat()
+    inst = [SimInstance("a", p, ("node0-gpu0",)), SimInstance("b", p, ("node0-gpu0",)),
+            SimInstance("c", p, ("node0-gpu1",))]
+    lat, _ = _chat_runs(inst, [(0.0, "a"), (0.0, "b"), (0.0, "c")], kappa=2.0)
+    assert lat == pytest.approx({"a": 6.0, "b": 6.0, "c": 2.0}, abs=1e-9)
+    lat, _ = _chat_runs(inst, [(0.0, "a"), (1.0, "b")], kappa=2.0)
+    assert lat == pytest.approx({"a": 4.0, "b": 4.0}, abs=1e-9)
+    lat, _ = _chat_runs(inst, [(0.0, "a"), (0.0, "b")], kappa=0.5)
+    assert lat == pytest.approx({"a": 3.0, "b": 3.0}, abs=1e-9)
+    assert _chat_runs(inst, [(0.0, "a"), (1.0, "b")], kappa=0.0)[0] == \
+        _chat_runs(inst, [(0.0, "a"), (1.0, "b")], "ignore")[0]
+    lat, _ = _chat_runs(inst, [(0.0, "a"), (1.0, "b")], "worst-case", kappa=3.0)
+    assert lat == pytest.approx({"a": 8.0, "b": 8.0}, abs=1e-9)
+    for bad in (-0.1, 4.5, math.nan):
+        with pytest.raises(InvalidSpec) as e:
+            _chat_runs(inst, [(0.0, "a")], kappa=bad)
+        assert e.value.field == "colocation_kappa"
 
 
 def test_dynamic_colocation_lies_between_the_bounds_on_a_real_plan() -> None:
