@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -38,8 +39,8 @@ SENSITIVITY: tuple[tuple[str, dict[str, Any]], ...] = (
     ("loads x4", {"loads": "x4"}),
     ("no burst headroom", {"burst_headroom": False}),
     ("loads x4 max-2-GPU instances", {"loads": "x4", "max_instance_gpus": 2}),
-    # Requests as long as the published ones (flowmaker.eval.experiment.PUBLISHED_LATENCY_GENERATED_SCALE): SLOs at
-    # the published scale.
+    # Generated tokens x 4 (flowmaker.eval.experiment.PUBLISHED_LATENCY_GENERATED_SCALE): the longest standalone
+    # latencies and the loosest SLO at the published scale (111 s and 508 s; published 119 s and 510 s).
     ("published latency scale", {"experiment": "published-latency-scale"}),
     # LangChain deployed as published and overloaded long enough for its queues to form: the tasks' own accuracy
     # targets give it the published deployment (15 instances, one per LLM stage, 4 on one GPU; the declared targets
@@ -151,7 +152,7 @@ def run_paper_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
             args["loads"] = [4 * x for x in exp.loads]
         for s in sd:
             con.print(f"[dim]{label}: seed {s} ...[/dim]")
-            folder = out / label.replace(" ", "-") / f"seed-{s}"
+            folder = out / re.sub(r"[^A-Za-z0-9]+", "-", label).strip("-") / f"seed-{s}"
             runs[label].append(run_serving_bench(folder, traces_dir=traces_dir, seed=s, experiment=e, plots=False,
                                                  quiet=True, console=con, **args))
     summary = {label: summarize_ratios(reps) for label, reps in runs.items()}

@@ -288,6 +288,9 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     if not 0.0 <= colocation_kappa <= MAX_COLOCATION_KAPPA:
         raise InvalidSpec(f"must be within [0, {MAX_COLOCATION_KAPPA:g}], got {colocation_kappa}",
                           field="colocation_kappa")
+    if colocation == "ignore" and colocation_kappa != 1.0:
+        raise InvalidSpec("has no effect under colocation 'ignore' (instances never slow each other there)",
+                          field="colocation_kappa")
     if max_instance_gpus < 0:
         raise InvalidSpec(f"must be >= 0 (0: any), got {max_instance_gpus}", field="max_instance_gpus")
     if not -1.0 <= gpu_price_gb <= MAX_GPU_PRICE_GB:
@@ -330,9 +333,10 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
                                              "offline": wl.offline_rate(t.name),
                                              "offline_peak": wl.offline_peak_rate(t.name)}
                                             for t, (_, r) in zip(tasks, rates, strict=True)]})
-            # What no plan can beat (flowmaker.eval.bound); it relies on GPUs splitting their time, which "ignore"
-            # does not model.
-            segments[-1]["goodput_upper_bound"] = None if colocation == "ignore" else goodput_upper_bound(
+            # What no plan can beat (flowmaker.eval.bound); it relies on GPUs splitting their time (speeds on a GPU
+            # summing to at most 1), which "ignore" does not model, nor a kappa below 1.
+            no_bound = colocation == "ignore" or colocation_kappa < 1.0
+            segments[-1]["goodput_upper_bound"] = None if no_bound else goodput_upper_bound(
                 wl.arrivals, tasks, models, profiles, cluster.gpus, DEFAULT_KV_TOKENS).as_json()
             monitor = simulated_monitor(wl, cluster.gpus, by_id, gpu, colocation, colocation_kappa)
             ctx = PolicyContext(tasks, kind, load, models, profiles, cluster, gpu, seed=seed, monitor=monitor,
@@ -520,7 +524,7 @@ def _print(con: Console, rows: Sequence[dict[str, Any]], ratios: dict[str, Any],
         fm = next((r["goodput"] for r in cell if r["policy"] == "flowmaker"), None)
         if b is None:
             bt.add_row(tr, f"{ld:.0%}", "n/a", "-", "-", "-", f"{best['policy']} {best['goodput']:.3f}", _fmt(fm, ".3f"),
-                       "no bound under colocation ignore")
+                       "no bound: GPUs do not split their time (colocation ignore, or kappa < 1)")
             continue
         bound = b["goodput_upper_bound"]
         verdict = "0.90 out of reach for any plan" if bound < 0.9 else "0.90 reachable in principle"

@@ -105,10 +105,13 @@ def main() -> None:
     try:
         app()
     except FlowMakerError as e:
-        # A bad option value the core rejected (e.g. `bench serving --colocation-kappa 9`): the field and the reason,
-        # not a traceback. Exit 2, as for the usage errors typer itself reports.
-        typer.echo(f"Error: {e}", err=True)
-        raise SystemExit(2) from None
+        # One a command did not turn into its error line itself (e.g. `bench serving --colocation-kappa 9`, rejected
+        # by the core): the same one line and exit 1 as every other failure (flowmaker.cli.output), no traceback.
+        from flowmaker.cli.output import EXIT_FAILED, error_line
+        from flowmaker.rpc.errors import code_of
+
+        typer.echo(error_line(code_of(e).name, e.message, reason=e.reason, field=e.field), err=True)
+        raise SystemExit(EXIT_FAILED) from None
     finally:
         telemetry = sys.modules.get("flowmaker.telemetry")  # loaded only by a command that traced
         if telemetry is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -62,6 +61,10 @@ class Experiment:
     # `[workload] generated_token_scale` (optional, default 1): every request's generated tokens x this
     # (EvalTask.generated_scale), in the plans, the SLO reference, the rate rule and the replay alike.
     generated_token_scale: float = 1.0
+    # The sensitivity variants applied (`variant`), sorted, and the file's own name and hash they were applied to.
+    variants: tuple[str, ...] = ()
+    base_name: str = ""
+    base_sha256: str = ""
 
     @property
     def short_hash(self) -> str:
@@ -191,24 +194,29 @@ def parse_experiment(text: str, source: str) -> Experiment:
 PUBLISHED_LATENCY_GENERATED_SCALE = 4.0
 
 
-VARIANTS = ("product-targets", "published-latency-scale")
+# name -> the tag it adds to the experiment's name
+VARIANTS = {"product-targets": "product-targets",
+            "published-latency-scale": f"generated-x{PUBLISHED_LATENCY_GENERATED_SCALE:g}"}
 
 
 def variant(exp: Experiment, kind: str) -> Experiment:
-    """A sensitivity variant of the declared experiment: "product-targets" (the tasks' own accuracy targets,
-    flowmaker/eval/tasks.py, instead of the RouteLLM-derived ones); "published-latency-scale" (every request's
-    generated tokens x PUBLISHED_LATENCY_GENERATED_SCALE)."""
+    """A sensitivity variant of a declared experiment: "product-targets" (the tasks' own accuracy targets,
+    flowmaker/eval/tasks.py, instead of the declared ones); "published-latency-scale" (every request's generated
+    tokens x PUBLISHED_LATENCY_GENERATED_SCALE). Its name and hash depend on the file and the SET of variants
+    applied, not on their order; applying one twice changes nothing."""
+    if kind not in VARIANTS:
+        raise InvalidSpec(f"unknown variant {kind!r}; known: {list(VARIANTS)}", field="variant")
+    if kind in exp.variants:
+        return exp
+    applied = tuple(sorted((*exp.variants, kind)))
+    base_sha, base_name = exp.base_sha256 or exp.sha256, exp.base_name or exp.name
     if kind == "product-targets":
-        acc = {t.name: t.min_accuracy for t in EVAL_TASKS}
-        return dataclasses.replace(exp, name=f"{exp.name}+product-targets", accuracy=acc,
-                                   sha256=hashlib.sha256((exp.sha256 + json.dumps(acc, sort_keys=True)).encode())
-                                   .hexdigest())
-    if kind == "published-latency-scale":
-        k = PUBLISHED_LATENCY_GENERATED_SCALE
-        return dataclasses.replace(exp, name=f"{exp.name}+generated-x{k:g}", generated_token_scale=k,
-                                   sha256=hashlib.sha256(f"{exp.sha256}/generated_token_scale={k!r}".encode())
-                                   .hexdigest())
-    raise InvalidSpec(f"unknown variant {kind!r}; known: {list(VARIANTS)}", field="variant")
+        exp = dataclasses.replace(exp, accuracy={t.name: t.min_accuracy for t in EVAL_TASKS})
+    else:
+        exp = dataclasses.replace(exp, generated_token_scale=PUBLISHED_LATENCY_GENERATED_SCALE)
+    return dataclasses.replace(exp, variants=applied, base_sha256=base_sha, base_name=base_name,
+                               name=base_name + "".join(f"+{VARIANTS[v]}" for v in applied),
+                               sha256=hashlib.sha256(f"{base_sha}/variants={','.join(applied)}".encode()).hexdigest())
 
 
 def load_experiment(path: str | Path | None = None) -> Experiment:

@@ -150,8 +150,7 @@ class EvalTask:
     def sized(self, candidate: CandidateWorkflow, context_tokens: int, generated_tokens: int) -> Workflow:
         """`candidate` sized for a trace request of (context, generated) tokens, the generated ones scaled by
         `generated_scale`: every place a trace request becomes a workflow goes through here."""
-        gen = generated_tokens if self.generated_scale == 1.0 else max(1, round(generated_tokens *
-                                                                               self.generated_scale))
+        gen = generated_tokens if self.generated_scale == 1.0 else round(generated_tokens * self.generated_scale)
         return candidate.instantiate(context_tokens, gen)
 
     def candidate(self, workflow_id: str) -> CandidateWorkflow:

@@ -45,6 +45,7 @@ from flowmaker.errors import InvalidSpec
 from flowmaker.eval.tasks import EvalTask
 from flowmaker.eval.traces import Arrival, quantile
 from flowmaker.selection.placement import EPS_GB
+from flowmaker.sharing import MAX_INTERFERENCE
 
 # KV budget and batch limit of one instance: what the analytic profiles reserve memory for
 # (flowmaker.profiling.analytic.KV_RESERVED_TOKENS / MAX_BATCH; repeated here so the
@@ -57,7 +58,7 @@ DEFAULT_MAX_BATCH = 256
 # time (prefill and decode times x k, throughput / k). The truth lies in between; see docs/evaluation.md.
 # "dynamic" -- the default: an instance is slowed only while its GPU neighbours are busy (module doc).
 COLOCATION_MODES = ("dynamic", "ignore", "worst-case")
-MAX_COLOCATION_KAPPA = 4.0  # as the selector's interference (SelectionOptions.interference)
+MAX_COLOCATION_KAPPA = MAX_INTERFERENCE  # the selector's kappa has the same range
 DEFAULT_COLOCATION = "dynamic"
 
 

@@ -218,3 +218,46 @@ def test_the_capacity_bound_sizes_requests_with_the_scale() -> None:
         tk = dataclasses.replace(t, generated_scale=scale, max_latency_s=slo)
         got = goodput_upper_bound(arr, [tk], MODELS, PROFILES, CLUSTER.gpus, DEFAULT_KV_TOKENS)
         assert got.latency_misses == misses
+
+
+def test_variants_are_named_and_hashed_by_the_set_applied() -> None:
+    a = variant(variant(EXP, "product-targets"), "published-latency-scale")
+    b = variant(variant(EXP, "published-latency-scale"), "product-targets")
+    assert (a.name, a.sha256) == (b.name, b.sha256) == ("paper-scale+product-targets+generated-x4", a.sha256)
+    assert a.accuracy == b.accuracy and a.generated_token_scale == b.generated_token_scale == 4.0
+    assert variant(a, "product-targets") == a  # twice is once
+    one = variant(EXP, "product-targets")
+    assert len({EXP.sha256, one.sha256, a.sha256}) == 3 and one.base_sha256 == a.base_sha256 == EXP.sha256
+
+
+def test_paper_summary_per_trace_and_the_printed_tables() -> None:
+    """`bench paper`'s per-trace statistic is the mean over seeds of each seed's average over that trace's cells,
+    and the printed report carries the per-trace table, the published figure as a ratio, and a note for sensitivity
+    runs outside the declared run size."""
+    import io
+
+    from rich.console import Console
+
+    from flowmaker.bench.paper import print_paper, summarize_ratios
+
+    def rep(code: list[float], conv: list[float]) -> dict:  # type: ignore[type-arg]
+        cells = [{"trace": "code", "load": 0.25 * (i + 1), "value": v} for i, v in enumerate(code)] + \
+                [{"trace": "conv", "load": 0.25 * (i + 1), "value": v} for i, v in enumerate(conv)]
+        vals = code + conv
+        return {"ratios": {"vs_routellm_max_quality_goodput": {"ours": {"avg": sum(vals) / len(vals)},
+                                                               "cells": cells}}}
+
+    s = summarize_ratios([rep([2.0, 4.0], [1.0, 1.0]), rep([3.0, 3.0], [1.0, 0.5])])
+    d = s["vs_routellm_max_quality_goodput"]
+    assert d["by_trace"] == pytest.approx({"code": 3.0, "conv": 0.875})
+    assert d["mean_of_seed_avgs"] == pytest.approx((2.0 + 1.875) / 2)
+    assert d["published"] == {"min": None, "max": None, "avg": 0.942}
+    assert d["off_by"] == pytest.approx(d["mean_of_seed_avgs"] / 0.942)
+    report = {"experiment": {"name": "x", "sha256": "ab" * 32, "source": "x.toml"}, "seeds": [0, 1],
+              "comparisons": {"default": s, "longer": s}, "dominance": {}, "requests_per_run": [300, 340],
+              "sensitivity_requests_per_run": {"longer": [1312, 1853]}, "wall_s": 1.0, "json": "paper.json"}
+    buf = io.StringIO()
+    print_paper(Console(file=buf, width=250), report)
+    out = buf.getvalue()
+    assert "each trace alone" in out and "3.00" in out and "0.88" in out and "avg 0.942" in out
+    assert "outside the declared run size" in out and "longer 1312-1853" in out

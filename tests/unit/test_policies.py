@@ -336,8 +336,10 @@ def test_cli_bad_bench_options_are_a_clear_error_not_a_traceback(tmp_path: Path,
 
     p = subprocess.run([sys.executable, "-m", "flowmaker.cli.main", "bench", "serving", "--out", str(tmp_path),
                         *args], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    assert f"Error: {field}: " in p.stderr and "Traceback" not in p.stderr + p.stdout
+    # docs/cli.md, "Exit codes": an option value FlowMaker rejects is a failure (1) with the one error line
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.startswith("error: INVALID_ARGUMENT") and f" {field}: " in p.stderr
+    assert "Traceback" not in p.stderr + p.stdout
 
 
 @pytest.mark.parametrize("cap", [1, 2])
@@ -518,3 +520,43 @@ def test_a_sharing_blind_plan_over_most_of_the_cluster_is_narrowed_too(monkeypat
     qa = next(t for t in TASKS if t.name == "multihop_qa")
     assert dict(flow.planned_rates)["multihop_qa"] < ctx.nominal_rate(qa)
     check_memory(flow.instances, CLUSTER.gpus)
+
+
+def test_colocation_kappa_reaches_the_simulator_the_monitor_and_the_planners(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_serving_bench(colocation_kappa=K)`: every simulation (the scored one and the load monitor's) runs with
+    K, and the selector-based policies plan with interference K. A kappa below 1 (engines overlapping) voids the
+    capacity bound, which assumes a GPU's speeds sum to at most 1; with 'ignore' a kappa is refused."""
+    import flowmaker.bench.serving as sv
+    import flowmaker.eval.policies as pol
+
+    sims: list[float] = []
+    plans: list[float] = []
+    real_sim, real_plan = sv.simulate, sv.plan
+
+    def sim(*a, **kw):  # type: ignore[no-untyped-def]
+        sims.append(kw.get("colocation_kappa", 1.0))
+        return real_sim(*a, **kw)
+
+    def pol_sim(*a, **kw):  # type: ignore[no-untyped-def]
+        sims.append(kw.get("colocation_kappa", 1.0))
+        return real_sim(*a, **kw)
+
+    def plan_(name, ctx):  # type: ignore[no-untyped-def]
+        plans.append(ctx.interference)
+        return real_plan(name, ctx)
+
+    monkeypatch.setattr(sv, "simulate", sim)
+    monkeypatch.setattr(pol, "simulate", pol_sim)
+    monkeypatch.setattr(sv, "plan", plan_)
+    rep = sv.run_serving_bench(tmp_path, traces_dir=tmp_path / "none", policies=["flowmaker", "langchain"],
+                               loads=[0.5], traces=["conv"], segment_requests=60, plots=False, quiet=True,
+                               colocation_kappa=2.5)
+    assert sims and set(sims) == {2.5} and plans and set(plans) == {2.5}
+    assert rep["setup"]["colocation_kappa"] == 2.5 and rep["setup"]["segments"][0]["goodput_upper_bound"]
+    rep = sv.run_serving_bench(tmp_path, traces_dir=tmp_path / "none", policies=["langchain"], loads=[0.5],
+                               traces=["conv"], segment_requests=60, plots=False, quiet=True, colocation_kappa=0.5)
+    assert rep["setup"]["segments"][0]["goodput_upper_bound"] is None
+    with pytest.raises(InvalidSpec) as e:
+        sv.run_serving_bench(tmp_path, colocation="ignore", colocation_kappa=2.0, plots=False, quiet=True)
+    assert e.value.field == "colocation_kappa"
