@@ -11,7 +11,7 @@ task rates; each request goes to a task drawn in proportion to the rates (seeded
 load), tasks are deployed at staggered times, and the N requests just before the segment give the offline
 (causal) rates a baseline plans with. Burstiness and the (context, generated) token pairs are kept; only
 the clock is stretched. `build_segment_workload` (a segment of fixed trace seconds at a seeded offset per
-load level) is the older replay, which `bench adapt` still uses; `build_workload` (a stationary window per
+load level) is the older replay, which `bench adapt --replay segment` uses; `build_workload` (a stationary window per
 task) serves unit tests and small checks. No thinning: thinning would change the burstiness of the code
 trace.
 
