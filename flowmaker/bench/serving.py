@@ -42,7 +42,8 @@ from flowmaker.eval.tasks import EVAL_TASKS, NOMINAL_STATS, EvalTask
 from flowmaker.eval.trace_stats import TRACE_KINDS
 from flowmaker.eval.traces import build_request_segment_workload, find_trace, get_trace
 from flowmaker.profiling.analytic import profiles_for
-from flowmaker.sim import COLOCATION_MODES, DEFAULT_COLOCATION, DEFAULT_KV_TOKENS, MAX_COLOCATION_KAPPA, simulate
+from flowmaker.sharing import validate_interference
+from flowmaker.sim import COLOCATION_MODES, DEFAULT_COLOCATION, DEFAULT_KV_TOKENS, simulate
 
 GPU_TYPE = "A6000"
 GPUS_PER_NODE = 8
@@ -285,9 +286,7 @@ def run_serving_bench(out_dir: str | Path, traces_dir: str | Path | None = None,
     if baseline_workflow not in BASELINE_WORKFLOWS:
         raise InvalidSpec(f"unknown baseline workflow {baseline_workflow!r}; known: {list(BASELINE_WORKFLOWS)}",
                           field="baseline_workflow")
-    if not 0.0 <= colocation_kappa <= MAX_COLOCATION_KAPPA:
-        raise InvalidSpec(f"must be within [0, {MAX_COLOCATION_KAPPA:g}], got {colocation_kappa}",
-                          field="colocation_kappa")
+    validate_interference(colocation_kappa, "colocation_kappa")
     if colocation == "ignore" and colocation_kappa != 1.0:
         raise InvalidSpec("has no effect under colocation 'ignore' (instances never slow each other there)",
                           field="colocation_kappa")

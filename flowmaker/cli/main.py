@@ -107,10 +107,9 @@ def main() -> None:
     except FlowMakerError as e:
         # One a command did not turn into its error line itself (e.g. `bench serving --colocation-kappa 9`, rejected
         # by the core): the same one line and exit 1 as every other failure (flowmaker.cli.output), no traceback.
-        from flowmaker.cli.output import EXIT_FAILED, error_line
-        from flowmaker.rpc.errors import code_of
+        from flowmaker.cli.output import EXIT_FAILED, error_line_from
 
-        typer.echo(error_line(code_of(e).name, e.message, reason=e.reason, field=e.field), err=True)
+        typer.echo(error_line_from(e), err=True)
         raise SystemExit(EXIT_FAILED) from None
     finally:
         telemetry = sys.modules.get("flowmaker.telemetry")  # loaded only by a command that traced

@@ -120,8 +120,14 @@ def fail(code: str, message: str, *, reason: str = "", field: str | None = None,
     raise typer.Exit(exit_code)
 
 
-def fail_from(e: FlowMakerError) -> NoReturn:
-    """`fail` for a FlowMaker error raised in this process (its gRPC code, reason and field)."""
+def error_line_from(e: FlowMakerError) -> str:
+    """The error line of a FlowMaker error raised in this process (its gRPC code, reason and field)."""
     from flowmaker.rpc.errors import code_of  # loads grpc: only on the error path
 
-    fail(code_of(e).name, e.message, reason=e.reason, field=e.field)
+    return error_line(code_of(e).name, e.message, reason=e.reason, field=e.field)
+
+
+def fail_from(e: FlowMakerError) -> NoReturn:
+    """`fail` for a FlowMaker error raised in this process."""
+    typer.echo(error_line_from(e), err=True)
+    raise typer.Exit(EXIT_FAILED)

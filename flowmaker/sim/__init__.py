@@ -4,7 +4,6 @@ from flowmaker.sim.cluster import (
     COLOCATION_MODES,
     DEFAULT_COLOCATION,
     DEFAULT_KV_TOKENS,
-    MAX_COLOCATION_KAPPA,
     InstanceMetrics,
     Route,
     Router,
@@ -17,5 +16,5 @@ from flowmaker.sim.cluster import (
     simulate,
 )
 
-__all__ = ["COLOCATION_MODES", "DEFAULT_COLOCATION", "DEFAULT_KV_TOKENS", "MAX_COLOCATION_KAPPA", "InstanceMetrics", "Route", "Router", "SimInstance", "SimResult", "TaskDeployment", "TaskMetrics", "check_memory", "colocation_factor",
+__all__ = ["COLOCATION_MODES", "DEFAULT_COLOCATION", "DEFAULT_KV_TOKENS", "InstanceMetrics", "Route", "Router", "SimInstance", "SimResult", "TaskDeployment", "TaskMetrics", "check_memory", "colocation_factor",
            "simulate"]

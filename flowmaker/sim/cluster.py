@@ -45,7 +45,7 @@ from flowmaker.errors import InvalidSpec
 from flowmaker.eval.tasks import EvalTask
 from flowmaker.eval.traces import Arrival, quantile
 from flowmaker.selection.placement import EPS_GB
-from flowmaker.sharing import MAX_INTERFERENCE
+from flowmaker.sharing import validate_interference
 
 # KV budget and batch limit of one instance: what the analytic profiles reserve memory for
 # (flowmaker.profiling.analytic.KV_RESERVED_TOKENS / MAX_BATCH; repeated here so the
@@ -58,7 +58,6 @@ DEFAULT_MAX_BATCH = 256
 # time (prefill and decode times x k, throughput / k). The truth lies in between; see docs/evaluation.md.
 # "dynamic" -- the default: an instance is slowed only while its GPU neighbours are busy (module doc).
 COLOCATION_MODES = ("dynamic", "ignore", "worst-case")
-MAX_COLOCATION_KAPPA = MAX_INTERFERENCE  # the selector's kappa has the same range
 DEFAULT_COLOCATION = "dynamic"
 
 
@@ -289,9 +288,7 @@ def simulate(instances: Sequence[SimInstance], deployments: Sequence[TaskDeploym
     if colocation not in COLOCATION_MODES:
         raise InvalidSpec(f"unknown colocation mode {colocation!r}; known: {list(COLOCATION_MODES)}",
                           field="colocation")
-    if not 0.0 <= colocation_kappa <= MAX_COLOCATION_KAPPA:
-        raise InvalidSpec(f"must be within [0, {MAX_COLOCATION_KAPPA:g}], got {colocation_kappa}",
-                          field="colocation_kappa")
+    validate_interference(colocation_kappa, "colocation_kappa")
     slow = {i: 1.0 + colocation_kappa * (k - 1) for i, k in colocation_factor(instances).items()} \
         if colocation == "worst-case" else {}
     engines = {i.id: EngineModel(_slowed(i.profile, slow.get(i.id, 1)), max_batch=max_batch,
